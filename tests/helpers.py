@@ -1,0 +1,64 @@
+"""Launch the scripts as real processes and read what they report."""
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A small, fast configuration: synthetic digits, a 2-block ViT, a few steps.
+SMALL = ["--data", "synthetic", "--limit", "512", "--batch-size", "32", "--dim", "32", "--depth", "2",
+         "--heads", "4", "--epochs", "1", "--max-steps", "6", "--no-progress"]
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def result(self):
+        """The parsed `RESULT {json}` line (there must be exactly one)."""
+        lines = [l for l in self.stdout.splitlines() if l.startswith("RESULT ")]
+        assert len(lines) == 1, f"expected one RESULT line, got {len(lines)}\n{self.output}"
+        return json.loads(lines[0][len("RESULT "):])
+
+    @property
+    def output(self):
+        return f"--- stdout\n{self.stdout}\n--- stderr\n{self.stderr}"
+
+
+def run(args, timeout=180, env=None, cwd=ROOT):
+    """Run a command; a hang becomes a test failure after `timeout` seconds, not a stuck suite."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env.pop("RANK", None), full_env.pop("LOCAL_RANK", None), full_env.pop("WORLD_SIZE", None)
+    p = subprocess.run([str(a) for a in args], cwd=cwd, env=full_env, capture_output=True, text=True,
+                       timeout=timeout)
+    return Run(p.returncode, p.stdout, p.stderr)
+
+
+def python(script, *args, **kw):
+    return run([sys.executable, ROOT / script, *args], **kw)
+
+
+def torchrun(script, nproc, *args, **kw):
+    return run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                ROOT / script, *args], **kw)
+
+
+def ok(r):
+    """Assert a launch succeeded and return its RESULT."""
+    assert r.returncode == 0, r.output
+    return r.result
+
+
+def max_diff(path_a, path_b):
+    """Largest absolute difference between two saved state_dicts (which must have the same keys)."""
+    a, b = torch.load(path_a, weights_only=True), torch.load(path_b, weights_only=True)
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
