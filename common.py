@@ -125,6 +125,13 @@ def free_port():
         return s.getsockname()[1]
 
 
+def default_env():
+    """Let a plain `python script.py` (no torchrun) run as a world of one process."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+
+
 def port_is_free(port):
     with socket.socket() as s:
         try:
