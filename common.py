@@ -231,15 +231,15 @@ def synthetic_digits(n, seed, chunk=5000):
     images, labels = [], []
     for start in range(0, n, chunk):
         g = torch.Generator().manual_seed(seed * 1_000_003 + start)
-        m = min(chunk, n - start)
+        m = chunk                         # always a whole chunk, cut at the end: the same draws for every n
         u = lambda lo, hi, *shape: lo + (hi - lo) * torch.rand(m, *shape, generator=g)   # noqa: E731
         y = torch.randint(0, 10, (m,), generator=g)
-        ctrl = pts0[y] + 0.035 * torch.randn(m, pts0.shape[1], 2, generator=g) - 0.5   # jittered, centred
+        ctrl = pts0[y] + 0.045 * torch.randn(m, pts0.shape[1], 2, generator=g) - 0.5   # jittered, centred
         ang, sx, sy, sh = u(-0.35, 0.35), u(0.7, 1.1), u(0.75, 1.1), u(-0.35, 0.35)
         cos, sin = ang.cos(), ang.sin()
         A = torch.stack([torch.stack([sx * cos, sy * (sh * cos - sin)], -1),
                          torch.stack([sx * sin, sy * (sh * sin + cos)], -1)], -2)       # rotate @ shear @ scale
-        dots = (mix0[y] @ ctrl) @ A.transpose(1, 2) + 0.5 + u(-0.04, 0.04, 1, 2)       # [m, 64, 2]
+        dots = (mix0[y] @ ctrl) @ A.transpose(1, 2) + 0.5 + u(-0.07, 0.07, 1, 2)       # [m, 64, 2]
         sigma = u(0.022, 0.045).view(m, 1)
         weight = (step0[y].view(m, 1) * sx.view(m, 1) / (sigma * 2.5066)).expand(m, dots.shape[1])
         # distractor: 12 dots on a short random segment, at half strength, in half the images
@@ -254,7 +254,7 @@ def synthetic_digits(n, seed, chunk=5000):
         img = (1.6 * ink).clamp(0, 1) * u(0.75, 1.0).view(m, 1, 1) + 0.08 * torch.randn(m, IMAGE, IMAGE, generator=g)
         images.append((img.clamp(0, 1) * 255).round().to(torch.uint8))
         labels.append(y)
-    return torch.cat(images), torch.cat(labels)
+    return torch.cat(images)[:n], torch.cat(labels)[:n]
 
 
 def _mnist(root, train, download):
