@@ -1,0 +1,30 @@
+"""Fault injection for the reliability tests, loaded into every worker through PYTHONPATH.
+
+FAULT=raise|hang|exit  FAULT_RANK=r  FAULT_STEP=k: on global rank r, just before its k-th
+optimizer step (1-based), raise an exception, sleep forever, or exit(3). Only on the first
+attempt of a torchrun job (TORCHELASTIC_RESTART_COUNT 0), so a restarted group runs clean.
+The scripts themselves carry no test hooks.
+"""
+import os
+
+if os.environ.get("FAULT") and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+    import time
+
+    import torch.optim.optimizer as _opt
+
+    _steps = {"n": 0}
+
+    def _inject(optimizer, args, kwargs):
+        if os.environ.get("RANK", "0") != os.environ.get("FAULT_RANK", "0"):
+            return
+        _steps["n"] += 1
+        if _steps["n"] == int(os.environ.get("FAULT_STEP", "1")):
+            kind = os.environ["FAULT"]
+            if kind == "raise":
+                raise RuntimeError(f"injected fault on rank {os.environ.get('RANK')} at step {_steps['n']}")
+            if kind == "hang":
+                time.sleep(3600)
+            if kind == "exit":
+                os._exit(3)
+
+    _opt.register_optimizer_step_pre_hook(_inject)
