@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Run every technique script (and its main variants) and print one markdown table of their
+# RESULT lines. Uses whatever the machine has: Gloo on CPU, NCCL when every rank has a GPU.
+#
+#   ./run_all.sh            # quick: 2048 samples, 1 epoch each (about 3 minutes on 2 CPU cores)
+#   ./run_all.sh --full     # the default epochs on the whole data set
+#   NPROC=4 ./run_all.sh    # world size (default: 2, or the number of GPUs, at most 4)
+#
+# Each torchrun launch is --standalone, which rendezvouses on a free port of its own.
+# Exits non-zero if any script fails, naming it; its output is kept in $LOGS.
+set -uo pipefail
+cd "$(dirname "$0")"
+
+QUICK=(--limit 2048 --epochs 1 --batch-size 64)
+[ "${1:-}" = "--full" ] && QUICK=()
+GPUS=$(python -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+NPROC=${NPROC:-$(( GPUS >= 2 ? (GPUS < 4 ? GPUS : 4) : 2 ))}
+COMMON=(--no-progress "${QUICK[@]}")
+LOGS=${LOGS:-$(mktemp -d -t run_all.XXXXXX)}
+
+# name | launcher (python or torchrun) | script and its own flags
+RUNS=(
+  "dp|python|dp.py"
+  "ddp|torchrun|ddp.py"
+  "ddp_torchrun|torchrun|ddp_torchrun.py"
+  "amp bf16 + checkpoint|torchrun|amp_checkpoint.py --amp bf16 --checkpoint"
+  "zero-1|torchrun|zero.py --stage 1"
+  "zero-2|torchrun|zero.py --stage 2"
+  "zero-3|torchrun|zero.py --stage 3"
+  "fsdp|torchrun|fsdp.py"
+  "tensor parallel|torchrun|tensor_parallel.py"
+  "tensor + sequence parallel|torchrun|tensor_parallel.py --sequence-parallel"
+  "pipeline naive|torchrun|pipeline.py --schedule naive"
+  "pipeline gpipe|torchrun|pipeline.py --schedule gpipe --microbatches 4"
+  "pipeline 1f1b|torchrun|pipeline.py --schedule 1f1b --microbatches 4"
+)
+
+failed=()
+: > "$LOGS/results"
+start=$(date +%s)
+for entry in "${RUNS[@]}"; do
+  IFS='|' read -r name launcher cmd <<< "$entry"
+  log="$LOGS/$(echo "$name" | tr ' +' '__').log"
+  if [ "$launcher" = python ]; then
+    set -- python $cmd "${COMMON[@]}"
+  else
+    set -- torchrun --standalone --nproc_per_node="$NPROC" $cmd "${COMMON[@]}"
+  fi
+  t0=$(date +%s)
+  if "$@" > "$log" 2>&1 && grep -q '^RESULT ' "$log"; then
+    echo "ok    $(( $(date +%s) - t0 ))s  $name" >&2
+    echo "$name|$(grep '^RESULT ' "$log" | tail -1 | cut -c8-)" >> "$LOGS/results"
+  else
+    echo "FAIL  $(( $(date +%s) - t0 ))s  $name: $* (log: $log)" >&2
+    failed+=("$name")
+  fi
+done
+# collectives.py has no training; it must pass its own checks
+if torchrun --standalone --nproc_per_node="$NPROC" collectives.py > "$LOGS/collectives.log" 2>&1 \
+   && grep -q '^RESULT ' "$LOGS/collectives.log"; then
+  echo "ok    collectives" >&2
+else
+  echo "FAIL  collectives (log: $LOGS/collectives.log)" >&2
+  failed+=("collectives")
+fi
+
+python - "$LOGS/results" <<'PY'
+import json, sys
+def b(n):
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+print("| technique | W | backend | steps | final loss | test acc | samples/s | params/rank | grads/rank | optimizer/rank | comm/step/rank |")
+print("|---|---|---|---|---|---|---|---|---|---|---|")
+for line in open(sys.argv[1]) if len(sys.argv) > 1 else []:
+    name, _, js = line.partition("|")
+    r = json.loads(js)
+    print(f"| {name} | {r['world_size']} | {r['backend']} | {r['steps']} | {r['loss']:.4f} | {r['test_acc']:.4f} "
+          f"| {r['samples_per_s']:.0f} | {b(r['param_bytes'])} | {b(r['grad_bytes'])} | {b(r['optim_bytes'])} "
+          f"| {b(r['comm_bytes'])} |")
+PY
+echo "$(( $(date +%s) - start ))s in all; logs in $LOGS" >&2
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "failed: ${failed[*]}" >&2
+  exit 1
+fi
