@@ -35,8 +35,8 @@ class Run:
 
 def run(args, timeout=180, env=None, cwd=ROOT):
     """Run a command; a hang becomes a test failure after `timeout` seconds, not a stuck suite."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    full_env.pop("RANK", None), full_env.pop("LOCAL_RANK", None), full_env.pop("WORLD_SIZE", None)
+    inherited = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    full_env = {**inherited, "PYTHONUNBUFFERED": "1", **(env or {})}
     p = subprocess.run([str(a) for a in args], cwd=cwd, env=full_env, capture_output=True, text=True,
                        timeout=timeout)
     return Run(p.returncode, p.stdout, p.stderr)

@@ -1,0 +1,97 @@
+"""Bad input, every script: one readable message, a non-zero exit, within seconds, no traceback.
+
+World-size checks run before any process group exists, so they are exercised here the way
+torchrun would trigger them, by giving one process torchrun's environment (RANK=0,
+WORLD_SIZE=W); test_world_size_error_under_real_torchrun shows the real launcher too.
+"""
+import socket
+
+import pytest
+import torch
+
+from helpers import ROOT, python, torchrun
+
+
+def as_rank0_of(world):
+    return {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
+
+
+OFFLINE = {"PYTHONPATH": str(ROOT / "tests" / "faults"), "OFFLINE": "1"}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bad")
+    (d / "junk.pt").write_text("this is not a checkpoint")
+    torch.save({"a": [1, 2, 3]}, d / "notsd.pt")
+    import common
+    small = common.build_model(common.parse_args(common.get_parser("t"), ["--dim", "32", "--depth", "2"]))
+    torch.save(small.state_dict(), d / "dim32.pt")
+    (d / "notdcp").mkdir()
+    (d / "notdcp" / "model.pt").write_text("a directory, but no DCP checkpoint in it")
+    (d / "empty").mkdir()
+    return d
+
+
+CASES = [
+    # script, argv, env, expected message
+    ("ddp.py", ["--nproc", "0"], None, "--nproc must be >= 1, got 0"),
+    ("ddp.py", ["--nproc", "3", "--batch-size", "32"], None,
+     "--batch-size 32 is not divisible by world size 3 x --grad-accum 1"),
+    ("ddp.py", ["--data", "foo"], None, "argument --data: invalid choice: 'foo'"),
+    ("ddp.py", ["--backend", "nccl", "--nproc", "1"], None, "--backend nccl needs one CUDA GPU per local rank"),
+    ("ddp.py", ["--load", "{d}/missing.pt"], None, "--load {d}/missing.pt: no such file"),
+    ("ddp_torchrun.py", ["--batch-size", "30"], as_rank0_of(4), "--batch-size 30 is not divisible by world size 4"),
+    ("ddp_torchrun.py", ["--data", "mnist", "--data-dir", "{d}/empty"], OFFLINE,
+     "--data mnist: MNIST is not in {d}/empty/MNIST/raw and could not be downloaded"),
+    ("dp.py", ["--load", "{d}/junk.pt"], None, "--load {d}/junk.pt: not a checkpoint torch.load can read"),
+    ("dp.py", ["--optim", "lamb"], None, "argument --optim: invalid choice: 'lamb'"),
+    ("amp_checkpoint.py", ["--amp", "fp16"], None, "fp16"),
+    ("amp_checkpoint.py", ["--load", "{d}/dim32.pt"], None,
+     "--load {d}/dim32.pt: tensor 'embed.pos' has shape (1, 16, 32), this model needs (1, 16, 64)"),
+    ("zero.py", ["--stage", "4"], None, "--stage must be 1, 2 or 3, got 4"),
+    ("zero.py", ["--batch-size", "32"], as_rank0_of(3), "--batch-size 32 is not divisible"),
+    ("zero.py", ["--load", "{d}/notsd.pt"], None, "--load {d}/notsd.pt: not a state_dict"),
+    ("fsdp.py", ["--dcp", "{d}/notdcp"], None, "--dcp {d}/notdcp: not a torch.distributed.checkpoint directory"),
+    ("fsdp.py", ["--dcp", "{d}/junk.pt"], None, "--dcp {d}/junk.pt: not a torch.distributed.checkpoint directory"),
+    ("fsdp.py", ["--load", "{d}/dim32.pt", "--dim", "32", "--depth", "3"], None,
+     "--load {d}/dim32.pt: missing tensor 'blocks.2.norm1.weight'"),
+    ("tensor_parallel.py", ["--heads", "4"], as_rank0_of(3), "--heads 4 is not divisible by the 3 tensor-parallel"),
+    ("tensor_parallel.py", ["--sequence-parallel", "--heads", "6", "--dim", "48"], as_rank0_of(3),
+     "--sequence-parallel splits the 16 tokens over ranks: 3 does not divide them"),
+    ("pipeline.py", ["--depth", "2"], as_rank0_of(4), "--depth 2 blocks cannot fill 4 pipeline stages"),
+    ("pipeline.py", ["--schedule", "gpipe", "--microbatches", "3", "--batch-size", "32"], as_rank0_of(2),
+     "--batch-size 32 is not divisible"),
+    ("pipeline.py", ["--schedule", "1f1b", "--microbatches", "2"], as_rank0_of(4), "--microbatches"),
+    ("collectives.py", ["--root", "5"], as_rank0_of(2), "--root 5 is not a rank of this world"),
+    ("collectives.py", ["--backend", "nccl"], None, "--backend nccl needs one CUDA GPU per local rank"),
+]
+
+
+@pytest.mark.parametrize("script,argv,env,message", CASES, ids=[f"{c[0]}:{' '.join(c[1])}" for c in CASES])
+def test_bad_input(files, script, argv, env, message):
+    if "nccl" in argv and torch.cuda.is_available():
+        pytest.fail("this case assumes a machine without GPUs")
+    argv = [a.format(d=files) for a in argv]
+    r = python(script, *argv, env=env, timeout=60)
+    err = r.stderr
+    assert r.returncode == 2, r.output
+    assert message.format(d=files) in err, r.output
+    assert err.count("error:") == 1 and "Traceback" not in err, r.output
+
+
+def test_port_in_use_for_spawn_mode():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = python("ddp.py", "--nproc", "2", "--port", port, timeout=60)
+    assert r.returncode == 2 and f"--port {port} is already in use" in r.stderr, r.output
+    assert "Traceback" not in r.stderr
+
+
+def test_world_size_error_under_real_torchrun():
+    """Every rank sees the bad batch; only rank 0 says so."""
+    r = torchrun("zero.py", 2, "--batch-size", "33", timeout=90)
+    assert r.returncode != 0
+    assert r.stderr.count("--batch-size 33 is not divisible") == 1, r.output
