@@ -216,7 +216,7 @@ def _digit_templates(samples=64):
     return pts, mix, step
 
 
-def synthetic_digits(n, seed, chunk=5000):
+def synthetic_digits(n, seed, chunk=1000):
     """n MNIST-shaped digits (uint8 [n, 28, 28], labels [n]), deterministic for (seed, n).
 
     Each digit is drawn from strokes with per-point jitter, a random affine map

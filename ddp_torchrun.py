@@ -90,7 +90,7 @@ def train(model, optimizer, loader, sampler, args, device, comm, start_epoch=0, 
         model.train()
         t0 = time.perf_counter()
         bar = common.progress(loader, args, desc=f"epoch {epoch}")
-        for i, (x, y) in enumerate(bar, 1):
+        for x, y in bar:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             for micro, (xm, ym) in enumerate(zip(x.chunk(args.grad_accum), y.chunk(args.grad_accum))):
                 # no_sync(): accumulate locally, all-reduce only on the last micro-step.
@@ -108,7 +108,7 @@ def train(model, optimizer, loader, sampler, args, device, comm, start_epoch=0, 
                            optim_bytes=common.optimizer_bytes(optimizer))
             optimizer.zero_grad(set_to_none=True)
             steps, loss_n = steps + 1, loss_n + 1
-            if steps % 20 == 0 or steps == args.max_steps or i == len(loader):
+            if steps % 20 == 0 or steps == args.max_steps or steps % len(loader) == 0:
                 # The loss of this rank's slice only; all-reduce it so the log shows the global batch's.
                 dist.all_reduce(loss_sum)
                 last_loss, loss_sum, loss_n = loss_sum.item() / dist.get_world_size() / loss_n, loss_sum * 0, 0

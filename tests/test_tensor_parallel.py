@@ -1,0 +1,112 @@
+"""tensor_parallel.py: Megatron TP (with and without sequence parallelism) ends with the same
+parameters as the one-process ddp.py run, issues exactly the predicted collectives, holds the
+predicted slice of the parameters, and refuses bad input with one message."""
+import argparse
+
+import pytest
+import torch
+
+import common
+import tensor_parallel
+from helpers import SMALL, max_diff, ok, python, torchrun
+
+DEPTH = 4                                   # the same config as test_pipeline.py, so they share references
+CFG = [*SMALL, "--depth", str(DEPTH)]
+TOL = {"sgd": 1e-6, "adamw": 1e-5}          # float32 round-off (ddp.py itself: ~7e-9 SGD, ~1.6e-6 AdamW)
+B, T, D = 32, common.TOKENS, 32             # SMALL's batch and dim
+
+
+def reference(tmp_path_factory, optim):
+    """ddp.py at W=1 on CFG, run once per pytest session (test_pipeline.py reads the same file)."""
+    path = tmp_path_factory.getbasetemp() / f"reference-ddp-w1-depth{DEPTH}-{optim}.pt"
+    if not path.exists():
+        ok(torchrun("ddp.py", 1, *CFG, "--optim", optim, "--save", path, timeout=120))
+    return path
+
+
+@pytest.fixture(scope="module")
+def refs(tmp_path_factory):
+    return {optim: reference(tmp_path_factory, optim) for optim in ("sgd", "adamw")}
+
+
+def split_numel(dim=D, depth=DEPTH, heads=4):
+    """Ψs: the elements TP splits (q, k, v, proj, fc1, fc2 weights; q, v, fc1 biases) and Ψ."""
+    model = common.ViT(dim, depth, heads)
+    psi = sum(p.numel() for p in model.parameters())
+    return sum(b.attn.q.weight.numel() * 4 + 2 * b.attn.q.bias.numel() + b.mlp.fc1.weight.numel()
+               + b.mlp.fc2.weight.numel() + b.mlp.fc1.bias.numel() for b in model.blocks), psi
+
+
+@pytest.fixture(scope="module")
+def initial(tmp_path_factory):
+    """The seeded model's starting weights as a plain state_dict: a run that --loads it must end
+    where the reference (which built them itself) ends."""
+    path = tmp_path_factory.mktemp("init") / "initial.pt"
+    torch.save(common.build_model(common.parse_args(common.get_parser("test"), CFG)).state_dict(), path)
+    return path
+
+
+# Each of W in {2, 4}, SP on/off and SGD/AdamW meets each other in one of four runs; one of them
+# starts from --load (slice a plain state_dict) instead of slicing the model it built.
+@pytest.mark.parametrize("world,sp,optim", [(2, False, "sgd"), (2, True, "adamw"),
+                                            (4, False, "adamw"), (4, True, "sgd")])
+def test_same_parameters_and_collectives(world, sp, optim, refs, initial, tmp_path):
+    out = tmp_path / "tp.pt"
+    load = ["--load", initial] if (world, sp) == (4, True) else []
+    r = ok(torchrun("tensor_parallel.py", world, *CFG, "--optim", optim, *(["--sequence-parallel"] if sp else []),
+                    *load, "--save", out, timeout=150))
+    diff = max_diff(refs[optim], out)
+    print(f"tensor_parallel W={world} sp={sp} {optim}: max |Δparam| vs ddp.py W=1 = {diff:.3g}")
+    assert diff < TOL[optim]
+
+    n = B * T * D                            # elements of one [B, T, D] activation
+    if sp:                                   # 2 all-gathers + 2 reduce-scatters per block each way, 2 at the ends,
+        want = dict(all_reduce=1, all_gather=4 * DEPTH + 2, reduce_scatter=4 * DEPTH)   # 1 for norm/bias grads
+        want_bytes = 4 * ((8 * DEPTH + 2) * n + 6 * D * DEPTH)
+    else:                                    # 2 all-reduces forward + 2 backward per block
+        want = dict(all_reduce=4 * DEPTH, all_gather=0, reduce_scatter=0)
+        want_bytes = 4 * 4 * DEPTH * n
+    assert r["collectives"] == want, r
+    assert r["comm_bytes"] == want_bytes
+    assert r["native_reduce_scatter"] is True   # this torch's Gloo has reduce_scatter_tensor
+
+    psi_split, psi = split_numel()
+    assert r["param_bytes"] == 4 * (psi - psi_split + psi_split // world)
+    assert r["grad_bytes"] == r["param_bytes"]
+    assert r["optim_bytes"] == (2 if optim == "adamw" else 1) * r["param_bytes"]
+
+
+def bad(world, *args):
+    """A bad flag: one message from rank 0, exit code 2 before any process group (torchrun itself
+    then exits 1 and reports the child's exit code), no traceback, no hang."""
+    r = (python("tensor_parallel.py", *CFG, *args, timeout=60) if world == 1 else
+         torchrun("tensor_parallel.py", world, *CFG, *args, timeout=60))
+    assert (r.returncode == 2) if world == 1 else (r.returncode != 0 and "exitcode: 2" in r.stderr), r.output
+    errors = [l for l in r.stderr.splitlines() if l.startswith("error:")]
+    assert len(errors) == 1, r.output
+    assert 'tensor_parallel.py", line' not in r.stderr, r.output      # no traceback through the script
+    return errors[0]
+
+
+def test_bad_flag_one_message_no_hang():
+    assert "--heads 1 is not divisible by the 2 tensor-parallel ranks" in bad(2, "--heads", "1")
+
+
+def test_load_wrong_shapes(tmp_path):
+    path = tmp_path / "dim16.pt"
+    torch.save(common.ViT(16, DEPTH, 4).state_dict(), path)
+    assert "tensor 'embed.pos' has shape (1, 16, 16), this model needs (1, 16, 32)" in bad(1, "--load", path)
+
+
+@pytest.mark.parametrize("world,heads,dim,sp,message", [
+    (2, 1, 32, False, "--heads 1 is not divisible by the 2 tensor-parallel ranks"),
+    (4, 2, 32, True, "--heads 2 is not divisible by the 4 tensor-parallel ranks"),
+    (3, 3, 48, True, "--sequence-parallel splits the 16 tokens over ranks: 3 does not divide them"),
+])
+def test_check_args(world, heads, dim, sp, message, capsys):
+    """The checks themselves, in-process. (The MLP width 4·dim is divisible whenever the heads are,
+    so its check cannot fire on its own for this model.)"""
+    with pytest.raises(SystemExit) as e:
+        tensor_parallel.check_args(argparse.Namespace(heads=heads, dim=dim, sequence_parallel=sp), world)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    tensor_parallel.check_args(argparse.Namespace(heads=heads, dim=dim, sequence_parallel=False), 1)   # fine at W=1
