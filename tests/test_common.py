@@ -1,5 +1,4 @@
 """common.py in-process: the data path, the sampler's promises, the model, checkpoint files."""
-import gzip
 import struct
 
 import pytest
