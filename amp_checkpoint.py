@@ -31,6 +31,7 @@ on a ring): autocast's 16-bit copies of the weights get their gradients summed i
 """
 import datetime
 import functools
+import gc
 import os
 import time
 from contextlib import nullcontext
@@ -308,6 +309,9 @@ def main():
     args = common.parse_args(parser)
     common.default_env()                           # plain `python amp_checkpoint.py`: a world of one
     run(args)
+    # DDP and its comm hook form reference cycles that hold Python callbacks on Gloo work; free
+    # them now, not during interpreter shutdown, where Gloo's threads can abort the exit.
+    gc.collect()
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ This model has no BatchNorm. A model that does would need
 normalises with the statistics of its own batch/W samples only.
 """
 import datetime
+import gc
 import os
 import sys
 import time
@@ -165,6 +166,7 @@ def worker(local_rank, nproc, args):
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc),
                       LOCAL_WORLD_SIZE=str(nproc))
     run(args)
+    gc.collect()                                   # see main()
 
 
 def main():
@@ -174,7 +176,10 @@ def main():
     parser.add_argument("--port", type=int, default=0, help="without torchrun: rendezvous port (default: a free one)")
     args = common.parse_args(parser)
     if "LOCAL_RANK" in os.environ:                 # started by torchrun: this process is one rank
-        return run(args)
+        run(args)
+        # DDP and its comm hook form reference cycles that hold Python callbacks on Gloo work; free
+        # them now, not during interpreter shutdown, where Gloo's threads can abort the exit.
+        return gc.collect()
     nproc = args.nproc if args.nproc is not None else (torch.cuda.device_count() or 2)
     common.check(nproc >= 1, f"--nproc must be >= 1, got {nproc}")
     check_args(args, nproc)

@@ -27,6 +27,7 @@ This model has no BatchNorm. A model that does would need
 normalises with the statistics of its own batch/W samples only.
 """
 import datetime
+import gc
 import os
 import time
 from contextlib import nullcontext
@@ -202,6 +203,9 @@ def main():
     args = common.parse_args(parser)
     common.default_env()                           # plain `python ddp_torchrun.py`: a world of one
     run(args)
+    # DDP and its comm hook form reference cycles that hold Python callbacks on Gloo work; free
+    # them now, not during interpreter shutdown, where Gloo's threads can abort the exit.
+    gc.collect()
 
 
 if __name__ == "__main__":
