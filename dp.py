@@ -36,7 +36,8 @@ def manual_data_parallel(module, x, device_ids):
 
 
 def train(model, forward, optimizer, loader, sampler, args, device):
-    steps, t_train, first_loss, last_loss, mem = 0, 0.0, None, float("nan"), {}
+    steps, t_train, loss_sum, loss_n, last_loss, mem = 0, 0.0, torch.zeros((), device=device), 0, float("nan"), {}
+    first_loss = None
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         model.train()
@@ -52,10 +53,12 @@ def train(model, forward, optimizer, loader, sampler, args, device):
                            grad_bytes=common.grad_bytes(model.parameters()),
                            optim_bytes=common.optimizer_bytes(optimizer))
             optimizer.zero_grad(set_to_none=True)
-            steps += 1
-            if steps % 20 == 0 or steps == 1 or steps == args.max_steps or steps % len(loader) == 0:
-                last_loss = loss.item()
-                first_loss = last_loss if first_loss is None else first_loss
+            loss_sum += loss.detach()
+            steps, loss_n = steps + 1, loss_n + 1
+            if first_loss is None:
+                first_loss = loss.item()
+            if steps % 20 == 0 or steps == args.max_steps or steps % len(loader) == 0:
+                last_loss, loss_sum, loss_n = loss_sum.item() / loss_n, loss_sum * 0, 0
                 if bar is not loader:
                     bar.set_postfix(loss=f"{last_loss:.4f}")
             if steps == args.max_steps:
