@@ -1,5 +1,27 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 # the scripts and common.py live in the repository root; helpers.py beside this file
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
+
+import common  # noqa: E402
+import torch  # noqa: E402
+from helpers import ddp_reference  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def refs(request, tmp_path_factory):
+    """ddp.py at W=1 with SGD and with AdamW on the test module's CFG (shared across modules)."""
+    return {optim: ddp_reference(tmp_path_factory, request.module.CFG, optim) for optim in ("sgd", "adamw")}
+
+
+@pytest.fixture(scope="module")
+def initial(request, tmp_path_factory):
+    """The seeded model's starting weights for the module's CFG as a plain state_dict: a run that
+    --loads it must end where the reference (which built them itself) ends."""
+    path = tmp_path_factory.mktemp("init") / "initial.pt"
+    args = common.parse_args(common.get_parser("test"), request.module.CFG)
+    torch.save(common.build_model(args).state_dict(), path)
+    return path

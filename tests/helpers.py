@@ -1,4 +1,5 @@
 """Launch the scripts as real processes and read what they report."""
+import hashlib
 import json
 import os
 import subprocess
@@ -55,6 +56,16 @@ def ok(r):
     """Assert a launch succeeded and return its RESULT."""
     assert r.returncode == 0, r.output
     return r.result
+
+
+def ddp_reference(tmp_path_factory, cfg, optim):
+    """ddp.py at W=1 on `cfg` with `optim`: the one-process run every exact technique must reproduce.
+    Launched once per pytest session and configuration; test files with the same cfg share it."""
+    key = hashlib.sha1(" ".join(map(str, cfg)).encode()).hexdigest()[:12]
+    path = tmp_path_factory.getbasetemp() / f"reference-ddp-w1-{key}-{optim}.pt"
+    if not path.exists():
+        ok(torchrun("ddp.py", 1, *cfg, "--optim", optim, "--save", path, timeout=120))
+    return path
 
 
 def max_diff(path_a, path_b):

@@ -4,9 +4,7 @@ m micro-batches per stage under GPipe and at most p under 1F1B, and refuses bad 
 import argparse
 
 import pytest
-import torch
 
-import common
 import pipeline
 from helpers import SMALL, max_diff, ok, torchrun
 
@@ -17,27 +15,6 @@ TOL = {"sgd": 1e-6, "adamw": 1e-5}
 TIMELINE_1F1B_2x4 = """\
   rank 0:  F0 F1 .  B0 F2 B1 F3 B2 .  B3
   rank 1:  .  F0 B0 F1 B1 F2 B2 F3 B3 ."""
-
-
-def reference(tmp_path_factory, optim):
-    """ddp.py at W=1 on CFG, run once per pytest session (test_tensor_parallel.py reads the same file)."""
-    path = tmp_path_factory.getbasetemp() / f"reference-ddp-w1-depth{DEPTH}-{optim}.pt"
-    if not path.exists():
-        ok(torchrun("ddp.py", 1, *CFG, "--optim", optim, "--save", path, timeout=120))
-    return path
-
-
-@pytest.fixture(scope="module")
-def refs(tmp_path_factory):
-    return {optim: reference(tmp_path_factory, optim) for optim in ("sgd", "adamw")}
-
-
-@pytest.fixture(scope="module")
-def initial(tmp_path_factory):
-    """The seeded model's starting weights as a plain state_dict (for the --load run)."""
-    path = tmp_path_factory.mktemp("init") / "initial.pt"
-    torch.save(common.build_model(common.parse_args(common.get_parser("test"), CFG)).state_dict(), path)
-    return path
 
 
 def in_flight(order):

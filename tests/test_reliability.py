@@ -45,8 +45,9 @@ def test_a_hung_rank_fails_the_run_within_the_timeout():
 
 
 def worker_pids(parent, script):
-    """Pids of the processes `parent` started that run `script` (torchrun's workers)."""
-    out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(parent)], capture_output=True, text=True).stdout
+    """Pids of the processes `parent` started that run `script` (torchrun's workers). -ww: ps cuts
+    the command line at 80 columns when its output is not a terminal."""
+    out = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(parent)], capture_output=True, text=True).stdout
     return [int(line.split()[0]) for line in out.splitlines() if script in line]
 
 

@@ -4,7 +4,6 @@ predicted slice of the parameters, and refuses bad input with one message."""
 import argparse
 
 import pytest
-import torch
 
 import common
 import tensor_parallel
@@ -16,34 +15,12 @@ TOL = {"sgd": 1e-6, "adamw": 1e-5}          # float32 round-off (ddp.py itself: 
 B, T, D = 32, common.TOKENS, 32             # SMALL's batch and dim
 
 
-def reference(tmp_path_factory, optim):
-    """ddp.py at W=1 on CFG, run once per pytest session (test_pipeline.py reads the same file)."""
-    path = tmp_path_factory.getbasetemp() / f"reference-ddp-w1-depth{DEPTH}-{optim}.pt"
-    if not path.exists():
-        ok(torchrun("ddp.py", 1, *CFG, "--optim", optim, "--save", path, timeout=120))
-    return path
-
-
-@pytest.fixture(scope="module")
-def refs(tmp_path_factory):
-    return {optim: reference(tmp_path_factory, optim) for optim in ("sgd", "adamw")}
-
-
 def split_numel(dim=D, depth=DEPTH, heads=4):
     """Ψs: the elements TP splits (q, k, v, proj, fc1, fc2 weights; q, v, fc1 biases) and Ψ."""
     model = common.ViT(dim, depth, heads)
     psi = sum(p.numel() for p in model.parameters())
     return sum(b.attn.q.weight.numel() * 4 + 2 * b.attn.q.bias.numel() + b.mlp.fc1.weight.numel()
                + b.mlp.fc2.weight.numel() + b.mlp.fc1.bias.numel() for b in model.blocks), psi
-
-
-@pytest.fixture(scope="module")
-def initial(tmp_path_factory):
-    """The seeded model's starting weights as a plain state_dict: a run that --loads it must end
-    where the reference (which built them itself) ends."""
-    path = tmp_path_factory.mktemp("init") / "initial.pt"
-    torch.save(common.build_model(common.parse_args(common.get_parser("test"), CFG)).state_dict(), path)
-    return path
 
 
 # Each of W in {2, 4}, SP on/off and SGD/AdamW meets each other in one of four runs; one of them

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 import common
-from helpers import SMALL, max_diff, ok, python, torchrun
+from helpers import SMALL, ddp_reference, max_diff, ok, python, torchrun
 
 CFG = SMALL + ["--depth", "4"]      # 4 blocks: a block is small enough next to Ψ that stages 2-3 save at W=4
 TOL = {"adamw": 1e-5, "sgd": 1e-6}
@@ -26,8 +26,8 @@ def ref(tmp_path_factory):
     def get(optim):
         if optim not in cache:
             path = d / f"{optim}.pt"
-            if optim == "sgd":
-                ok(torchrun("ddp.py", 1, *CFG, "--optim", "sgd", "--save", path, timeout=120))
+            if optim == "sgd":                     # the same file test_tensor_parallel/test_pipeline use
+                path = ddp_reference(tmp_path_factory, CFG, "sgd")
             else:
                 ok(python("zero.py", *CFG, "--stage", "3", "--optim", "adamw", "--save", path, timeout=120))
             cache[optim] = path
