@@ -49,8 +49,13 @@ def counting_allreduce(state, bucket):
 
 
 def setup(backend, timeout):
-    # MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE come from the environment (torchrun or main()).
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    # MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE come from the environment (torchrun).
+    # torchrun keeps one store across restarts: without a prefix per attempt, a restarted rank can
+    # read the address of a worker that died in the last attempt and wait for it forever.
+    store, rank, world = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout)))
+    store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout))
     return dist.get_rank(), dist.get_world_size()
 
 

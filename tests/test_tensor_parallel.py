@@ -7,7 +7,7 @@ import pytest
 
 import common
 import tensor_parallel
-from helpers import SMALL, max_diff, ok, torchrun
+from helpers import SMALL, max_diff, ok, python, torchrun
 
 DEPTH = 4                                   # the same config as test_pipeline.py, so they share references
 CFG = [*SMALL, "--depth", str(DEPTH)]
@@ -51,6 +51,11 @@ def test_same_parameters_and_collectives(world, sp, optim, refs, initial, tmp_pa
     assert r["param_bytes"] == 4 * (psi - psi_split + psi_split // world)
     assert r["grad_bytes"] == r["param_bytes"]
     assert r["optim_bytes"] == (2 if optim == "adamw" else 1) * r["param_bytes"]
+
+    if (world, sp) == (2, False):            # the dense file TP saved loads in ddp.py (lr 0: nothing moves)
+        ok(python("ddp.py", "--nproc", "1", *CFG, "--load", out, "--optim", "sgd", "--lr", "0", "--max-steps", "1",
+                  "--save", tmp_path / "ddp.pt", timeout=120))
+        assert max_diff(out, tmp_path / "ddp.pt") == 0
 
 
 @pytest.mark.parametrize("world,heads,dim,sp,message", [
