@@ -33,6 +33,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
 
+SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
+
 
 def counting_allreduce(state, bucket):
     """DDP comm hook: count the gradient elements each bucket all-reduces, then do DDP's own
@@ -43,7 +45,12 @@ def counting_allreduce(state, bucket):
 
 def setup(backend, timeout):
     # MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE come from the environment (torchrun or main()).
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    # torchrun keeps one store across restarts: without a prefix per attempt, a restarted rank can
+    # read the address of a worker that died in the last attempt and wait for it forever.
+    store, rank, world = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout)))
+    store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout))
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -71,7 +78,7 @@ def train(model, optimizer, loader, sampler, args, device, comm):
             # batch/W samples and DDP's all-reduce divides the sum by W, so every rank now holds
             # the gradient of the mean loss over the whole global batch.
             optimizer.step()
-            if steps == 0:
+            if not mem:
                 mem = dict(param_bytes=common.param_bytes(model.parameters()),
                            grad_bytes=common.grad_bytes(model.parameters()),
                            optim_bytes=common.optimizer_bytes(optimizer))
@@ -131,7 +138,7 @@ def run(args):
         model.register_comm_hook(comm, counting_allreduce)
         optimizer = common.make_optimizer(model.parameters(), args)
         psi = sum(p.numel() for p in model.parameters())
-        common.log(f"ddp: world {world}, Ψ = {psi:,} parameters, {source} data ({len(ytr)} train / {len(yte)} test), "
+        common.log(f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data ({len(ytr)} train / {len(yte)} test), "
                    f"batch {args.batch_size} = {world} x {args.batch_size // world // args.grad_accum} x "
                    f"{args.grad_accum} micro-steps")
         out = train(model, optimizer, loader, sampler, args, device, comm)
@@ -153,7 +160,7 @@ def run(args):
         if rank == 0 and args.save:
             common.save_checkpoint({k: v.cpu() for k, v in model.module.state_dict().items()}, args.save)
             common.log(f"saved {args.save}")
-        common.result(script="ddp", world_size=world, backend=backend, device=device.type, data=source,
+        common.result(script=SCRIPT, world_size=world, backend=backend, device=device.type, data=source,
                       params=psi, steps=out["steps"], loss=out["loss"], test_acc=acc, samples_per_s=sps,
                       param_bytes=out["param_bytes"], grad_bytes=out["grad_bytes"], optim_bytes=out["optim_bytes"],
                       comm_bytes=comm_bytes)

@@ -40,6 +40,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
 
+SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
+
 
 def counting_allreduce(state, bucket):
     """DDP comm hook: count the gradient elements each bucket all-reduces, then do DDP's own
@@ -49,7 +51,7 @@ def counting_allreduce(state, bucket):
 
 
 def setup(backend, timeout):
-    # MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE come from the environment (torchrun).
+    # MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE come from the environment (torchrun or main()).
     # torchrun keeps one store across restarts: without a prefix per attempt, a restarted rank can
     # read the address of a worker that died in the last attempt and wait for it forever.
     store, rank, world = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout)))
@@ -170,7 +172,7 @@ def run(args):
         model.register_comm_hook(comm, counting_allreduce)
         optimizer = common.make_optimizer(model.parameters(), args)
         psi = sum(p.numel() for p in model.parameters())
-        common.log(f"ddp_torchrun: world {world}, Ψ = {psi:,} parameters, {source} data ({len(ytr)} train / {len(yte)} test), "
+        common.log(f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data ({len(ytr)} train / {len(yte)} test), "
                    f"batch {args.batch_size} = {world} x {args.batch_size // world // args.grad_accum} x "
                    f"{args.grad_accum} micro-steps")
         start_epoch, steps = load_snapshot(model, optimizer, args.snapshot, device)
@@ -193,7 +195,7 @@ def run(args):
         if rank == 0 and args.save:
             common.save_checkpoint({k: v.cpu() for k, v in model.module.state_dict().items()}, args.save)
             common.log(f"saved {args.save}")
-        common.result(script="ddp_torchrun", world_size=world, backend=backend, device=device.type, data=source,
+        common.result(script=SCRIPT, world_size=world, backend=backend, device=device.type, data=source,
                       params=psi, steps=out["steps"], loss=out["loss"], test_acc=acc, samples_per_s=sps,
                       param_bytes=out["param_bytes"], grad_bytes=out["grad_bytes"], optim_bytes=out["optim_bytes"],
                       comm_bytes=comm_bytes)
