@@ -1,14 +1,17 @@
 """What every technique script shares and no technique changes.
 
-- the data: MNIST through torchvision (or a built-in synthetic digit set), held as
-  one normalised tensor and dealt out by a DistributedSampler;
-- the model: a small Vision Transformer whose pieces (embed, blocks, head) are what
-  the techniques shard, slice and place;
-- the shared command-line flags, seeding, backend/device choice, checkpoint files;
-- measurement and reporting: per-rank bytes, the summary table, the RESULT line.
+- the data: MNIST through torchvision (or a built-in synthetic digit set), as two Datasets the
+  scripts deal out with their own DistributedSampler;
+- the model: a small Vision Transformer whose pieces (embed, blocks, head) are what the
+  techniques shard, slice and place;
+- the shared command-line flags, the learning-rate schedule, seeding, the launcher, device
+  choice, checkpoint files;
+- the measuring instrument (Meter): collectives counted from outside by a TorchDispatchMode over
+  the c10d ops, per-rank memory read off storages, a torch.profiler trace with --profile; and the
+  report: measured next to formula, and the RESULT line.
 
-Process groups, wrapping, sharding, schedules and collectives are NOT here: each
-script writes its technique out in full.
+Process groups, samplers, wrapping, sharding, schedules and collectives are NOT here: each
+script writes its technique and its skeleton out in full.
 """
 import argparse
 import contextlib
@@ -18,17 +21,26 @@ import math
 import os
 import socket
 import sys
+import threading
+import time
+import warnings
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.data import DataLoader, Dataset, Sampler
 
-IMAGE, PATCH, CLASSES = 28, 7, 10            # 28x28 digits cut into 4x4 = 16 patches of 7x7
-TOKENS = (IMAGE // PATCH) ** 2
+IMAGE, CLASSES = 28, 10
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 SYNTHETIC_TRAIN, SYNTHETIC_TEST, SYNTHETIC_SEED = 60_000, 10_000, 20240607
+TEST_BATCH = 512
+
+# The one place that knows which torch this is. torch 2.14 renamed all_gather_into_tensor and
+# reduce_scatter_tensor to *_single and warns on the old names; 2.11 has only the old ones. The
+# scripts use the old names, which every supported torch has, and this silences the rename notice.
+warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\.\w+_single`")
 
 
 # --------------------------------------------------------------------------- ranks, messages
@@ -79,7 +91,10 @@ def get_parser(description):
     g = p.add_argument_group("shared flags (common.py)")
     g.add_argument("--epochs", type=int, default=3)
     g.add_argument("--batch-size", type=int, default=128, help="GLOBAL batch: each of W data-parallel ranks gets batch/W")
-    g.add_argument("--lr", type=float, default=None, help="default: 1e-3 for adamw, 0.05 for sgd")
+    g.add_argument("--lr", type=float, default=None, help="peak learning rate (default: 1e-3 for adamw, 0.05 for sgd)")
+    g.add_argument("--warmup", type=float, default=0.05, help="fraction of the steps spent warming the lr up linearly")
+    g.add_argument("--lr-schedule", choices=["cosine", "constant"], default="cosine",
+                   help="after warm-up: cosine decay to 0 over the run, or constant")
     g.add_argument("--optim", choices=["adamw", "sgd"], default="adamw")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--data", choices=["auto", "mnist", "synthetic"], default="auto")
@@ -89,23 +104,31 @@ def get_parser(description):
     g.add_argument("--dim", type=int, default=64)
     g.add_argument("--depth", type=int, default=4)
     g.add_argument("--heads", type=int, default=4)
+    g.add_argument("--patch", type=int, default=7, help="patch side, a divisor of 28: (28/patch)^2 tokens")
     g.add_argument("--save", default=None, help="write the plain, unsharded state_dict here at the end")
     g.add_argument("--load", default=None, help="start from a state_dict written by any script's --save")
     g.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto")
     g.add_argument("--timeout", type=float, default=300.0, help="seconds a collective may wait before the run fails")
-    g.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    g.add_argument("--nproc", type=int, default=None, help="without torchrun: processes to spawn on this machine")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar (a log line every --log-every steps)")
+    g.add_argument("--log-every", type=int, default=50, help="steps between loss lines when not on a terminal")
+    g.add_argument("--profile", default=None, metavar="DIR",
+                   help="write a torch.profiler trace of a few training steps per rank to DIR/rank<r>.json")
     return p
 
 
 def parse_args(parser, argv=None):
     """Parse and check the shared flags; each script checks its own afterwards."""
     args = parser.parse_args(argv)
-    for name in ("epochs", "batch_size", "dim", "depth", "heads"):
+    for name in ("epochs", "batch_size", "dim", "depth", "heads", "patch", "log_every"):
         check(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     for name in ("limit", "max_steps"):
         check(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     check(args.timeout > 0, f"--timeout must be positive, got {args.timeout}")
+    check(0 <= args.warmup < 1, f"--warmup is a fraction of the steps in [0, 1), got {args.warmup}")
     check(args.dim % args.heads == 0, f"--dim {args.dim} is not divisible by --heads {args.heads}")
+    check(IMAGE % args.patch == 0, f"--patch {args.patch} does not divide the 28-pixel image side")
+    check(args.nproc is None or args.nproc >= 1, f"--nproc must be >= 1, got {args.nproc}")
     if args.lr is None:
         args.lr = 1e-3 if args.optim == "adamw" else 0.05
     if args.load is not None:
@@ -113,10 +136,11 @@ def parse_args(parser, argv=None):
     return args
 
 
-def seed_everything(seed):
-    import random
-    random.seed(seed)
-    torch.manual_seed(seed)   # also seeds every CUDA device
+def world_size(args):
+    """The world size this launch will have, known before any process group exists."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return args.nproc or 1
 
 
 def free_port():
@@ -125,46 +149,61 @@ def free_port():
         return s.getsockname()[1]
 
 
-def default_env():
-    """Let a plain `python script.py` (no torchrun) run as a world of one process."""
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+# --------------------------------------------------------------------------- launcher
+
+def _spawned(local_rank, nproc, run, args):
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc),
+                      LOCAL_WORLD_SIZE=str(nproc))
+    run(args)
 
 
-def port_is_free(port):
-    with socket.socket() as s:
+def launch(run, args):
+    """Start `run(args)` on every rank. Under torchrun (or SLURM's srun with torchrun's variables)
+    this process is one rank. Otherwise `python X.py --nproc N` spawns N processes on this machine
+    on a free port, and plain `python X.py` is a world of one."""
+    import gc
+    import torch.multiprocessing as mp
+    if "LOCAL_RANK" not in os.environ:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    if "LOCAL_RANK" in os.environ or (args.nproc or 1) == 1:
+        os.environ.update({k: os.environ.get(k, "0" if k != "WORLD_SIZE" and k != "LOCAL_WORLD_SIZE" else "1")
+                           for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")})
+        run(args)
+    else:
         try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
+            mp.spawn(_spawned, args=(args.nproc, run, args), nprocs=args.nproc)
+        except mp.ProcessRaisedException as e:      # the failing rank's traceback once, not a wall
+            print(f"error: rank {e.error_index} failed:\n{e}", file=sys.stderr)
+            sys.exit(1)
+        except mp.ProcessExitedException as e:
+            if e.exit_code != 2:                    # 2: bad input, which rank 0 has already explained
+                print(f"error: rank {e.error_index} exited with code {e.exit_code}", file=sys.stderr)
+            sys.exit(e.exit_code if e.exit_code and e.exit_code > 0 else 1)
+    # Wrappers and hooks form reference cycles that hold tensors Gloo's work touched; free them
+    # now, not during interpreter shutdown, where Gloo's threads can abort the exit.
+    gc.collect()
 
 
 # --------------------------------------------------------------------------- backend and device
 
 def pick_backend(requested):
-    """'auto' -> NCCL when every local rank has its own GPU, else Gloo on CPU.
-
-    Called before the process group exists, so a bad --backend fails before any rendezvous.
-    Returns (backend, device) for this process.
-    """
+    """'auto' -> NCCL on cuda:(LOCAL_RANK % visible GPUs) when GPUs are visible (a launcher may
+    show each process only its own GPU), else Gloo on the CPU. Called before the process group
+    exists, so a bad --backend fails before any rendezvous. Returns (backend, device)."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    enough = gpus >= local_world and dist.is_nccl_available()
     if requested == "nccl":
-        check(enough, f"--backend nccl needs one CUDA GPU per local rank: {local_world} local ranks, {gpus} GPUs visible"
-                      + ("" if dist.is_nccl_available() or gpus == 0 else ", and this torch has no NCCL"))
-    backend = requested if requested != "auto" else ("nccl" if gpus > 0 and enough else "gloo")
+        check(gpus > 0 and dist.is_nccl_available(),
+              "--backend nccl needs a CUDA GPU and a torch built with NCCL" +
+              (f" ({gpus} GPUs visible)" if gpus == 0 else ", and this torch has no NCCL"))
+    backend = requested if requested != "auto" else ("nccl" if gpus > 0 and dist.is_nccl_available() else "gloo")
     if backend == "nccl":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        why = f"{gpus} GPUs for {local_world} local ranks"
+        device = torch.device("cuda", local_rank % gpus)
+        why = f"{gpus} GPUs visible to {local_world} local ranks"
     else:
         device = torch.device("cpu")
-        why = "no GPUs visible" if gpus == 0 else (f"{gpus} GPUs for {local_world} local ranks" if requested == "auto"
-                                                  else "asked for")
+        why = "no GPUs visible" if gpus == 0 else "asked for"
         if "OMP_NUM_THREADS" not in os.environ:     # torchrun sets it; mp.spawn and python do not
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     log(f"backend: {backend} on {device.type} ({why})")
@@ -263,10 +302,10 @@ def _mnist(root, train, download):
     return ds.data, ds.targets
 
 
-def _find_mnist(args):
-    """'mnist' if MNIST is on disk (or could be downloaded), else the reason it is not. Rank 0 only."""
+def _find_mnist(data_dir):
+    """'mnist' if MNIST is in data_dir (or could be downloaded there), else the reason it is not."""
     try:
-        _mnist(args.data_dir, True, False), _mnist(args.data_dir, False, False)
+        _mnist(data_dir, True, False), _mnist(data_dir, False, False)
         return "mnist"
     except Exception:
         pass
@@ -274,48 +313,70 @@ def _find_mnist(args):
     socket.setdefaulttimeout(20)
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            _mnist(args.data_dir, True, True), _mnist(args.data_dir, False, True)
+            _mnist(data_dir, True, True), _mnist(data_dir, False, True)
         return "mnist"
     except Exception as e:
-        return f"MNIST is not in {os.path.join(args.data_dir, 'MNIST', 'raw')} and could not be downloaded " \
-               f"({str(e).strip().splitlines()[-1][:120] if str(e).strip() else type(e).__name__})"
+        return f"MNIST is not in {os.path.join(data_dir, 'MNIST', 'raw')} on {socket.gethostname()} and could not " \
+               f"be downloaded ({str(e).strip().splitlines()[-1][:120] if str(e).strip() else type(e).__name__})"
     finally:
         socket.setdefaulttimeout(old)
 
 
-def load_data(args):
-    """(train_x, train_y, test_x, test_y, name): normalised float images [N, 1, 28, 28] and labels.
+def _agree_on_mnist(args, device):
+    """True if every node has MNIST in its own --data-dir. Local rank 0 of each node looks (and
+    downloads) in a thread; meanwhile all ranks all-reduce a "done" flag once a second, so no
+    collective waits on the download and a slow one cannot trip --timeout. A node that has no
+    MNIST says why, once."""
+    local_zero = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    found = {}
+    if local_zero:
+        threading.Thread(target=lambda: found.update(source=_find_mnist(args.data_dir)), daemon=True).start()
+    while True:
+        flags = torch.tensor([0 if local_zero and not found else 1], device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        if flags.item():
+            break
+        time.sleep(0.2 if local_zero and not found else 1.0)
+    have = torch.tensor([0 if local_zero and found["source"] != "mnist" else 1], device=device)
+    dist.all_reduce(have, op=dist.ReduceOp.MIN)
+    if local_zero and found["source"] != "mnist" and (args.data == "mnist" or env_rank() != 0):
+        print(f"{'error' if args.data == 'mnist' else 'warning'} (rank {env_rank()}): {found['source']}",
+              file=sys.stderr, flush=True)
+    return bool(have.item()), found.get("source", "")
 
-    Rank 0 looks for MNIST (downloading it if needed) while the others wait; it then tells
-    every rank what to load, so all ranks agree on the data even if only rank 0 can see it.
-    """
-    source = None
-    if env_rank() == 0:
-        source = "synthetic" if args.data == "synthetic" else _find_mnist(args)
-    if dist.is_available() and dist.is_initialized():
-        box = [source]
-        dist.broadcast_object_list(box, src=0)
-        source = box[0]
-    if source not in ("mnist", "synthetic"):
-        if args.data == "mnist":
-            fail(f"--data mnist: {source}. Use --data synthetic, or put the four IDX files there.")
-        log(f"warning: {source}; using the built-in synthetic digit set instead (--data synthetic)")
-        source = "synthetic"
+
+def load_data(args, device=torch.device("cpu")):
+    """(train_set, test_set, name): MNIST when every node has it (or can download it), else the
+    built-in synthetic digits, the same choice on every rank. Each set holds normalised float
+    images [N, 1, 28, 28] and labels; call with the process group up (or in a single process)."""
+    source = "synthetic"
+    if args.data != "synthetic":
+        if dist.is_available() and dist.is_initialized():
+            have, why = _agree_on_mnist(args, device)
+        else:
+            why = _find_mnist(args.data_dir)
+            have = why == "mnist"
+        if have:
+            source = "mnist"
+        elif args.data == "mnist":
+            fail("--data mnist: " + (why if why and why != "mnist" else "MNIST is missing on another node (see its "
+                                    "message)") + ". Use --data synthetic, or put the four IDX files there.")
+        else:
+            log(f"warning: {why if why and why != 'mnist' else 'MNIST is missing on another node'}; "
+                f"using the built-in synthetic digit set instead (--data synthetic)")
     limit = args.limit or None
     if source == "mnist":
         (xtr, ytr), (xte, yte) = _mnist(args.data_dir, True, False), _mnist(args.data_dir, False, False)
         xtr, ytr, xte, yte = xtr[:limit], ytr[:limit], xte[:limit], yte[:limit]
     else:
-        ntr = min(limit or SYNTHETIC_TRAIN, SYNTHETIC_TRAIN)
-        nte = min(limit or SYNTHETIC_TEST, SYNTHETIC_TEST)
-        xtr, ytr = synthetic_digits(ntr, SYNTHETIC_SEED)
-        xte, yte = synthetic_digits(nte, SYNTHETIC_SEED + 1)
+        xtr, ytr = synthetic_digits(min(limit or SYNTHETIC_TRAIN, SYNTHETIC_TRAIN), SYNTHETIC_SEED)
+        xte, yte = synthetic_digits(min(limit or SYNTHETIC_TEST, SYNTHETIC_TEST), SYNTHETIC_SEED + 1)
     norm = lambda x: ((x.float() / 255 - MNIST_MEAN) / MNIST_STD).unsqueeze(1)  # noqa: E731
-    return norm(xtr), ytr.long(), norm(xte), yte.long(), source
+    return Digits(norm(xtr), ytr.long()), Digits(norm(xte), yte.long()), source
 
 
-class Batches(Dataset):
-    """Indexed by a list of sample indices: one tensor gather per batch, no per-sample work."""
+class Digits(Dataset):
+    """Images and labels held as two tensors; indexed one sample at a time like any Dataset."""
 
     def __init__(self, x, y):
         self.x, self.y = x, y
@@ -323,32 +384,19 @@ class Batches(Dataset):
     def __len__(self):
         return len(self.y)
 
-    def __getitem__(self, idx):
-        idx = torch.as_tensor(idx)
-        return self.x[idx], self.y[idx]
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
 
 
-def train_loader(x, y, global_batch, rank=0, world=1, seed=0):
-    """Rank `rank` of `world` data-parallel ranks gets batch/world samples of each global batch.
-
-    The DistributedSampler shuffles with `seed + epoch` (call sampler.set_epoch every epoch)
-    and deals index i to rank i % world, so global batch k holds the same samples at every
-    world size. drop_last: every step sees a full batch on every rank.
-    Returns (loader, sampler).
-    """
-    ds = Batches(x, y)
-    sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True)
-    return DataLoader(ds, sampler=BatchSampler(sampler, global_batch // world, drop_last=True), batch_size=None), sampler
-
-
-class ShardSampler(Sampler):
-    """Samples rank, rank+world, rank+2*world, ...: no padding, so every sample is counted once.
-
-    (DistributedSampler pads the last round with repeats, which would count them twice.)
-    """
+class PaddedShards(Sampler):
+    """Evaluation sampler: rank r of W takes samples r, r+W, r+2W, ... and pads its list (with
+    index -1, masked out) to ceil(N/W) entries, so every rank runs the same number of batches of
+    the same size, and therefore the same collectives, while every sample is counted exactly once.
+    (DistributedSampler pads with repeats, which would count them twice.)"""
 
     def __init__(self, n, rank=0, world=1):
-        self.indices = list(range(rank, n, world))
+        self.n, self.indices = n, list(range(rank, n, world))
+        self.indices += [-1] * (-(-n // world) - len(self.indices))
 
     def __iter__(self):
         return iter(self.indices)
@@ -357,24 +405,39 @@ class ShardSampler(Sampler):
         return len(self.indices)
 
 
-def test_loader(x, y, batch, rank=0, world=1):
-    return DataLoader(Batches(x, y), sampler=BatchSampler(ShardSampler(len(y), rank, world), batch, False),
-                      batch_size=None)
+class _Masked(Dataset):
+    def __init__(self, ds):
+        self.ds = ds
+
+    def __len__(self):
+        return len(self.ds)
+
+    def __getitem__(self, i):
+        x, y = self.ds[max(i, 0)]
+        return x, y, i >= 0
+
+
+def test_loader(test_set, rank=0, world=1, batch=TEST_BATCH, pin_memory=False):
+    """Batches of (images, labels, keep): see PaddedShards. world=1 gives every rank the whole set."""
+    return DataLoader(_Masked(test_set), batch_size=batch, sampler=PaddedShards(len(test_set), rank, world),
+                      pin_memory=pin_memory)
 
 
 # --------------------------------------------------------------------------- model
 
 class PatchEmbed(nn.Module):
-    """Cut the image into 7x7 patches, project each to `dim`, add a learned position embedding."""
+    """Cut the image into patch x patch squares, project each to `dim`, add a learned position
+    embedding: [B, 1, 28, 28] -> [B, tokens, dim] with tokens = (28/patch)^2."""
 
-    def __init__(self, dim):
+    def __init__(self, dim, patch=7):
         super().__init__()
-        self.proj = nn.Linear(PATCH * PATCH, dim)
-        self.pos = nn.Parameter(torch.zeros(1, TOKENS, dim))
+        self.patch, self.tokens = patch, (IMAGE // patch) ** 2
+        self.proj = nn.Linear(patch * patch, dim)
+        self.pos = nn.Parameter(torch.zeros(1, self.tokens, dim))
 
-    def forward(self, img):                                        # [B, 1, 28, 28] -> [B, 16, dim]
-        B, n = img.shape[0], IMAGE // PATCH
-        patches = img.reshape(B, n, PATCH, n, PATCH).transpose(2, 3).reshape(B, TOKENS, PATCH * PATCH)
+    def forward(self, img):
+        B, n, p = img.shape[0], IMAGE // self.patch, self.patch
+        patches = img.reshape(B, n, p, n, p).transpose(2, 3).reshape(B, self.tokens, p * p)
         return self.proj(patches) + self.pos
 
 
@@ -435,9 +498,9 @@ class Head(nn.Module):
 class ViT(nn.Module):
     """embed -> blocks[0..depth-1] -> head: a plain sequence, so a pipeline can cut it anywhere."""
 
-    def __init__(self, dim=64, depth=4, heads=4):
+    def __init__(self, dim=64, depth=4, heads=4, patch=7):
         super().__init__()
-        self.embed = PatchEmbed(dim)
+        self.embed = PatchEmbed(dim, patch)
         self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(depth))
         self.head = Head(dim)
 
@@ -451,7 +514,7 @@ class ViT(nn.Module):
 def build_model(args):
     """The common model with weights that depend only on --seed (built on CPU, same on every rank)."""
     torch.manual_seed(args.seed)
-    model = ViT(args.dim, args.depth, args.heads)
+    model = ViT(args.dim, args.depth, args.heads, args.patch)
     for m in model.modules():
         if isinstance(m, nn.Linear):
             nn.init.trunc_normal_(m.weight, std=0.02)
@@ -510,31 +573,155 @@ def load_state_dict_file(path, reference):
     return sd
 
 
+# --------------------------------------------------------------------------- learning rate
+
+def make_scheduler(optimizer, args, steps):
+    """Linear warm-up over the first --warmup fraction of `steps`, then cosine decay towards 0
+    (or constant), stepped once per optimizer step. A function of the step count only, so it is
+    the same under every technique and world size."""
+    warm = int(args.warmup * steps)
+
+    def factor(step):
+        if step < warm:
+            return (step + 1) / (warm + 1)
+        if args.lr_schedule == "constant":
+            return 1.0
+        return 0.5 * (1 + math.cos(math.pi * (step - warm) / max(steps - warm, 1)))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def total_steps(args, batches_per_epoch):
+    """Optimizer steps in the whole run: the length the schedule is drawn over."""
+    steps = args.epochs * batches_per_epoch
+    return min(steps, args.max_steps) if args.max_steps else steps
+
+
 # --------------------------------------------------------------------------- measurement
 
-def local_numel(t):
-    """Elements this rank holds for `t` (a DTensor counts only its local shard)."""
-    return t.to_local().numel() if hasattr(t, "to_local") else t.numel()
+COLLECTIVES = {   # c10d op -> (name in the report, which argument holds the bytes that count)
+    "allreduce_": ("all_reduce", 0), "allreduce_coalesced_": ("all_reduce", 0),
+    "_allgather_base_": ("all_gather", 0), "allgather_": ("all_gather", 0),
+    "allgather_into_tensor_coalesced_": ("all_gather", 0),
+    "_reduce_scatter_base_": ("reduce_scatter", 1), "reduce_scatter_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+    "alltoall_base_": ("all_to_all", 1), "alltoall_": ("all_to_all", 1),
+    "broadcast_": ("broadcast", 0), "reduce_": ("reduce", 0), "gather_": ("gather", 1), "scatter_": ("scatter", 0),
+    "send": ("send", 0), "recv_": ("recv", 0),
+    # torch.distributed._functional_collectives (DTensor): the output is returned, the input counts
+    "all_reduce": ("all_reduce", 0), "all_gather_into_tensor": ("all_gather", -1),
+    "reduce_scatter_tensor": ("reduce_scatter", 0), "all_to_all_single": ("all_to_all", 0),
+    "broadcast": ("broadcast", 0),
+}
 
 
-def tensor_bytes(tensors):
-    return sum(local_numel(t) * t.element_size() for t in tensors if t is not None)
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for y in x for t in _tensors(y)]
+    return []
 
 
-def param_bytes(params):
-    return tensor_bytes(params)
+class CollectiveCounter(TorchDispatchMode):
+    """Sees every c10d op this rank issues (also DDP's and FSDP's from C++ or from the autograd
+    engine) and adds up calls and bytes per kind: for an all-reduce the tensor, for an all-gather
+    the gathered output, for a reduce-scatter its input, for send/recv the message. A 0-d tensor
+    (the skeleton's logged loss) is bookkeeping, not the technique's traffic, and is left out."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.bytes = {}, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.namespace in ("c10d", "_c10d_functional"):
+            kind, where = COLLECTIVES.get(func._opname, (None, None))
+            if kind is not None:
+                ts = _tensors(out) if where == -1 else _tensors(args[where] if where < len(args) else [])
+                if ts and not all(t.dim() == 0 for t in ts):
+                    self.calls[kind] = self.calls.get(kind, 0) + 1
+                    self.bytes[kind] = self.bytes.get(kind, 0) + sum(_local(t).numel() * t.element_size() for t in ts)
+        return out
 
 
-def grad_bytes(params):
-    return tensor_bytes(p.grad for p in params)
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
-def optimizer_bytes(optimizer):
-    """Bytes of optimizer state on this rank (Adam's exp_avg and exp_avg_sq, SGD's momentum);
-    the scalar step counters are left out, as the papers do."""
-    return tensor_bytes(v for state in optimizer.state.values() for k, v in state.items()
-                        if torch.is_tensor(v) and k != "step")
+def storage_bytes(tensors):
+    """Bytes of the distinct storages behind `tensors`: a view adds nothing, a freed buffer is 0,
+    a DTensor counts its local shard."""
+    seen = {}
+    for t in tensors:
+        if t is None:
+            continue
+        s = _local(t).untyped_storage()
+        seen[s.data_ptr() if s.nbytes() else id(s)] = s.nbytes()
+    return sum(seen.values())
 
+
+def memory(params, optimizer):
+    """Per-rank bytes of parameters, gradients and optimizer state (the scalar step counters are
+    left out, as the papers do), read off the storages that hold them right now."""
+    params = list(params) + [p for g in optimizer.param_groups for p in g["params"]]
+    state = [v for st in optimizer.state.values() for k, v in st.items() if torch.is_tensor(v) and k != "step"]
+    return dict(param_bytes=storage_bytes(params), grad_bytes=storage_bytes(p.grad for p in params),
+                optim_bytes=storage_bytes(state))
+
+
+class Meter:
+    """The instrument, attached from outside: `with Meter(model, optimizer, args): train(...)`.
+
+    It counts the collectives of the first `steps` optimizer steps (forward, backward and step:
+    a window closed by the optimizer's post-step hook, so the rest of training runs at full speed),
+    reads per-rank memory off the storages right after the first step, and with --profile records
+    those steps with torch.profiler, one Chrome/Perfetto trace per rank. Deleting it from a
+    script changes nothing the technique does."""
+
+    def __init__(self, model, optimizer, args, steps=3):
+        self.params, self.optimizer, self.steps, self.profile_dir = list(model.parameters()), optimizer, steps, args.profile
+        self.counter, self.profiler, self.seen, self.mem = CollectiveCounter(), None, 0, {}
+        self.hook = optimizer.register_step_post_hook(lambda *_: self._after_step())
+        self.t0 = self.elapsed = None
+
+    def __enter__(self):
+        self.counter.__enter__()
+        self.open = True
+        if self.profile_dir:
+            from torch.profiler import ProfilerActivity, profile
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self.profiler = profile(activities=acts, record_shapes=True)
+            self.profiler.__enter__()
+        return self
+
+    def _after_step(self):
+        self.seen += 1
+        if self.seen == 1:
+            self.mem = memory(self.params, self.optimizer)
+        if self.seen == self.steps:
+            self._close()
+
+    def _close(self):
+        if self.profiler is not None:
+            self.profiler.__exit__(None, None, None)
+            os.makedirs(self.profile_dir, exist_ok=True)
+            self.profiler.export_chrome_trace(os.path.join(self.profile_dir, f"rank{env_rank()}.json"))
+            self.profiler = None
+        if self.open:
+            self.counter.__exit__(None, None, None)
+            self.open = False
+
+    def __exit__(self, *exc):
+        self._close()
+        self.hook.remove()
+
+    def comm(self):
+        """({kind: bytes per optimizer step}, {kind: calls in the window}, optimizer steps in the window)."""
+        n = max(min(self.seen, self.steps), 1)
+        return {k: v // n for k, v in self.counter.bytes.items()}, dict(self.counter.calls), n
+
+
+# --------------------------------------------------------------------------- report
 
 def fmt_bytes(n):
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -543,23 +730,50 @@ def fmt_bytes(n):
         n /= 1024
 
 
-def report(rows, title="per-rank memory and communication"):
-    """Print `rows` of (what, measured, formula value, formula text) as a small table on rank 0."""
-    log(f"\n{title}")
-    log(f"  {'':<24}{'measured':>14}{'formula':>14}   formula")
-    for what, measured, expected, text in rows:
-        ok = "" if expected is None or measured == expected else "  (differs)"
-        log(f"  {what:<24}{fmt_bytes(measured):>14}{fmt_bytes(expected) if expected is not None else '':>14}"
-            f"   {text}{ok}")
-
-
-def result(**fields):
-    """The machine-readable last line that run_all.sh and the tests read (rank 0 only)."""
-    log("RESULT " + json.dumps(fields, sort_keys=False))
-
-
-def progress(iterable, args, **kw):
-    if args.no_progress or env_rank() != 0:
-        return iterable
+def progress(loader, args, epoch):
+    """tqdm on a terminal; the loader itself in a log file (log_loss prints lines there)."""
+    if args.no_progress or env_rank() != 0 or not sys.stderr.isatty():
+        return loader
     from tqdm import tqdm
-    return tqdm(iterable, leave=False, dynamic_ncols=True, **kw)
+    return tqdm(loader, leave=False, dynamic_ncols=True, desc=f"epoch {epoch}")
+
+
+def log_loss(bar, args, epoch, steps, loss):
+    """The windowed mean loss: on the bar's tail on a terminal, as a plain line every
+    --log-every steps in a log file."""
+    if hasattr(bar, "set_postfix"):
+        bar.set_postfix(loss=f"{loss:.4f}")
+    elif steps % args.log_every == 0:
+        log(f"epoch {epoch} step {steps}: train loss {loss:.4f}")
+
+
+def report(script, args, world, backend, device, source, model_params, out, acc, meter, formula, **extra):
+    """Rank 0: the measured per-rank memory and communication next to the formula, then the one
+    machine-readable line `RESULT {json}` that run_all.sh and the tests read.
+
+    `formula` maps param_bytes / grad_bytes / optim_bytes / comm (a {kind: bytes} dict) to the
+    paper's value (None where it makes no promise), and `notes` to the formula's text."""
+    notes = formula.pop("notes", {})
+    comm, calls, counted = meter.comm()
+    rows = [(what, meter.mem.get(k, 0), formula.get(k), notes.get(k, ""))
+            for what, k in (("parameters", "param_bytes"), ("gradients", "grad_bytes"),
+                            ("optimizer state", "optim_bytes"))]
+    for kind in sorted(set(comm) | set(formula.get("comm", {}))):
+        rows.append((f"{kind.replace('_', '-')} per step", comm.get(kind, 0), formula.get("comm", {}).get(kind),
+                     notes.get(kind, "") + f" ({calls.get(kind, 0)} calls in {counted} steps)"))
+    log("\nper-rank memory and communication (measured from outside the technique)")
+    log(f"  {'':<26}{'measured':>12}{'formula':>12}   formula")
+    for what, measured, expected, text in rows:
+        flag = "" if expected is None or measured == expected else "  (differs)"
+        log(f"  {what:<26}{fmt_bytes(measured):>12}{fmt_bytes(expected) if expected is not None else '':>12}"
+            f"   {text}{flag}")
+    if device.type == "cuda":
+        log(f"  cuda max_memory_allocated: {fmt_bytes(torch.cuda.max_memory_allocated(device))}")
+    sps = out["steps_run"] * args.batch_size / max(out["train_time"], 1e-9)
+    log(f"\ntest accuracy {acc:.4f}, final train loss {out['loss']:.4f}, {sps:.0f} samples/s")
+    fields = dict(script=script, world_size=world, backend=backend, device=device.type, data=source,
+                  params=model_params, steps=out["steps"], loss=out["loss"], test_acc=acc, samples_per_s=sps,
+                  **meter.mem, comm_bytes=sum(comm.values()), comm=comm, comm_calls=calls, comm_steps=counted,
+                  formula={k: v for k, v in formula.items()}, **extra)
+    log("RESULT " + json.dumps(fields))
+    return fields
