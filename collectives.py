@@ -207,9 +207,19 @@ def show_ranks(lines):
             common.log(line)
 
 
-def setup(backend, timeout):
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
-    return dist.get_rank(), dist.get_world_size()
+def setup(args):
+    """Join the process group. torchrun (or common.launch) put RANK, WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT in the environment; LOCAL_RANK picks this process's GPU."""
+    backend, device = common.pick_backend(args.backend)    # NCCL and a GPU per rank, else Gloo on the CPU
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = datetime.timedelta(seconds=args.timeout)
+    # torchrun keeps one store across restarts (--max-restarts): prefix it per attempt, or a
+    # restarted rank may read the address of a worker that died in the last attempt and hang.
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    return rank, world, device, backend
 
 
 def cleanup():
@@ -229,15 +239,18 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds a collective may wait before the run fails")
+    parser.add_argument("--nproc", type=int, default=None, help="without torchrun: processes to spawn on this machine")
     args = parser.parse_args()
-    common.default_env()                                           # plain `python collectives.py`: a world of one
-    world = int(os.environ["WORLD_SIZE"])
+    world = common.world_size(args)
     for name in ("numel", "chunk", "ring_numel"):
         common.check(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     common.check(0 <= args.root < world, f"--root {args.root} is not a rank of this world (ranks 0..{world - 1})")
     common.check(args.timeout > 0, f"--timeout must be positive, got {args.timeout}")
-    backend, device = common.pick_backend(args.backend)
-    rank, p = setup(backend, args.timeout)
+    common.launch(run, args)
+
+
+def run(args):
+    rank, p, device, backend = setup(args)
     try:
         checks, built_for = {}, []
         common.log(f"collectives: {p} ranks, {backend} on {device.type}, torch {torch.__version__}; root {args.root}")
@@ -295,10 +308,10 @@ def main():
                       ring_numel=args.ring_numel, ring_bytes_sent=[s[0] for s in sent], ring_bytes_formula=ring_formula,
                       naive_bytes_sent=[s[1] for s in sent], naive_root_formula=(p - 1) * N,
                       ring_s=t_ring, all_reduce_s=t_lib, naive_s=t_naive)
+        if failed:
+            raise SystemExit(1)
     finally:
         cleanup()
-    if failed:
-        raise SystemExit(1)
 
 
 if __name__ == "__main__":

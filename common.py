@@ -775,5 +775,10 @@ def report(script, args, world, backend, device, source, model_params, out, acc,
                   params=model_params, steps=out["steps"], loss=out["loss"], test_acc=acc, samples_per_s=sps,
                   **meter.mem, comm_bytes=sum(comm.values()), comm=comm, comm_calls=calls, comm_steps=counted,
                   formula={k: v for k, v in formula.items()}, **extra)
-    log("RESULT " + json.dumps(fields))
+    result(**fields)
     return fields
+
+
+def result(**fields):
+    """The machine-readable last line that run_all.sh and the tests read (rank 0 only)."""
+    log("RESULT " + json.dumps(fields))

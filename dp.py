@@ -9,130 +9,151 @@ Memory (fp32, AdamW, Ψ parameters): GPU 0 holds 4Ψ params + 4Ψ grads + 8Ψ op
 every other GPU a 4Ψ replica (+ its gradients) rebuilt each step.
 Communication per step, all through GPU 0: broadcast Ψ parameters to N-1 GPUs, reduce Ψ
 gradients from them ((N-1) · 4Ψ bytes each way), plus scattering inputs and gathering outputs.
+These are CUDA copies, not c10d collectives: the Meter, which counts collectives, sees none.
 One Python process and GIL for all GPUs is why DistributedDataParallel (ddp.py) replaced it.
 
     python dp.py                 # nn.DataParallel over all visible GPUs
     python dp.py --manual        # the same step written out: replicate -> scatter -> parallel_apply -> gather
     CUDA_VISIBLE_DEVICES=0,1 python dp.py --epochs 1
 
-Without GPUs it trains on the CPU as one device, and says so.
+Without GPUs it trains on the CPU as one device, and says so. There is no process group, so
+this file's skeleton has no setup(), sampler ranks or all-reduces: compare it with ddp.py.
 """
+import os
 import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import gather, parallel_apply, replicate, scatter
+from torch.utils.data import DataLoader, DistributedSampler
 
 import common
 
+SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
-def manual_data_parallel(module, x, device_ids):
+
+### begin: DataParallel
+# Model contract: any nn.Module whose parameters are on device_ids[0].
+
+class ManualDataParallel(nn.Module):
     """What nn.DataParallel.forward does, one primitive at a time (all differentiable)."""
-    replicas = replicate(module, device_ids)                 # broadcast the parameters to every GPU
-    inputs = scatter(x, device_ids)                          # split the batch along dim 0
-    outputs = parallel_apply(replicas[:len(inputs)], [(i,) for i in inputs])   # one thread per GPU
-    return gather(outputs, device_ids[0])                    # concatenate the outputs on GPU 0
+
+    def __init__(self, module, device_ids):
+        super().__init__()
+        self.module, self.device_ids = module, device_ids
+
+    def forward(self, x):
+        replicas = replicate(self.module, self.device_ids)          # broadcast the parameters to every GPU
+        inputs = scatter(x, self.device_ids)                        # split the batch along dim 0
+        outputs = parallel_apply(replicas[:len(inputs)], [(i,) for i in inputs])   # one thread per GPU
+        return gather(outputs, self.device_ids[0])                  # concatenate the outputs on GPU 0
 
 
-def train(model, forward, optimizer, loader, sampler, args, device):
-    steps, t_train, loss_sum, loss_n, last_loss, mem = 0, 0.0, torch.zeros((), device=device), 0, float("nan"), {}
-    first_loss = None
-    for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)
+def parallelize(model, device_ids, manual):
+    if not device_ids:
+        return model
+    return ManualDataParallel(model, device_ids) if manual else nn.DataParallel(model, device_ids=device_ids)
+
+
+def full_state_dict(model):
+    return {k: v.detach().cpu() for k, v in getattr(model, "module", model).state_dict().items()}
+### end: DataParallel
+
+
+def formula(psi, gpus, args):
+    k = 8 if args.optim == "adamw" else 4
+    return dict(param_bytes=4 * psi, grad_bytes=4 * psi, optim_bytes=k * psi,
+                notes=dict(param_bytes="4Ψ on GPU 0 (+ a 4Ψ replica per other GPU, each step)",
+                           grad_bytes="4Ψ on GPU 0", optim_bytes=f"{k}Ψ " + ("AdamW m, v" if k == 8 else "SGD momentum")))
+
+
+def check_args(args, gpus):
+    common.check(args.backend == "auto", "dp.py makes no process group, so --backend does not apply (leave it at auto)")
+    common.check(args.nproc is None, "dp.py is one process driving every GPU: --nproc does not apply (see ddp.py)")
+    common.check(args.batch_size >= max(gpus, 1), f"--batch-size {args.batch_size} is smaller than the {gpus} GPUs")
+
+
+def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
+    """The loop every script shares: forward, loss, backward, step, schedule, log."""
+    stop = args.max_steps or float("inf")
+    loss_sum, loss_n, last_loss, steps_run, t_train = torch.zeros((), device=device), 0, float("nan"), 0, 0.0
+    for epoch in range(step // len(loader), args.epochs):
+        if step >= stop:
+            break
+        sampler.set_epoch(epoch)                   # a new shuffle each epoch
         model.train()
         t0 = time.perf_counter()
-        bar = common.progress(loader, args, desc=f"epoch {epoch}")
-        for x, y in bar:
+        bar = common.progress(loader, args, epoch)
+        for i, (x, y) in enumerate(bar):
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            loss = F.cross_entropy(forward(x), y)      # outputs are gathered on GPU 0: one loss, one backward
+            loss = F.cross_entropy(model(x), y)    # outputs are gathered on GPU 0: one loss, one backward
             loss.backward()
             optimizer.step()
-            if steps == 0:
-                mem = dict(param_bytes=common.param_bytes(model.parameters()),
-                           grad_bytes=common.grad_bytes(model.parameters()),
-                           optim_bytes=common.optimizer_bytes(optimizer))
+            scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            loss_sum += loss.detach()
-            steps, loss_n = steps + 1, loss_n + 1
-            if first_loss is None:
-                first_loss = loss.item()
-            if steps % 20 == 0 or steps == args.max_steps or steps % len(loader) == 0:
+            loss_sum, loss_n, step, steps_run = loss_sum + loss.detach(), loss_n + 1, step + 1, steps_run + 1
+            if step % args.log_every == 0 or step >= stop or i + 1 == len(loader):
                 last_loss, loss_sum, loss_n = loss_sum.item() / loss_n, loss_sum * 0, 0
-                if bar is not loader:
-                    bar.set_postfix(loss=f"{last_loss:.4f}")
-            if steps == args.max_steps:
+                common.log_loss(bar, args, epoch, step, last_loss)
+            if step >= stop:
                 break
         if device.type == "cuda":
             torch.cuda.synchronize()
         t_train += time.perf_counter() - t0
-        common.log(f"epoch {epoch}: steps {steps}, train loss {last_loss:.4f}")
-        if steps == args.max_steps:
-            break
-    return dict(steps=steps, loss=last_loss, first_loss=first_loss, train_time=t_train, **mem)
+        common.log(f"epoch {epoch}: step {step}, train loss {last_loss:.4f}")
+    return dict(steps=step, steps_run=steps_run, loss=last_loss, train_time=t_train)
 
 
 @torch.no_grad()
-def evaluate(forward, loader, device):
-    correct = seen = 0
-    for x, y in loader:
-        x, y = x.to(device), y.to(device)
-        correct += (forward(x).argmax(1) == y).sum().item()
-        seen += len(y)
-    return correct / max(seen, 1)
+def evaluate(model, loader, device):
+    model.eval()
+    counts = torch.zeros(2, dtype=torch.long, device=device)
+    for x, y, keep in loader:
+        x, y, keep = x.to(device), y.to(device), keep.to(device)
+        counts += torch.stack([((model(x).argmax(1) == y) & keep).sum(), keep.sum()])
+    return counts[0].item() / max(counts[1].item(), 1)
+
+
+def run(args, gpus):
+    """One process, in the seeds' order: the data, the model, the wrap, train, evaluate, save."""
+    device, device_ids = (torch.device("cuda", 0), list(range(gpus))) if gpus else (torch.device("cpu"), [])
+    train_set, test_set, source = common.load_data(args, device)
+    # One process sees every sample. A sampler for a world of one shuffles exactly as ddp.py's do
+    # at any W, so dp.py trains on the same global batches (and, on one device, to the same weights).
+    sampler = DistributedSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=args.seed, drop_last=True)
+    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True,
+                        pin_memory=device.type == "cuda")
+    common.check(len(loader) > 0, f"{len(train_set)} training samples make no full batch of {args.batch_size}")
+    model = common.build_model(args)
+    if args.load:
+        model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
+    psi = sum(p.numel() for p in model.parameters())
+    model = parallelize(model.to(device), device_ids, args.manual)   # DataParallel needs them on device_ids[0]
+    optimizer = common.make_optimizer(model.parameters(), args)
+    scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
+    common.log(f"{SCRIPT}: " + (f"{'replicate/scatter/parallel_apply/gather' if args.manual else 'nn.DataParallel'} "
+                                f"over {gpus} GPU{'s' * (gpus > 1)}" if gpus else
+                                "no GPUs visible, training on the CPU as a single device (nothing is parallel here)"))
+    common.log(f"{SCRIPT}: Ψ = {psi:,} parameters, {source} data ({len(train_set)} train / {len(test_set)} test), "
+               f"batch {args.batch_size} split over {max(gpus, 1)} device{'s' * (gpus > 1)}")
+    with common.Meter(model, optimizer, args) as meter:
+        out = train(model, optimizer, scheduler, loader, sampler, args, device)
+    acc = evaluate(model, common.test_loader(test_set, pin_memory=device.type == "cuda"), device)
+    if args.save:
+        common.save_checkpoint(full_state_dict(model), args.save)
+        common.log(f"saved {args.save}")
+    common.report(SCRIPT, args, max(gpus, 1), "none", device, source, psi, out, acc, meter, formula(psi, gpus, args),
+                  manual=args.manual)
 
 
 def main():
     parser = common.get_parser("DP: nn.DataParallel (one process, all visible GPUs) on the common ViT")
     parser.add_argument("--manual", action="store_true", help="write the step out: replicate, scatter, parallel_apply, gather")
     args = common.parse_args(parser)
-    common.check(args.backend == "auto", "dp.py makes no process group, so --backend does not apply (leave it at auto)")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    common.check(args.batch_size >= max(gpus, 1), f"--batch-size {args.batch_size} is smaller than the {gpus} GPUs")
-    model = common.build_model(args)
-    if args.load:
-        model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
-    if gpus == 0:
-        device, device_ids, forward = torch.device("cpu"), [], model
-        common.log("dp: no GPUs visible, training on the CPU as a single device (nothing is parallel here)")
-    else:
-        device, device_ids = torch.device("cuda", 0), list(range(gpus))
-        model.to(device)             # DataParallel needs the parameters on device_ids[0]
-        if args.manual:
-            forward = lambda x: manual_data_parallel(model, x, device_ids)   # noqa: E731
-        else:
-            forward = nn.DataParallel(model, device_ids=device_ids)
-        common.log(f"dp: {'replicate/scatter/parallel_apply/gather' if args.manual else 'nn.DataParallel'} "
-                   f"over {gpus} GPU{'s' * (gpus > 1)}")
-    xtr, ytr, xte, yte, source = common.load_data(args)
-    loader, sampler = common.train_loader(xtr, ytr, args.batch_size, 0, 1, args.seed)
-    common.check(len(loader) > 0, f"{len(ytr)} training samples make no full batch of {args.batch_size}")
-    optimizer = common.make_optimizer(model.parameters(), args)
-    psi = sum(p.numel() for p in model.parameters())
-    n = max(gpus, 1)
-    common.log(f"dp: Ψ = {psi:,} parameters, {source} data ({len(ytr)} train / {len(yte)} test), "
-               f"batch {args.batch_size} split over {n} device{'s' * (n > 1)}")
-    out = train(model, forward, optimizer, loader, sampler, args, device)
-    acc = evaluate(forward, common.test_loader(xte, yte, 512), device)
-    comm_bytes = 2 * (n - 1) * 4 * psi          # broadcast params out + reduce grads back (activations not counted)
-    common.report([
-        ("parameters (GPU 0)", out["param_bytes"], 4 * psi, "4Ψ (+ a 4Ψ replica per other GPU, each step)"),
-        ("gradients (GPU 0)", out["grad_bytes"], 4 * psi, "4Ψ"),
-        ("optimizer state", out["optim_bytes"], (8 if args.optim == "adamw" else 4) * psi,
-         "8Ψ AdamW m, v" if args.optim == "adamw" else "4Ψ SGD momentum"),
-        ("through GPU 0 per step", comm_bytes, comm_bytes, "2(N-1) · 4Ψ: broadcast params, reduce grads"),
-    ])
-    if device.type == "cuda":
-        common.log(f"  cuda max_memory_allocated (GPU 0): {common.fmt_bytes(torch.cuda.max_memory_allocated(device))}")
-    sps = out["steps"] * args.batch_size / max(out["train_time"], 1e-9)
-    common.log(f"\ntest accuracy {acc:.4f}, final train loss {out['loss']:.4f}, {sps:.0f} samples/s")
-    if args.save:
-        common.save_checkpoint({k: v.cpu() for k, v in model.state_dict().items()}, args.save)
-        common.log(f"saved {args.save}")
-    common.result(script="dp", world_size=n, backend="none", device=device.type, data=source, params=psi,
-                  steps=out["steps"], loss=out["loss"], first_loss=out["first_loss"], test_acc=acc,
-                  samples_per_s=sps, param_bytes=out["param_bytes"], grad_bytes=out["grad_bytes"],
-                  optim_bytes=out["optim_bytes"], comm_bytes=comm_bytes, manual=args.manual)
+    check_args(args, gpus)
+    run(args, gpus)
 
 
 if __name__ == "__main__":

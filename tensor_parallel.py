@@ -1,11 +1,10 @@
-"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019), written out on torch.distributed:
-each of W ranks holds 1/W of every Transformer block's weight matrices and sees the same full
-batch. Attention is split by heads (q, k, v column-split: rank r owns heads/W whole heads; the
-output projection row-split), the MLP column-then-row (fc1 column-split, fc2 row-split), so
-each half-block needs exactly one all-reduce forward (g) and one backward (f).
+"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019): each of W ranks holds 1/W of every
+block's weight matrices and sees the whole batch. Attention splits by heads (q, k, v by columns:
+rank r owns H/W whole heads; the output projection by rows), the MLP column-then-row, so each
+half-block needs one all-reduce forward (g) and one backward (f). Embedding, norms, head replicated.
 
-    column split  W = [W1 … Wp]:   Y = X·W = [X·W1 … X·Wp]       rank r computes Yr, no communication
-    row split     W = [W1; …; Wp]:  Z = [Y1 … Yp]·W = Σr Yr·Wr    rank r a partial sum, added up by g
+    column split  A = [A1 … Ap]:   Y = X·A = [X·A1 … X·Ap]       rank r computes Yr, no communication
+    row split     B = [B1; …; Bp]:  Z = [Y1 … Yp]·B = Σr Yr·Br    rank r a partial sum, added up by g
 
             ┌─ X·[Q1 K1 V1] → heads 1 .. H/W  ─ ·[P1] ─┐
     X ─ f ──┤                 ...                      ├─ g ─ + bias → + X
@@ -13,20 +12,18 @@ each half-block needs exactly one all-reduce forward (g) and one backward (f).
     MLP:    X ─ f ─ X·[A1 … Ap] ─ gelu ─ ·[B1; …; Bp] ─ g ─ + bias → + X
     f: identity forward, all-reduce backward;   g: all-reduce forward, identity backward
 
---sequence-parallel (Korthikanti et al. 2022): LayerNorms and residuals run on T/W of the 16
-tokens; f becomes an all-gather of the tokens (reduce-scatter backward), g a reduce-scatter
-(all-gather backward). A ring all-reduce is a reduce-scatter then an all-gather, so the bytes
-are the same and the activations outside the split layers shrink by W.
+--sequence-parallel (Korthikanti et al. 2022): norms and residuals run on T/W tokens; f becomes an
+all-gather of the tokens (reduce-scatter backward), g a reduce-scatter (all-gather backward): the
+all-reduce's bytes, activations outside the split layers / W. Norm and row-bias grads are summed.
 
-Memory per rank (fp32, Ψ = Ψs split + Ψr replicated: norms, row biases, embedding, head):
-4(Ψr + Ψs/W) params + as much grads + 8(Ψr + Ψs/W) AdamW; norm/residual activations B·T·D per
-block, B·T·D/W with SP. Communication per step: 4·depth all-reduces of B·T·D fp32 elements,
-each sending 2(W-1)/W of it per rank; with SP 4·depth all-gathers + 4·depth reduce-scatters
-(same bytes), 2 all-gathers where SP begins and ends, 1 all-reduce of the norm/bias grads.
+Memory per rank (fp32, Ψ = Ψs split + Ψr replicated, Ψs = depth·(12D² + 6D) here): 4(Ψr + Ψs/W)
+params + as much grads + 8(Ψr + Ψs/W) AdamW. Communication per step, in B·T·D fp32 activations
+(B the whole batch): 4·depth all-reduces (a ring sends 2(W-1)/W of each); with SP 4·depth
+reduce-scatters and 4·depth + 2 all-gathers (SP's entry and exit), each sending (W-1)/W, and one
+all-reduce of the 6·D·depth norm/bias gradients.
 
     torchrun --standalone --nproc_per_node=2 tensor_parallel.py
-    torchrun --standalone --nproc_per_node=4 tensor_parallel.py --sequence-parallel
-    python tensor_parallel.py                                   # W=1: the dense model
+    python tensor_parallel.py --nproc 4 --sequence-parallel     # through mp.spawn on a free port
 """
 import datetime
 import os
@@ -36,47 +33,36 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler
 
 import common
 
-COUNT = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0, "elements": 0}   # collectives this rank issued
-# torch 2.14 renamed the *_tensor collectives (the old names warn); torch 2.11 has only the old ones.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-NATIVE_REDUCE_SCATTER = True                     # run() probes it: Gloo before torch 2.3 lacks it
+SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
+
+### begin: Tensor parallel
+# Model contract: `model.embed` -> [B, T, D] -> `model.blocks` -> `model.head`, the same weights on
+# every rank; a block is x + attn(norm1(x)), x + mlp(norm2(x)) with nn.Linear `attn.q/k/v/proj` and
+# `mlp.fc1/fc2`, heads contiguous in q, k, v's outputs, attention reading its head count off q's.
 
 def all_reduce(x):
-    COUNT["all_reduce"] += 1
-    COUNT["elements"] += x.numel()
     x = x.contiguous()
     dist.all_reduce(x)                           # in place, as Megatron does: x is a fresh partial sum
     return x
 
 
-def all_gather_tokens(x):
-    """[B, T/W, D] -> [B, T, D]. The collectives concatenate along dim 0, so tokens go first
-    (Megatron keeps activations as [T, B, D] throughout to avoid these transposes)."""
-    COUNT["all_gather"] += 1
-    COUNT["elements"] += x.numel() * dist.get_world_size()
+# The collectives concatenate along dim 0, so tokens go first (Megatron keeps [T, B, D] throughout).
+def all_gather_tokens(x):                        # [B, T/W, D] -> [B, T, D]
     x = x.transpose(0, 1).contiguous()
     out = x.new_empty((x.shape[0] * dist.get_world_size(), *x.shape[1:]))
-    _all_gather(out, x)
+    dist.all_gather_into_tensor(out, x)
     return out.transpose(0, 1).contiguous()
 
 
-def reduce_scatter_tokens(x):
-    """[B, T, D] partial sums -> [B, T/W, D] of the full sum, this rank's tokens."""
-    COUNT["reduce_scatter"] += 1
-    COUNT["elements"] += x.numel()
-    W, r = dist.get_world_size(), dist.get_rank()
-    if not NATIVE_REDUCE_SCATTER:                # fallback: all-reduce, keep our slice (sends twice the bytes)
-        x = x.contiguous()
-        dist.all_reduce(x)
-        return x.chunk(W, 1)[r].contiguous()
+def reduce_scatter_tokens(x):                    # [B, T, D] partial sums -> this rank's [B, T/W, D] of the sum
     x = x.transpose(0, 1).contiguous()
-    out = x.new_empty((x.shape[0] // W, *x.shape[1:]))
-    _reduce_scatter(out, x)
+    out = x.new_empty((x.shape[0] // dist.get_world_size(), *x.shape[1:]))
+    dist.reduce_scatter_tensor(out, x)
     return out.transpose(0, 1).contiguous()
 
 
@@ -84,47 +70,23 @@ def my_tokens(x):
     return x.chunk(dist.get_world_size(), 1)[dist.get_rank()].contiguous()
 
 
-# The conjugate operators as autograd Functions: what forward does, backward does the conjugate of.
-class Copy(torch.autograd.Function):
-    """f: identity forward, all-reduce backward (each rank's q, k, v / fc1 give part of the grad)."""
-    forward = staticmethod(lambda ctx, x: x)
-    backward = staticmethod(lambda ctx, grad: all_reduce(grad))
+def conjugate(name, forward, backward):
+    """An autograd Function: `forward` on the activation, its conjugate `backward` on the gradient."""
+    return type(name, (torch.autograd.Function,), dict(forward=staticmethod(lambda ctx, x: forward(x)),
+                                                       backward=staticmethod(lambda ctx, grad: backward(grad))))
 
 
-class Reduce(torch.autograd.Function):
-    """g: all-reduce forward (sum the row-parallel partial products), identity backward."""
-    forward = staticmethod(lambda ctx, x: all_reduce(x))
-    backward = staticmethod(lambda ctx, grad: grad)
-
-
-class GatherTokens(torch.autograd.Function):
-    """f under SP: all-gather the tokens forward; reduce-scatter the partial gradients backward."""
-    forward = staticmethod(lambda ctx, x: all_gather_tokens(x))
-    backward = staticmethod(lambda ctx, grad: reduce_scatter_tokens(grad))
-
-
-class ReduceScatterTokens(torch.autograd.Function):
-    """g under SP: reduce-scatter forward (sum, keep our tokens); all-gather the gradient backward."""
-    forward = staticmethod(lambda ctx, x: reduce_scatter_tokens(x))
-    backward = staticmethod(lambda ctx, grad: all_gather_tokens(grad))
-
-
-class ScatterTokens(torch.autograd.Function):
-    """Into SP after the replicated embedding: keep our tokens; all-gather the gradient backward."""
-    forward = staticmethod(lambda ctx, x: my_tokens(x))
-    backward = staticmethod(lambda ctx, grad: all_gather_tokens(grad))
-
-
-class UnscatterTokens(torch.autograd.Function):
-    """Out of SP before the replicated head: all-gather; backward keeps our slice (same grad everywhere)."""
-    forward = staticmethod(lambda ctx, x: all_gather_tokens(x))
-    backward = staticmethod(lambda ctx, grad: my_tokens(grad))
+Copy = conjugate("Copy", lambda x: x, all_reduce)            # f: each rank's q, k, v / fc1 give part of the grad
+Reduce = conjugate("Reduce", all_reduce, lambda grad: grad)  # g: sum the row-parallel partial products
+GatherTokens = conjugate("GatherTokens", all_gather_tokens, reduce_scatter_tokens)                 # f under SP
+ReduceScatterTokens = conjugate("ReduceScatterTokens", reduce_scatter_tokens, all_gather_tokens)   # g under SP
+ScatterTokens = conjugate("ScatterTokens", my_tokens, all_gather_tokens)         # into SP after the embedding
+UnscatterTokens = conjugate("UnscatterTokens", all_gather_tokens, my_tokens)     # out of SP before the head
 
 
 class ColumnParallelLinear(nn.Module):
-    """Y_r = X·A_r: rows r·out/W .. of nn.Linear's [out, in] weight (and bias). Its input is
-    f(X), applied once by the block for q, k and v together."""
-    split = 0
+    """Y_r = X·A_r: rows r·out/W .. of nn.Linear's [out, in] weight and bias; its input is f(X)."""
+    split = dict(weight=0, bias=0)               # the dim full_state_dict concatenates along
 
     def __init__(self, linear, rank, world):
         super().__init__()
@@ -136,28 +98,24 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """Z = g(Σ_r Y_r·B_r) + b: columns r·in/W .. of the weight; the full bias is added once,
-    after the sum (g is Reduce, or ReduceScatterTokens under SP)."""
-    split = 1
+    """Z = g(Σ_r Y_r·B_r) + b: columns r·in/W .. of the weight; the whole bias, added once after g."""
+    split = dict(weight=1)
 
     def __init__(self, linear, rank, world, reduce):
         super().__init__()
-        self.weight = nn.Parameter(linear.weight.detach().chunk(world, 1)[rank].clone())
-        self.bias = nn.Parameter(linear.bias.detach().clone())
-        self.reduce = reduce
+        self.weight = nn.Parameter(linear.weight.detach().chunk(world, 1)[rank].contiguous())
+        self.bias, self.reduce = nn.Parameter(linear.bias.detach().clone()), reduce
 
     def forward(self, x):
         return self.reduce(F.linear(x, self.weight)) + self.bias
 
 
 class ParallelBlock(nn.Module):
-    """common.Block with its linears split; the same attribute names, so the same state_dict keys.
-    Attention.forward runs unchanged: it reads the local head count off q's output width."""
+    """The block with its linears split; the same attribute names, so the same state_dict keys."""
 
     def __init__(self, block, rank, world, sp):
         super().__init__()
-        self.enter = GatherTokens.apply if sp else Copy.apply
-        exit_ = ReduceScatterTokens.apply if sp else Reduce.apply
+        self.enter, exit_ = (GatherTokens.apply, ReduceScatterTokens.apply) if sp else (Copy.apply, Reduce.apply)
         self.norm1, self.attn, self.norm2, self.mlp = block.norm1, block.attn, block.norm2, block.mlp
         a, m = self.attn, self.mlp
         a.q, a.k, a.v = (ColumnParallelLinear(lin, rank, world) for lin in (a.q, a.k, a.v))
@@ -169,42 +127,80 @@ class ParallelBlock(nn.Module):
         return x + self.mlp(self.enter(self.norm2(x)))
 
 
-def parallelize(model, rank, world, sp):
-    """Slice the full, seeded model in place. Under SP, mark the parameters that see only this
-    rank's tokens: their gradients are partial sums."""
+def parallelize(model, device, sp=False):
+    """Split every block's linears in place; embedding and head stay replicated (same grads everywhere)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     for i, block in enumerate(model.blocks):
         model.blocks[i] = ParallelBlock(block, rank, world, sp)
-    sp_params = [p for b in model.blocks for p in (*b.norm1.parameters(), *b.norm2.parameters(),
-                                                  b.attn.proj.bias, b.mlp.fc2.bias)] if sp else []
-    return model, sp_params
+    if sp:                                       # the blocks run on this rank's tokens, embed and head on all
+        model.embed.register_forward_hook(lambda module, args, out: ScatterTokens.apply(out))
+        model.head.register_forward_pre_hook(lambda module, args: UnscatterTokens.apply(*args))
+        # Norms and row biases see T/W tokens: each rank's gradient is a partial sum. When backward
+        # has accumulated the last of them, all-reduce them in one flat buffer (as Megatron does).
+        partial, ready = [p for b in model.blocks for p in (*b.norm1.parameters(), *b.norm2.parameters(),
+                                                            b.attn.proj.bias, b.mlp.fc2.bias)], []
+
+        def sum_partial_grads(p):
+            ready.append(p)
+            if len(ready) == len(partial):
+                ready.clear()
+                flat = all_reduce(torch.cat([q.grad.flatten() for q in partial]))
+                for q, g in zip(partial, flat.split([q.numel() for q in partial])):
+                    q.grad.copy_(g.view_as(q))
+        for p in partial:
+            p.register_post_accumulate_grad_hook(sum_partial_grads)
+    return model
 
 
-def forward(model, img, sp):
-    x = model.embed(img)
-    x = ScatterTokens.apply(x) if sp else x
-    for block in model.blocks:
-        x = block(x)
-    return model.head(UnscatterTokens.apply(x) if sp else x)
-
-
-def dense_state_dict(model):
-    """Reassemble the plain state_dict: all-gather each split tensor along its split dim."""
-    out = {}
+def full_state_dict(model):
+    """The common model's plain state_dict on rank 0 (None elsewhere): split tensors gathered to rank 0."""
+    rank, world, out = dist.get_rank(), dist.get_world_size(), {}
     for name, module in model.named_modules():
         for pname, t in module.named_parameters(recurse=False):
-            split = getattr(module, "split", None)
-            if split == 0 or (split == 1 and pname == "weight"):
-                parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-                dist.all_gather(parts, t.detach().contiguous())
-                t = torch.cat(parts, split)
-            out[f"{name}.{pname}" if name else pname] = t.detach().cpu()
-    return {k: out[k] for k in model.state_dict()}
+            if pname in getattr(module, "split", {}):
+                parts = [torch.empty_like(t) for _ in range(world)] if rank == 0 else None
+                dist.gather(t.detach().contiguous(), parts, dst=0)
+                t = torch.cat(parts, module.split[pname]) if rank == 0 else t
+            out[f"{name}.{pname}"] = t.detach().cpu()
+    return {k: out[k] for k in model.state_dict()} if rank == 0 else None
+### end: Tensor parallel
 
 
-def setup(backend, timeout):
-    # MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE come from the environment (torchrun or default_env).
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
-    return dist.get_rank(), dist.get_world_size()
+def formula(psi, world, args):
+    """The paper's per-rank bytes, which the report sets next to what the Meter measured."""
+    k, d = (8 if args.optim == "adamw" else 4), args.depth
+    split = d * (12 * args.dim ** 2 + 6 * args.dim)    # Ψs: q, k, v, proj, fc1, fc2 weights; q, v, fc1 biases
+    own = psi - split + split // world                 # Ψr + Ψs/W
+    n = 4 * args.batch_size * (common.IMAGE // args.patch) ** 2 * args.dim    # one [B, T, D] fp32 activation
+    comm = dict(all_gather=(4 * d + 2) * n, reduce_scatter=4 * d * n, all_reduce=4 * 6 * args.dim * d) \
+        if args.sequence_parallel else dict(all_reduce=4 * d * n)
+    return dict(param_bytes=4 * own, grad_bytes=4 * own, optim_bytes=k * own, comm=comm,
+                notes=dict(param_bytes="4(Ψr + Ψs/W)", grad_bytes="4(Ψr + Ψs/W)", optim_bytes=f"{k}(Ψr + Ψs/W)",
+                           all_reduce="6·D·depth norm/bias grads" if args.sequence_parallel else "4·depth x B·T·D",
+                           all_gather="(4·depth + 2) x B·T·D", reduce_scatter="4·depth x B·T·D"))
+
+
+def check_args(args, world):
+    tokens = (common.IMAGE // args.patch) ** 2
+    common.check(args.heads % world == 0, f"--heads {args.heads} is not divisible by the {world} tensor-parallel "
+                                          f"ranks: each rank must own whole attention heads")   # so D and 4D split too
+    common.check(not args.sequence_parallel or tokens % world == 0,
+                 f"--sequence-parallel splits the {tokens} tokens over ranks: {world} does not divide them")
+
+
+def setup(args):
+    """Join the process group. torchrun (or common.launch) put RANK, WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT in the environment; LOCAL_RANK picks this process's GPU."""
+    backend, device = common.pick_backend(args.backend)    # NCCL and a GPU per rank, else Gloo on the CPU
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = datetime.timedelta(seconds=args.timeout)
+    # torchrun keeps one store across restarts (--max-restarts): prefix it per attempt, or a
+    # restarted rank may read the address of a worker that died in the last attempt and hang.
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    return rank, world, device, backend
 
 
 def cleanup():
@@ -212,135 +208,81 @@ def cleanup():
         dist.destroy_process_group()
 
 
-def train(model, optimizer, loader, sampler, args, device, sp_params):
-    steps, t_train, loss_sum, loss_n, last_loss, mem = 0, 0.0, torch.zeros((), device=device), 0, float("nan"), {}
-    for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)
+def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
+    """The loop every script shares: forward, loss, backward, step, schedule, log."""
+    stop, world = args.max_steps or float("inf"), dist.get_world_size()
+    loss_sum, loss_n, last_loss, steps_run, t_train = torch.zeros((), device=device), 0, float("nan"), 0, 0.0
+    for epoch in range(step // len(loader), args.epochs):
+        if step >= stop:
+            break
+        sampler.set_epoch(epoch)                   # a new shuffle each epoch, the same on every rank
         model.train()
         t0 = time.perf_counter()
-        bar = common.progress(loader, args, desc=f"epoch {epoch}")
-        for x, y in bar:                           # the same full batch on every rank: TP does not split data
+        bar = common.progress(loader, args, epoch)
+        for i, (x, y) in enumerate(bar):
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            loss = F.cross_entropy(forward(model, x, args.sequence_parallel), y)
+            loss = F.cross_entropy(model(x), y)
             loss.backward()
-            if sp_params:                          # norms and row biases saw T/W tokens: sum their grads
-                flat = all_reduce(torch.cat([p.grad.flatten() for p in sp_params]))
-                for p, g in zip(sp_params, flat.split([p.numel() for p in sp_params])):
-                    p.grad.copy_(g.view_as(p))
             optimizer.step()
-            if steps == 0:
-                mem = dict(param_bytes=common.param_bytes(model.parameters()),
-                           grad_bytes=common.grad_bytes(model.parameters()),
-                           optim_bytes=common.optimizer_bytes(optimizer))
+            scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            loss_sum += loss.detach()
-            steps, loss_n = steps + 1, loss_n + 1
-            if steps % 20 == 0 or steps == args.max_steps or steps % len(loader) == 0:
-                last_loss, loss_sum, loss_n = loss_sum.item() / loss_n, loss_sum * 0, 0   # same on every rank
-                if bar is not loader:
-                    bar.set_postfix(loss=f"{last_loss:.4f}")
-            if steps == args.max_steps:
+            loss_sum, loss_n, step, steps_run = loss_sum + loss.detach(), loss_n + 1, step + 1, steps_run + 1
+            if step % args.log_every == 0 or step >= stop or i + 1 == len(loader):
+                dist.all_reduce(loss_sum)          # every rank's loss is the whole batch's: W equal values
+                last_loss, loss_sum, loss_n = loss_sum.item() / world / loss_n, loss_sum * 0, 0
+                common.log_loss(bar, args, epoch, step, last_loss)
+            if step >= stop:
                 break
         if device.type == "cuda":
             torch.cuda.synchronize()
         t_train += time.perf_counter() - t0
-        common.log(f"epoch {epoch}: steps {steps}, train loss {last_loss:.4f}")
-        if steps == args.max_steps:
-            break
-    return dict(steps=steps, loss=last_loss, train_time=t_train, **mem)
+        common.log(f"epoch {epoch}: step {step}, train loss {last_loss:.4f}")
+    return dict(steps=step, steps_run=steps_run, loss=last_loss, train_time=t_train)
 
 
 @torch.no_grad()
-def evaluate(model, loader, device, sp):
-    """Every rank runs the whole test set through its slice; the counts come out the same."""
+def evaluate(model, loader, device):
+    """Exact: the loader pads every rank to the same number of batches (padding masked out), so
+    every rank runs the same forward passes and collectives and each sample counts once."""
     model.eval()
     counts = torch.zeros(2, dtype=torch.long, device=device)
-    for x, y in loader:
-        x, y = x.to(device), y.to(device)
-        counts += torch.stack([(forward(model, x, sp).argmax(1) == y).sum(), torch.tensor(len(y), device=device)])
+    for x, y, keep in loader:
+        x, y, keep = x.to(device), y.to(device), keep.to(device)
+        counts += torch.stack([((model(x).argmax(1) == y) & keep).sum(), keep.sum()])
+    dist.all_reduce(counts)
     return counts[0].item() / max(counts[1].item(), 1)
 
 
-def expected_collectives(args):
-    """Per step, and the fp32 elements they move (full tensors: an all-gather's output)."""
-    n, d = args.batch_size * common.TOKENS * args.dim, args.depth
-    if not args.sequence_parallel:
-        return dict(all_reduce=4 * d, all_gather=0, reduce_scatter=0, elements=4 * d * n)
-    return dict(all_reduce=1, all_gather=4 * d + 2, reduce_scatter=4 * d, elements=(8 * d + 2) * n + 6 * args.dim * d)
-
-
-def check_args(args, world):
-    common.check(args.heads % world == 0, f"--heads {args.heads} is not divisible by the {world} tensor-parallel "
-                                          f"ranks: each rank must own whole attention heads")
-    common.check(4 * args.dim % world == 0, f"the MLP width 4 x --dim = {4 * args.dim} is not divisible by the "
-                                            f"{world} tensor-parallel ranks")
-    common.check(not args.sequence_parallel or common.TOKENS % world == 0,
-                 f"--sequence-parallel splits the {common.TOKENS} tokens over ranks: {world} does not divide them")
-
-
 def run(args):
-    global NATIVE_REDUCE_SCATTER
-    check_args(args, int(os.environ["WORLD_SIZE"]))
-    backend, device = common.pick_backend(args.backend)
-    model = common.build_model(args)               # the full, seeded model on every rank; each keeps a slice
-    if args.load:
-        model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
-    psi = sum(p.numel() for p in model.parameters())
-    rank, world = setup(backend, args.timeout)
+    """One rank, in the seeds' order: join the group, deal the data, build the model, wrap it,
+    train, evaluate, save on rank 0, leave the group."""
+    rank, world, device, backend = setup(args)
     try:
-        if args.sequence_parallel and world > 1:
-            # Gloo has reduce_scatter_tensor since torch 2.3 (pytorch#118911; inside, an all-reduce + chunk);
-            # older or other CPU backends lack it: probe once, and fall back the same way.
-            try:
-                _reduce_scatter(torch.empty(1, device=device), torch.zeros(world, device=device))
-            except (RuntimeError, NotImplementedError, ValueError):
-                NATIVE_REDUCE_SCATTER = False
-                common.log(f"note: {backend} has no reduce_scatter_tensor here; using all-reduce + slice")
-        xtr, ytr, xte, yte, source = common.load_data(args)
-        loader, sampler = common.train_loader(xtr, ytr, args.batch_size, 0, 1, args.seed)   # world=1: all the batch
-        common.check(len(loader) > 0, f"{len(ytr)} training samples make no full batch of {args.batch_size}")
-        model, sp_params = parallelize(model, rank, world, args.sequence_parallel)
-        model = model.to(device)
+        train_set, test_set, source = common.load_data(args, device)
+        dp_rank, dp_world = 0, 1                   # TP: every rank sees the whole batch
+        sampler = DistributedSampler(train_set, num_replicas=dp_world, rank=dp_rank, shuffle=True,
+                                     seed=args.seed, drop_last=True)
+        loader = DataLoader(train_set, batch_size=args.batch_size // dp_world, sampler=sampler, drop_last=True,
+                            pin_memory=device.type == "cuda")
+        common.check(len(loader) > 0, f"{len(train_set)} training samples make no full batch of {args.batch_size}")
+        model = common.build_model(args)           # the same seeded weights on every rank
+        if args.load:
+            model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
+        psi = sum(p.numel() for p in model.parameters())
+        model = parallelize(model.to(device), device, args.sequence_parallel)
         optimizer = common.make_optimizer(model.parameters(), args)
-        own = sum(p.numel() for p in model.parameters())           # Ψr + Ψs/W
-        common.log(f"tensor_parallel: world {world}, Ψ = {psi:,} parameters, {own:,} on each rank, SP "
-                   f"{'on' if args.sequence_parallel else 'off'}, {source} data ({len(ytr)} train / {len(yte)} test), "
-                   f"batch {args.batch_size} on every rank")
-        COUNT.update({k: 0 for k in COUNT})
-        out = train(model, optimizer, loader, sampler, args, device, sp_params)
-        counted, expected = {k: v // max(out["steps"], 1) for k, v in COUNT.items()}, expected_collectives(args)
-        acc = evaluate(model, common.test_loader(xte, yte, 512), device, args.sequence_parallel)
-        comm_bytes = 4 * counted["elements"]
-        ring = (1 if args.sequence_parallel else 2) * (world - 1) * comm_bytes // world
-        common.report([
-            ("parameters", out["param_bytes"], 4 * own, "4(Ψr + Ψs/W)"),
-            ("gradients", out["grad_bytes"], 4 * own, "4(Ψr + Ψs/W)"),
-            ("optimizer state", out["optim_bytes"], (8 if args.optim == "adamw" else 4) * own,
-             "8(Ψr + Ψs/W) AdamW m, v" if args.optim == "adamw" else "4(Ψr + Ψs/W) SGD momentum"),
-            ("collective data / step", comm_bytes, 4 * expected["elements"],
-             "4·depth·4BTD" if not args.sequence_parallel else "(8·depth+2)·4BTD + 4·6D·depth"),
-            ("sent per step (ring)", ring, None, "2(W-1)/W per all-reduce" if not args.sequence_parallel
-             else "(W-1)/W per all-gather / reduce-scatter"),
-        ])
-        common.log("  collectives per step   " + ", ".join(f"{k} {counted[k]} (expected {expected[k]})"
-                                                        for k in ("all_reduce", "all_gather", "reduce_scatter")))
-        if device.type == "cuda":
-            common.log(f"  cuda max_memory_allocated: {common.fmt_bytes(torch.cuda.max_memory_allocated(device))}")
-        sps = out["steps"] * args.batch_size / max(out["train_time"], 1e-9)
-        common.log(f"\ntest accuracy {acc:.4f}, final train loss {out['loss']:.4f}, {sps:.0f} samples/s")
-        if args.save:
-            state = dense_state_dict(model)         # a collective: every rank takes part
-            if rank == 0:
-                common.save_checkpoint(state, args.save)
-                common.log(f"saved {args.save}")
-        ops = ("all_reduce", "all_gather", "reduce_scatter")
-        common.result(script="tensor_parallel", world_size=world, backend=backend, device=device.type, data=source,
-                      params=psi, steps=out["steps"], loss=out["loss"], test_acc=acc, samples_per_s=sps,
-                      param_bytes=out["param_bytes"], grad_bytes=out["grad_bytes"], optim_bytes=out["optim_bytes"],
-                      comm_bytes=comm_bytes, sequence_parallel=args.sequence_parallel,
-                      collectives={k: counted[k] for k in ops}, collectives_expected={k: expected[k] for k in ops},
-                      native_reduce_scatter=NATIVE_REDUCE_SCATTER)
-        dist.barrier()        # leave together: a Gloo rank torn down while rank 0 still saves aborted once
+        scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
+        common.log(f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data ({len(train_set)} train / "
+                   f"{len(test_set)} test), batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}")
+        with common.Meter(model, optimizer, args) as meter:
+            out = train(model, optimizer, scheduler, loader, sampler, args, device)
+        acc = evaluate(model, common.test_loader(test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"),
+                       device)
+        state = full_state_dict(model)             # every rank takes part; rank 0 holds the whole
+        if rank == 0 and args.save:
+            common.save_checkpoint(state, args.save)
+            common.log(f"saved {args.save}")
+        common.report(SCRIPT, args, world, backend, device, source, psi, out, acc, meter, formula(psi, world, args))
     finally:
         cleanup()
 
@@ -349,9 +291,9 @@ def main():
     parser = common.get_parser("Tensor parallelism (Megatron) on the common ViT, written out")
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="norms and residuals on T/W tokens: all-gather / reduce-scatter instead of all-reduce")
-    common.default_env()
     args = common.parse_args(parser)
-    run(args)
+    check_args(args, common.world_size(args))
+    common.launch(run, args)
 
 
 if __name__ == "__main__":

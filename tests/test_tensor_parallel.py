@@ -1,72 +1,117 @@
-"""tensor_parallel.py: Megatron TP (with and without sequence parallelism) ends with the same
-parameters as the one-process ddp.py run, issues exactly the predicted collectives, holds the
-predicted slice of the parameters, and refuses bad input with one message."""
-import argparse
-
+"""tensor_parallel.py: Megatron TP, with and without sequence parallelism, ends with the same
+parameters as the one-process ddp.py run (SGD and AdamW, W=2, and W=3 with 6 heads); the
+collectives the Meter measures from outside equal what this test works out from B, T, D and
+depth; each rank holds Ψr + Ψs/W parameters counted here off the model; the dense file it saves
+loads in ddp.py with the same test accuracy; SP refuses a W that does not divide the tokens."""
 import pytest
 
 import common
-import tensor_parallel
-from helpers import SMALL, max_diff, ok, python, torchrun
+from helpers import SMALL, ddp_reference, max_diff, ok, python, torchrun
 
-DEPTH = 4                                   # the same config as test_pipeline.py, so they share references
-CFG = [*SMALL, "--depth", str(DEPTH)]
-TOL = {"sgd": 1e-6, "adamw": 1e-5}          # float32 round-off (ddp.py itself: ~7e-9 SGD, ~1.6e-6 AdamW)
-B, T, D = 32, common.TOKENS, 32             # SMALL's batch and dim
+DEPTH = 4
+CFG = [*SMALL, "--depth", str(DEPTH)]             # the same config as test_pipeline.py: shared references
+CFG3 = [*SMALL, "--dim", "48", "--heads", "6"]    # W=3: 2 heads a rank; its 16 tokens do not split 3 ways
+TOL = {"sgd": 1e-6, "adamw": 1e-5}                # float32 round-off (measured ~1e-7 SGD, ~9e-7 AdamW)
+WINDOW = 3                                        # optimizer steps the Meter counts collectives in
 
-
-def split_numel(dim=D, depth=DEPTH, heads=4):
-    """Ψs: the elements TP splits (q, k, v, proj, fc1, fc2 weights; q, v, fc1 biases) and Ψ."""
-    model = common.ViT(dim, depth, heads)
-    psi = sum(p.numel() for p in model.parameters())
-    return sum(b.attn.q.weight.numel() * 4 + 2 * b.attn.q.bias.numel() + b.mlp.fc1.weight.numel()
-               + b.mlp.fc2.weight.numel() + b.mlp.fc1.bias.numel() for b in model.blocks), psi
+CASES = [(2, False, "sgd"), (2, False, "adamw"), (2, True, "sgd"), (2, True, "adamw"), (3, False, "sgd"),
+         (3, False, "adamw")]
+IDS = [f"W{w}-{'sp' if sp else 'tp'}-{o}" for w, sp, o in CASES]
 
 
-# Each of W in {2, 4}, SP on/off and SGD/AdamW meets each other in one of four runs; one of them
-# starts from --load (slice a plain state_dict) instead of slicing the model it built.
-@pytest.mark.parametrize("world,sp,optim", [(2, False, "sgd"), (2, True, "adamw"),
-                                            (4, False, "adamw"), (4, True, "sgd")])
-def test_same_parameters_and_collectives(world, sp, optim, refs, initial, tmp_path):
-    out = tmp_path / "tp.pt"
-    load = ["--load", initial] if (world, sp) == (4, True) else []
-    r = ok(torchrun("tensor_parallel.py", world, *CFG, "--optim", optim, *(["--sequence-parallel"] if sp else []),
-                    *load, "--save", out, timeout=150))
-    diff = max_diff(refs[optim], out)
+def cfg_of(world):
+    return CFG if world == 2 else CFG3
+
+
+def model_of(cfg):
+    args = common.parse_args(common.get_parser("test"), cfg)
+    return args, common.build_model(args)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, initial):
+    """One launch per case, shared by the tests below: (RESULT, path of the saved state_dict).
+    The W=2 SP SGD run starts from --load of the initial weights (TP slices a plain state_dict)."""
+    done = {}
+
+    def get(world, sp, optim):
+        if (world, sp, optim) not in done:
+            path = tmp_path_factory.mktemp("tp") / "tp.pt"
+            load = ["--load", initial] if (world, sp, optim) == (2, True, "sgd") else []
+            r = ok(torchrun("tensor_parallel.py", world, *cfg_of(world), "--optim", optim, *load, "--save", path,
+                            *(["--sequence-parallel"] if sp else []), timeout=180))
+            done[world, sp, optim] = r, path
+        return done[world, sp, optim]
+    return get
+
+
+@pytest.mark.parametrize("world,sp,optim", CASES, ids=IDS)
+def test_same_parameters_as_ddp_one_process(world, sp, optim, runs, refs, tmp_path_factory):
+    r, path = runs(world, sp, optim)
+    ref = refs[optim] if world == 2 else ddp_reference(tmp_path_factory, CFG3, optim)
+    diff = max_diff(ref, path)
     print(f"tensor_parallel W={world} sp={sp} {optim}: max |Δparam| vs ddp.py W=1 = {diff:.3g}")
+    assert r["world_size"] == world and r["steps"] == 6
     assert diff < TOL[optim]
 
-    n = B * T * D                            # elements of one [B, T, D] activation
-    if sp:                                   # 2 all-gathers + 2 reduce-scatters per block each way, 2 at the ends,
-        want = dict(all_reduce=1, all_gather=4 * DEPTH + 2, reduce_scatter=4 * DEPTH)   # 1 for norm/bias grads
-        want_bytes = 4 * ((8 * DEPTH + 2) * n + 6 * D * DEPTH)
-    else:                                    # 2 all-reduces forward + 2 backward per block
-        want = dict(all_reduce=4 * DEPTH, all_gather=0, reduce_scatter=0)
-        want_bytes = 4 * 4 * DEPTH * n
-    assert r["collectives"] == want, r
-    assert r["comm_bytes"] == want_bytes
-    assert r["native_reduce_scatter"] is True   # this torch's Gloo has reduce_scatter_tensor
 
-    psi_split, psi = split_numel()
-    assert r["param_bytes"] == 4 * (psi - psi_split + psi_split // world)
-    assert r["grad_bytes"] == r["param_bytes"]
-    assert r["optim_bytes"] == (2 if optim == "adamw" else 1) * r["param_bytes"]
+@pytest.mark.parametrize("world,sp,optim", CASES, ids=IDS)
+def test_measured_collectives(world, sp, optim, runs):
+    """Every rank sees the whole batch B, so each f / g moves one [B, T, D] fp32 activation. The Meter
+    counts an all-reduce's tensor, an all-gather's output and a reduce-scatter's input: whole
+    activations, whatever W is (a ring then sends 2(W-1)/W resp. (W-1)/W of them)."""
+    r, _ = runs(world, sp, optim)
+    args, model = model_of(cfg_of(world))
+    B, T, D, depth = args.batch_size, model.embed.tokens, args.dim, len(model.blocks)
+    act = 4 * B * T * D
+    if not sp:        # per block: g after attention and after the MLP forward, f before each backward
+        calls = dict(all_reduce=4 * depth)
+        want = dict(all_reduce=4 * depth * act)
+    else:             # f, g become all-gather / reduce-scatter (swapped backward); entering SP gathers the
+        #               gradient backward, leaving it gathers the tokens forward; one all-reduce sums the
+        #               gradients of the parameters that saw only this rank's tokens (norms, row biases)
+        partial = sum(p.numel() for b in model.blocks for p in (*b.norm1.parameters(), *b.norm2.parameters(),
+                                                                b.attn.proj.bias, b.mlp.fc2.bias))
+        calls = dict(all_gather=4 * depth + 2, reduce_scatter=4 * depth, all_reduce=1)
+        want = dict(all_gather=(4 * depth + 2) * act, reduce_scatter=4 * depth * act, all_reduce=4 * partial)
+    assert r["comm_steps"] == WINDOW
+    assert r["comm"] == want, r
+    assert r["comm_calls"] == {k: WINDOW * n for k, n in calls.items()}, r
 
-    if (world, sp) == (2, False):            # the dense file TP saved loads in ddp.py (lr 0: nothing moves)
-        ok(python("ddp.py", "--nproc", "1", *CFG, "--load", out, "--optim", "sgd", "--lr", "0", "--max-steps", "1",
+
+@pytest.mark.parametrize("world,sp,optim", CASES, ids=IDS)
+def test_per_rank_parameter_bytes(world, sp, optim, runs):
+    """Ψs (q, k, v, fc1 weights and biases; proj, fc2 weights) is split W ways; Ψr (embedding,
+    norms, row biases, head) is replicated: 4(Ψr + Ψs/W) bytes of parameters and of gradients."""
+    r, _ = runs(world, sp, optim)
+    _, model = model_of(cfg_of(world))
+    psi = sum(p.numel() for p in model.parameters())
+    split = 0
+    for b in model.blocks:
+        split += sum(p.numel() for lin in (b.attn.q, b.attn.k, b.attn.v, b.mlp.fc1) for p in lin.parameters())
+        split += b.attn.proj.weight.numel() + b.mlp.fc2.weight.numel()
+    assert split % world == 0
+    own = psi - split + split // world
+    assert r["params"] == psi
+    assert (r["param_bytes"], r["grad_bytes"]) == (4 * own, 4 * own)
+    assert r["optim_bytes"] == (8 if optim == "adamw" else 4) * own
+
+
+def test_dense_save_loads_in_ddp(runs, tmp_path):
+    """The W=3 save, gathered to rank 0, is the plain common model: ddp.py loads it (lr 0: nothing
+    moves), saves the same tensors and measures the same test accuracy TP measured."""
+    r, path = runs(3, False, "adamw")
+    d = ok(python("ddp.py", *CFG3, "--load", path, "--optim", "sgd", "--lr", "0", "--max-steps", "1",
                   "--save", tmp_path / "ddp.pt", timeout=120))
-        assert max_diff(out, tmp_path / "ddp.pt") == 0
+    assert max_diff(path, tmp_path / "ddp.pt") == 0
+    assert d["test_acc"] == r["test_acc"]
 
 
-@pytest.mark.parametrize("world,heads,dim,sp,message", [
-    (2, 1, 32, False, "--heads 1 is not divisible by the 2 tensor-parallel ranks"),
-    (4, 2, 32, True, "--heads 2 is not divisible by the 4 tensor-parallel ranks"),
-    (3, 3, 48, True, "--sequence-parallel splits the 16 tokens over ranks: 3 does not divide them"),
+@pytest.mark.parametrize("world,argv,message", [
+    (3, ["--sequence-parallel"], "--sequence-parallel splits the 16 tokens over ranks: 3 does not divide them"),
+    (4, [], "--heads 6 is not divisible by the 4 tensor-parallel ranks"),
 ])
-def test_check_args(world, heads, dim, sp, message, capsys):
-    """The checks themselves, in-process. (The MLP width 4·dim is divisible whenever the heads are,
-    so its check cannot fire on its own for this model.)"""
-    with pytest.raises(SystemExit) as e:
-        tensor_parallel.check_args(argparse.Namespace(heads=heads, dim=dim, sequence_parallel=sp), world)
-    assert e.value.code == 2 and message in capsys.readouterr().err
-    tensor_parallel.check_args(argparse.Namespace(heads=heads, dim=dim, sequence_parallel=False), 1)   # fine at W=1
+def test_refuses_before_any_process_group(world, argv, message):
+    r = python("tensor_parallel.py", "--nproc", world, *CFG3, *argv, timeout=60)
+    assert r.returncode == 2, r.output
+    assert message in r.stderr and r.stderr.count("error:") == 1 and "Traceback" not in r.stderr, r.output
