@@ -1,27 +1,23 @@
-"""Pipeline parallelism, written out: the model's blocks cut into W contiguous stages, one per
-rank (stage 0 also holds the patch embedding, the last stage the head and the loss). Activations
-go forward and their gradients back with point-to-point batch_isend_irecv; each batch is cut into
-m micro-batches so that stages can work at the same time.
+"""Pipeline parallelism, written out: the model's blocks cut into p = W contiguous stages, one per
+rank (the embedding on the first, the head and the loss on the last). Every rank sees the whole
+batch, cut into m micro-batches; activations go forward and gradients back with batch_isend_irecv.
 
-    W = [W1 | W2 | … | Wp] = [embed, blocks 0 .. d/p-1 | … | blocks … d-1, head]   rank s holds W(s+1)
     rank 0:  F0 F1 .  B0 F2 B1 F3 B2 .  B3      1F1B, p=2, m=4 (one slot per F or B, '.' idle)
     rank 1:  .  F0 B0 F1 B1 F2 B2 F3 B3 .
 
---schedule naive: one micro-batch in flight (the layer-per-device split; bubble (p-1)/p);
-gpipe (Huang et al. 2019): all m forwards, then all m backwards; 1f1b (PipeDream-flush,
-Narayanan et al. 2021): p-s-1 warm-up forwards, then one-forward-one-backward, then cool-down
-backwards. gpipe and 1f1b both idle (p-1)/(m+p-1) of the time; 1F1B holds the activations of
-at most p micro-batches per stage instead of m. All three are synchronous: one optimizer step
-per batch, with the loss scaled by 1/m, so the result equals plain training.
+--schedule naive: one micro-batch in the pipeline at a time, bubble (p-1)/p; gpipe (Huang et al.
+2019): all m forwards, then all m backwards; 1f1b (PipeDream-flush, Narayanan et al. 2021): p-s-1
+warm-up forwards, one forward one backward, then the cool-down. Both idle (p-1)/(m+p-1) of the
+slots. All are synchronous (one optimizer step per batch, each micro-batch's loss / m): exact.
 
-Memory per rank (fp32): params, grads and optimizer state of its own stage only, about
-16Ψ/p bytes with AdamW; activations of the micro-batches in flight (m for gpipe, ≤ p for 1f1b).
-Communication per step: m activations of B/m·T·D forward and m gradients back over each of the
-p-1 stage boundaries: 2(p-1)·4·B·T·D bytes in all, no collectives.
+Memory per rank (fp32, AdamW): 16Ψ_s bytes for its stage's Ψ_s parameters (≈ 16Ψ/p), plus the
+activations of the micro-batches in flight: m (gpipe), ≤ p-s on stage s (1f1b), 1 (naive).
+Communication per step: m activations of B/m·T·D fp32 forward and m gradients back over each of
+the p-1 stage boundaries: 2(p-1)·m messages, 2(p-1)·4·B·T·D bytes; no collectives.
 
     torchrun --standalone --nproc_per_node=2 pipeline.py --schedule 1f1b --microbatches 4
-    torchrun --standalone --nproc_per_node=4 pipeline.py --schedule gpipe --microbatches 8
-    python pipeline.py                                          # W=1: the whole model on one stage
+    python pipeline.py --nproc 4 --schedule gpipe --microbatches 8
+    python pipeline.py                                         # a world of one: one stage, the whole model
 """
 import datetime
 import os
@@ -29,139 +25,166 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler
 
 import common
 
-COUNT = {"sends": 0, "bytes": 0}               # point-to-point sends this rank posted
+SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 
-class Stage(nn.Module):
-    """Blocks lo..hi-1 of the common model, plus the embedding on stage 0 and the head on the last."""
+### begin: Pipeline
+# Model contract: model.embed (images -> [B, T, D], with a parameter pos [1, T, D]), model.blocks
+# (a list of [B, T, D] -> [B, T, D]) and model.head (-> logits), in that order; cross-entropy loss.
+
+class Stage(torch.nn.Module):
+    """Rank s of p: blocks s·d/p .. (s+1)·d/p - 1, with the embedding on the first stage and the
+    head on the last. Blocks keep their index in the whole model, so the state_dict has its keys."""
 
     def __init__(self, model, s, p):
         super().__init__()
-        depth = len(model.blocks)
-        self.lo, self.hi = s * depth // p, (s + 1) * depth // p
+        d, self.s, self.p = len(model.blocks), s, p
         self.embed = model.embed if s == 0 else None
-        self.blocks = nn.ModuleList(model.blocks[self.lo:self.hi])
+        self.blocks = torch.nn.ModuleDict({str(i): model.blocks[i] for i in range(s * d // p, (s + 1) * d // p)})
         self.head = model.head if s == p - 1 else None
+        self.act_shape = tuple(model.embed.pos.shape[1:])      # (T, D): what crosses a stage boundary
 
     def forward(self, x):
-        if self.embed is not None:
-            x = self.embed(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x) if self.head is not None else x
+        for layer in [self.embed, *self.blocks.values(), self.head]:
+            x = x if layer is None else layer(x)
+        return x
 
-    def plain_state_dict(self):
-        """This stage's tensors under the common model's keys (blocks.{global index}.…)."""
-        sd = {f"embed.{k}": v for k, v in self.embed.state_dict().items()} if self.embed is not None else {}
-        for i, block in enumerate(self.blocks):
-            sd.update({f"blocks.{self.lo + i}.{k}": v for k, v in block.state_dict().items()})
-        if self.head is not None:
-            sd.update({f"head.{k}": v for k, v in self.head.state_dict().items()})
-        return {k: v.detach().cpu() for k, v in sd.items()}
+
+def parallelize(model, device):
+    """Keep this rank's stage, on its device; the rest of the model is dropped."""
+    return Stage(model, dist.get_rank(), dist.get_world_size()).to(device)
 
 
 def schedule(name, m, p, s):
-    """Stage s's actions in order: ("F", i) forward / ("B", i) backward of micro-batch i."""
-    if name == "naive":
-        return [(a, i) for i in range(m) for a in "FB"]
-    if name == "gpipe":
-        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-    warm = min(p - s - 1, m)                     # 1f1b: stage s starts p-s-1 micro-batches ahead
+    """Stage s's actions for one batch, ("F", i) / ("B", i): `warm` forwards ahead, then one forward
+    one backward, then the backwards left. naive runs none ahead, gpipe all m, 1f1b p-s-1."""
+    warm = {"naive": 0, "gpipe": m}.get(name, min(p - s - 1, m))
     steady = [a for i in range(m - warm) for a in (("F", warm + i), ("B", i))]
     return [("F", i) for i in range(warm)] + steady + [("B", i) for i in range(m - warm, m)]
 
 
-def timeline(orders):
-    """Replay the per-stage orders with one time slot per F or B, each waiting for its input
-    (F_i on stage s for F_i on s-1, B_i for B_i on s+1). Returns (slot of each action per stage,
-    slots in all)."""
-    p, done, slot, pos, free = len(orders), {}, [{} for _ in orders], [0] * len(orders), [0] * len(orders)
-    while any(pos[s] < len(orders[s]) for s in range(p)):
-        moved = False
-        for s in range(p):
-            if pos[s] == len(orders[s]):
-                continue
-            a, i = orders[s][pos[s]]
-            dep = (s - 1, "F", i) if a == "F" and s > 0 else (s + 1, "B", i) if a == "B" and s < p - 1 else None
-            if dep is not None and dep not in done:
-                continue
-            t = max(free[s], done[dep] if dep else 0)
-            slot[s][(a, i)], done[(s, a, i)], free[s], pos[s], moved = t, t + 1, t + 1, pos[s] + 1, True
-        if not moved:
-            raise RuntimeError("the schedule deadlocks")
-    return slot, max(free)
-
-
-def draw(orders):
-    slot, total = timeline(orders)
-    w = max(len(f"B{i}") for o in orders for _, i in o) + 1
-    rows = []
-    for s, o in enumerate(orders):
-        cells = ["." for _ in range(total)]
-        for a, i in o:
-            cells[slot[s][(a, i)]] = f"{a}{i}"
-        rows.append(f"  rank {s}:  " + "".join(c.ljust(w) for c in cells).rstrip())
-    return "\n".join(rows), 1 - sum(len(o) for o in orders) / (len(orders) * total)
-
-
-def send(t, peer):
-    """Post a send and go on: returns its Work handles (and the tensor, kept alive until they
-    finish), waited for at the end of the step. A rank blocks only on receives, so sends posted
-    as soon as their tensor exists can never deadlock and never delay the next stage."""
-    COUNT["sends"] += 1
-    COUNT["bytes"] += t.numel() * t.element_size()
-    return dist.batch_isend_irecv([dist.P2POp(dist.isend, t, peer)]), t
-
-
-def recv(t, peer):
-    for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, peer)]):
+def p2p(ops):
+    """One group of [(dist.isend or dist.irecv, tensor, peer)], waited for together. NCCL runs a rank's
+    groups in order, and a send holds its stream until the peer reaches the matching receive: two
+    neighbours that both send first wait for ever. What must progress together goes in ONE group."""
+    for work in dist.batch_isend_irecv([dist.P2POp(op, t, peer) for op, t, peer in ops]) if ops else []:
         work.wait()
-    return t
 
 
-def train_step(stage, order, x, y, args, s, p, device, stats):
-    """Run this stage's part of one batch; returns the summed (scaled) loss on the last stage."""
-    m, last = args.microbatches, s == p - 1
-    xs, ys = x.chunk(m), y.chunk(m)
-    shape = (x.shape[0] // m, common.TOKENS, args.dim)
-    held, pending, loss = {}, [], torch.zeros((), device=device)
-    for a, i in order:
+def train_step(stage, x, y, name, m):
+    """Forward, loss and backward of every micro-batch in the schedule's order: the batch's mean loss
+    on the last stage, 0 elsewhere. One group carries an action's output with the next one's input,
+    as in Megatron-LM and torch.distributed.pipelining (1F1B: send activation i + receive gradient j;
+    send gradient j + receive activation i+1), so no two stages ever both wait to send."""
+    s, p, xs, ys = stage.s, stage.p, x.chunk(m), y.chunk(m)
+    held, loss, sends = {}, torch.zeros((), device=x.device), []
+    for a, i in schedule(name, m, p, s):
         if a == "F":
-            inp = xs[i] if s == 0 else recv(torch.empty(shape, device=device), s - 1).requires_grad_()
-            t0 = time.perf_counter()
-            out = stage(inp)
-            if last:                              # mean over B/m samples, / m: the full batch's mean
+            inp = xs[i] if s == 0 else torch.empty(len(xs[i]), *stage.act_shape, device=x.device)
+            p2p(sends + ([(dist.irecv, inp, s - 1)] if s > 0 else []))
+            out = stage(inp.requires_grad_() if s > 0 else inp)
+            if s == p - 1:                       # mean over B/m samples, / m: the mean over the batch
                 out = F.cross_entropy(out, ys[i]) / m
                 loss += out.detach()
-            held[i] = (inp, out)                  # activations kept until this micro-batch's backward
-            stats["peak"] = max(stats["peak"], len(held))
+            held[i] = inp, out                   # activations kept until micro-batch i's backward
+            sends = [(dist.isend, out.detach(), s + 1)] if s < p - 1 else []
         else:
             inp, out = held.pop(i)
-            grad = None if last else recv(torch.empty_like(out), s + 1)
-            t0 = time.perf_counter()
+            grad = torch.empty_like(out) if s < p - 1 else None
+            p2p(sends + ([(dist.irecv, grad, s + 1)] if s < p - 1 else []))
             out.backward(grad)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        stats["busy"] += time.perf_counter() - t0
-        if a == "F" and not last:
-            pending.append(send(out.detach(), s + 1))
-        if a == "B" and s > 0:
-            pending.append(send(inp.grad, s - 1))
-    for works, _ in pending:
-        for work in works:
-            work.wait()
+            sends = [(dist.isend, inp.grad, s - 1)] if s > 0 else []
+    p2p(sends)
     return loss
 
 
-def setup(backend, timeout):
-    # MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE come from the environment (torchrun or default_env).
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
-    return dist.get_rank(), dist.get_world_size()
+@torch.no_grad()
+def infer(stage, x):
+    """The whole batch through the stages in turn: the logits on the last stage, None on the others."""
+    s, p = stage.s, stage.p
+    x = torch.empty(len(x), *stage.act_shape, device=x.device) if s > 0 else x
+    p2p([(dist.irecv, x, s - 1)] if s > 0 else [])
+    out = stage(x)
+    p2p([(dist.isend, out, s + 1)] if s < p - 1 else [])
+    return out if s == p - 1 else None
+
+
+def full_state_dict(model):
+    """The plain state_dict of the common model, gathered on rank 0 (None elsewhere)."""
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object({k: v.detach().cpu() for k, v in model.state_dict().items()}, parts, dst=0)
+    return {k: v for part in parts for k, v in part.items()} if parts else None
+### end: Pipeline
+
+
+def formula(psi, world, args):
+    """Rank 0's bytes: its stage's psi parameters; m activations out and m gradients in per step."""
+    k = 8 if args.optim == "adamw" else 4
+    act = 4 * args.batch_size * (common.IMAGE // args.patch) ** 2 * args.dim if world > 1 else 0   # 4·B·T·D
+    return dict(param_bytes=4 * psi, grad_bytes=4 * psi, optim_bytes=k * psi, comm=dict(send=act, recv=act),
+                notes=dict(param_bytes="4Ψ_s: this stage's", grad_bytes="4Ψ_s", optim_bytes=f"{k}Ψ_s",
+                           send="m activations of B/m·T·D fp32", recv="m gradients of B/m·T·D fp32"))
+
+
+def check_args(args, world):
+    common.check(args.microbatches >= 1, f"--microbatches must be >= 1, got {args.microbatches}")
+    common.check(args.depth >= world, f"--depth {args.depth} blocks cannot fill {world} pipeline stages")
+    common.check(args.batch_size % args.microbatches == 0,
+                 f"--batch-size {args.batch_size} is not divisible by --microbatches {args.microbatches}")
+    common.check(args.schedule != "1f1b" or args.microbatches >= world, f"--schedule 1f1b needs at least as many "
+                 f"micro-batches as stages: --microbatches {args.microbatches} < {world} stages (or use gpipe)")
+
+
+def record_order(stage, m):
+    """The first step's forwards and backwards on this stage in the order they ran (measured from outside)."""
+    ran = []
+
+    def hook(module, inputs, out):
+        if out.requires_grad and len(ran) < 2 * m:
+            n = sum(a == "F" for a, _ in ran)
+            ran.append(("F", n))
+            out.register_hook(lambda grad: ran.append(("B", n)))
+    stage.register_forward_hook(hook)
+    return ran
+
+
+def show_schedule(stages, args):
+    """Rank 0: the recorded orders replayed one slot per F or B, each after its input (F i on stage
+    s after F i on s-1, B i after B i on s+1): the picture, the idle fraction, the peak in flight."""
+    orders, slot, p, m = [st["order"] for st in stages], {}, len(stages), args.microbatches
+    for _ in range(sum(map(len, orders))):       # relax until every slot is its longest path
+        for s, o in enumerate(orders):
+            for k, (a, i) in enumerate(o):
+                dep = slot.get((s - 1 if a == "F" else s + 1, a, i), -1)
+                slot[(s, a, i)] = max(dep, slot.get((s, *o[k - 1]), -1) if k else -1) + 1
+    cells, total = {(s, t): f"{a}{i}" for (s, a, i), t in slot.items()}, max(slot.values()) + 1
+    bubble, want = 1 - len(slot) / (p * total), (p - 1) / p if args.schedule == "naive" else (p - 1) / (m + p - 1)
+    peaks = [max(sum(1 if a == "F" else -1 for a, _ in o[:k + 1]) for k in range(len(o))) for o in orders]
+    common.log(f"\nschedule {args.schedule}, {p} stages, {m} micro-batches, as run (one slot per F or B):")
+    common.log("\n".join(f"  rank {s}:  " + "".join(cells.get((s, t), ".").ljust(len(str(m)) + 2)
+                                                    for t in range(total)).rstrip() for s in range(p)))
+    common.log(f"  bubble {bubble:.3f} of the slots (formula {want:.3f}), peak micro-batches in flight {peaks}")
+    return dict(schedule=args.schedule, microbatches=m, bubble=bubble, peak_inflight=peaks, stages=stages)
+
+
+def setup(args):
+    """Join the process group. torchrun (or common.launch) put RANK, WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT in the environment; LOCAL_RANK picks this process's GPU."""
+    backend, device = common.pick_backend(args.backend)    # NCCL and a GPU per rank, else Gloo on the CPU
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = datetime.timedelta(seconds=args.timeout)
+    # torchrun keeps one store across restarts (--max-restarts): prefix it per attempt, or a
+    # restarted rank may read the address of a worker that died in the last attempt and hang.
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    return rank, world, device, backend
 
 
 def cleanup():
@@ -169,147 +192,86 @@ def cleanup():
         dist.destroy_process_group()
 
 
-def train(stage, optimizer, loader, sampler, args, device, s, p):
-    steps, t_train, loss_sum, loss_n, last_loss, mem = 0, 0.0, torch.zeros((), device=device), 0, float("nan"), {}
-    stats = dict(peak=0, busy=0.0, step_time=0.0)
-    order = schedule(args.schedule, args.microbatches, p, s)
-    for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)
-        stage.train()
+def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
+    """The loop every script shares: forward, loss, backward, step, schedule, log."""
+    stop = args.max_steps or float("inf")
+    loss_sum, loss_n, last_loss, steps_run, t_train = torch.zeros((), device=device), 0, float("nan"), 0, 0.0
+    for epoch in range(step // len(loader), args.epochs):
+        if step >= stop:
+            break
+        sampler.set_epoch(epoch)                   # a new shuffle each epoch, the same on every rank
+        model.train()
         t0 = time.perf_counter()
-        bar = common.progress(loader, args, desc=f"epoch {epoch}")
-        for x, y in bar:                           # every rank reads the batch: stage 0 uses x, the last y
+        bar = common.progress(loader, args, epoch)
+        for i, (x, y) in enumerate(bar):
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            t_step = time.perf_counter()
-            loss_sum += train_step(stage, order, x, y, args, s, p, device, stats)
-            stats["step_time"] += time.perf_counter() - t_step
+            loss = train_step(model, x, y, args.schedule, args.microbatches)   # forward, loss, backward
             optimizer.step()
-            if steps == 0:
-                mem = dict(param_bytes=common.param_bytes(stage.parameters()),
-                           grad_bytes=common.grad_bytes(stage.parameters()),
-                           optim_bytes=common.optimizer_bytes(optimizer))
+            scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            steps, loss_n = steps + 1, loss_n + 1
-            if steps % 20 == 0 or steps == args.max_steps or steps % len(loader) == 0:
-                dist.all_reduce(loss_sum)          # only the last stage has a loss; the others add 0
+            loss_sum, loss_n, step, steps_run = loss_sum + loss.detach(), loss_n + 1, step + 1, steps_run + 1
+            if step % args.log_every == 0 or step >= stop or i + 1 == len(loader):
+                dist.all_reduce(loss_sum)          # only the last stage has the loss; the others add 0
                 last_loss, loss_sum, loss_n = loss_sum.item() / loss_n, loss_sum * 0, 0
-                if bar is not loader:
-                    bar.set_postfix(loss=f"{last_loss:.4f}")
-            if steps == args.max_steps:
+                common.log_loss(bar, args, epoch, step, last_loss)
+            if step >= stop:
                 break
         if device.type == "cuda":
             torch.cuda.synchronize()
         t_train += time.perf_counter() - t0
-        common.log(f"epoch {epoch}: steps {steps}, train loss {last_loss:.4f}")
-        if steps == args.max_steps:
-            break
-    return dict(steps=steps, loss=last_loss, train_time=t_train, order=order, **stats, **mem)
+        common.log(f"epoch {epoch}: step {step}, train loss {last_loss:.4f}")
+    return dict(steps=step, steps_run=steps_run, loss=last_loss, train_time=t_train)
 
 
 @torch.no_grad()
-def evaluate(stage, loader, device, s, p, dim):
-    """Whole test batches through the stages in turn; the last stage counts, one all-reduce shares it."""
-    stage.eval()
+def evaluate(model, loader, device):
+    """Exact: the loader pads every rank to the same number of batches (padding masked out), so
+    every rank runs the same forward passes and collectives and each sample counts once."""
+    model.eval()
     counts = torch.zeros(2, dtype=torch.long, device=device)
-    for x, y in loader:
-        x, y = x.to(device), y.to(device)
-        if s > 0:
-            x = torch.empty(len(y), common.TOKENS, dim, device=device)
-            dist.recv(x, s - 1)
-        out = stage(x)
-        if s < p - 1:
-            dist.send(out, s + 1)
-        else:
-            counts += torch.stack([(out.argmax(1) == y).sum(), torch.tensor(len(y), device=device)])
+    for x, y, keep in loader:
+        x, y, keep = x.to(device), y.to(device), keep.to(device)
+        logits = infer(model, x)                   # stage to stage: the logits on the last, None elsewhere
+        counts += torch.stack([((logits.argmax(1) == y) & keep).sum(), keep.sum()]) if logits is not None else 0
     dist.all_reduce(counts)
     return counts[0].item() / max(counts[1].item(), 1)
 
 
-def check_args(args, world):
-    if args.microbatches is None:
-        args.microbatches = 1 if args.schedule == "naive" else 4
-    common.check(args.microbatches >= 1, f"--microbatches must be >= 1, got {args.microbatches}")
-    common.check(args.depth >= world, f"--depth {args.depth} blocks cannot fill {world} pipeline stages: "
-                                      f"every stage needs at least one block")
-    common.check(args.batch_size % args.microbatches == 0,
-                 f"--batch-size {args.batch_size} is not divisible by --microbatches {args.microbatches}")
-    common.check(args.schedule != "1f1b" or args.microbatches >= world,
-                 f"--schedule 1f1b needs at least as many micro-batches as stages: --microbatches "
-                 f"{args.microbatches} < {world} stages (use gpipe, or more micro-batches)")
-
-
 def run(args):
-    check_args(args, int(os.environ["WORLD_SIZE"]))
-    backend, device = common.pick_backend(args.backend)
-    model = common.build_model(args)               # the full, seeded model; each rank keeps its stage
-    if args.load:
-        model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
-    keys, psi = list(model.state_dict()), sum(q.numel() for q in model.parameters())
-    s, p = setup(backend, args.timeout)
+    """One rank, in the seeds' order: join the group, deal the data, build the model, wrap it,
+    train, evaluate, save on rank 0, leave the group."""
+    rank, world, device, backend = setup(args)
     try:
-        xtr, ytr, xte, yte, source = common.load_data(args)
-        loader, sampler = common.train_loader(xtr, ytr, args.batch_size, 0, 1, args.seed)   # world=1: all the batch
-        common.check(len(loader) > 0, f"{len(ytr)} training samples make no full batch of {args.batch_size}")
-        stage = Stage(model, s, p).to(device)
-        del model
-        optimizer = common.make_optimizer(stage.parameters(), args)
-        psi_stage = sum(q.numel() for q in stage.parameters())
-        spans = [None] * p
-        dist.all_gather_object(spans, (stage.lo, stage.hi))
-        common.log(f"pipeline: {p} stages (blocks " + ", ".join(f"{lo}..{hi - 1}" for lo, hi in spans) +
-                   f"), schedule {args.schedule}, {args.microbatches} micro-batches of "
-                   f"{args.batch_size // args.microbatches}, Ψ = {psi:,} parameters, {source} data "
-                   f"({len(ytr)} train / {len(yte)} test)")
-        COUNT.update({k: 0 for k in COUNT})
-        out = train(stage, optimizer, loader, sampler, args, device, s, p)
-        steps = max(out["steps"], 1)
-        acc = evaluate(stage, common.test_loader(xte, yte, 512), device, s, p, args.dim)
-        # What every rank did: its order of actions, peak in flight, busy time, sends.
-        per_rank = [None] * p
-        dist.all_gather_object(per_rank, dict(order=out["order"], peak=out["peak"], busy=out["busy"],
-                                              step_time=out["step_time"], sends=COUNT["sends"], bytes=COUNT["bytes"],
-                                              psi=psi_stage))
-        picture, bubble = draw([r["order"] for r in per_rank])
-        m = args.microbatches
-        formula = (p - 1) / p if args.schedule == "naive" else (p - 1) / (m + p - 1)
-        wall = 1 - sum(r["busy"] / max(r["step_time"], 1e-9) for r in per_rank) / p
-        peaks = [r["peak"] for r in per_rank]
-        sends, comm_total = sum(r["sends"] for r in per_rank) // steps, sum(r["bytes"] for r in per_rank) // steps
-        comm_bytes = COUNT["bytes"] // steps
-        common.log(f"\nschedule {args.schedule}, {p} stages, {m} micro-batches (one slot per F or B, '.' idle):")
-        common.log(picture)
-        common.log(f"  bubble: {bubble:.3f} of the slots above, formula "
-                   f"{'(p-1)/p' if args.schedule == 'naive' else '(p-1)/(m+p-1)'} = {formula:.3f}; "
-                   f"measured wall clock {wall:.3f} idle (waits and transfers included)")
-        common.log(f"  peak micro-batches in flight per stage: {peaks} "
-                   f"(gpipe: m = {m}; 1f1b: <= p = {p}; naive: 1)")
-        common.log(f"  sends per step {sends} (expected 2(p-1)m = {2 * (p - 1) * m})")
-        n = args.batch_size * common.TOKENS * args.dim
-        common.report([
-            ("parameters", out["param_bytes"], 4 * psi_stage, "4Ψ_stage"),
-            ("gradients", out["grad_bytes"], 4 * psi_stage, "4Ψ_stage"),
-            ("optimizer state", out["optim_bytes"], (8 if args.optim == "adamw" else 4) * psi_stage,
-             "8Ψ_stage AdamW m, v" if args.optim == "adamw" else "4Ψ_stage SGD momentum"),
-            ("sent per step (rank 0)", comm_bytes, 4 * n if p > 1 else 0, "4BTD activations"),
-            ("sent per step (all)", comm_total, 2 * (p - 1) * 4 * n, "2(p-1)·4BTD"),
-        ])
-        sps = out["steps"] * args.batch_size / max(out["train_time"], 1e-9)
-        common.log(f"\ntest accuracy {acc:.4f}, final train loss {out['loss']:.4f}, {sps:.0f} samples/s")
-        if args.save:
-            parts = [None] * p
-            dist.all_gather_object(parts, stage.plain_state_dict())
-            if s == 0:
-                merged = {k: v for part in parts for k, v in part.items()}
-                common.save_checkpoint({k: merged[k] for k in keys}, args.save)
-                common.log(f"saved {args.save}")
-        common.result(script="pipeline", world_size=p, backend=backend, device=device.type, data=source,
-                      params=psi, steps=out["steps"], loss=out["loss"], test_acc=acc, samples_per_s=sps,
-                      param_bytes=out["param_bytes"], grad_bytes=out["grad_bytes"], optim_bytes=out["optim_bytes"],
-                      comm_bytes=comm_bytes, schedule=args.schedule, microbatches=m,
-                      stage_params=[r["psi"] for r in per_rank],
-                      bubble=bubble, bubble_formula=formula, bubble_wall=wall, peak_inflight=peaks,
-                      p2p_sends=sends, p2p_sends_expected=2 * (p - 1) * m, p2p_bytes=comm_total)
-        dist.barrier()        # leave together: a Gloo rank torn down while rank 0 still saves aborted once
+        train_set, test_set, source = common.load_data(args, device)
+        dp_rank, dp_world = 0, 1                   # every stage sees the whole batch
+        sampler = DistributedSampler(train_set, num_replicas=dp_world, rank=dp_rank, shuffle=True,
+                                     seed=args.seed, drop_last=True)
+        loader = DataLoader(train_set, batch_size=args.batch_size // dp_world, sampler=sampler, drop_last=True,
+                            pin_memory=device.type == "cuda")
+        common.check(len(loader) > 0, f"{len(train_set)} training samples make no full batch of {args.batch_size}")
+        model = common.build_model(args)           # the same seeded weights on every rank
+        if args.load:
+            model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
+        psi = sum(p.numel() for p in model.parameters())
+        model = parallelize(model, device)         # this rank's stage only, moved to its device
+        optimizer = common.make_optimizer(model.parameters(), args)
+        scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
+        common.log(f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data ({len(train_set)} train / "
+                   f"{len(test_set)} test), batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}")
+        ran = record_order(model, args.microbatches)
+        with common.Meter(model, optimizer, args) as meter:
+            out = train(model, optimizer, scheduler, loader, sampler, args, device)
+        acc = evaluate(model, common.test_loader(test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"),
+                       device)
+        state = full_state_dict(model)             # every rank takes part; rank 0 holds the whole
+        if rank == 0 and args.save:
+            common.save_checkpoint(state, args.save)
+            common.log(f"saved {args.save}")
+        stages = [None] * world if rank == 0 else None      # each stage's measured bytes and order, on rank 0
+        dist.gather_object(dict(meter.mem, comm=meter.comm()[0], comm_calls=meter.comm()[1], order=ran), stages, dst=0)
+        common.report(SCRIPT, args, world, backend, device, source, psi, out, acc, meter,
+                      formula(sum(q.numel() for q in model.parameters()), world, args),
+                      **(show_schedule(stages, args) if rank == 0 else {}))
     finally:
         cleanup()
 
@@ -317,11 +279,10 @@ def run(args):
 def main():
     parser = common.get_parser("Pipeline parallelism (naive, GPipe, 1F1B) on the common ViT, written out")
     parser.add_argument("--schedule", choices=["naive", "gpipe", "1f1b"], default="1f1b")
-    parser.add_argument("--microbatches", type=int, default=None, help="micro-batches per batch (default: 1 for "
-                        "naive, 4 otherwise)")
-    common.default_env()
+    parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per batch (m)")
     args = common.parse_args(parser)
-    run(args)
+    check_args(args, common.world_size(args))
+    common.launch(run, args)
 
 
 if __name__ == "__main__":

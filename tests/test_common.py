@@ -1,11 +1,16 @@
 """common.py in-process: the data path, the sampler's promises, the model, checkpoint files."""
+import os
 import struct
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler
 
 import common
+from helpers import ROOT
 
 ARGS = ["--data", "synthetic", "--limit", "300"]
 
@@ -17,7 +22,7 @@ def parse(*argv):
 def write_idx(root, n_train=64, n_test=32):
     """Tiny MNIST in the IDX format torchvision reads, in root/MNIST/raw."""
     raw = root / "MNIST" / "raw"
-    raw.mkdir(parents=True)
+    raw.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(0)
     out = {}
     for prefix, n in (("train", n_train), ("t10k", n_test)):
@@ -51,8 +56,13 @@ def test_synthetic_classes_are_not_trivially_separable():
     assert 0.3 < acc < 0.9, acc
 
 
+def tensors(ds):
+    return torch.stack([ds[i][0] for i in range(len(ds))]), torch.stack([ds[i][1] for i in range(len(ds))])
+
+
 def test_load_data_normalises_and_limits():
-    xtr, ytr, xte, yte, source = common.load_data(parse(*ARGS))
+    train, test, source = common.load_data(parse(*ARGS))
+    (xtr, ytr), (xte, _) = tensors(train), tensors(test)
     assert source == "synthetic" and xtr.shape == (300, 1, 28, 28) and xte.shape == (300, 1, 28, 28)
     assert xtr.dtype == torch.float32 and ytr.dtype == torch.long
     raw = common.synthetic_digits(300, common.SYNTHETIC_SEED)[0]
@@ -62,7 +72,8 @@ def test_load_data_normalises_and_limits():
 def test_mnist_from_idx_files(tmp_path):
     written = write_idx(tmp_path)
     for data in ("auto", "mnist"):
-        xtr, ytr, xte, yte, source = common.load_data(parse("--data", data, "--data-dir", str(tmp_path)))
+        train, test, source = common.load_data(parse("--data", data, "--data-dir", str(tmp_path)))
+        (xtr, ytr), (xte, yte) = tensors(train), tensors(test)
         assert source == "mnist"
         assert torch.equal(ytr, written["train"][1].long()) and torch.equal(yte, written["t10k"][1].long())
         assert torch.allclose(xte[:, 0], (written["t10k"][0].float() / 255 - common.MNIST_MEAN) / common.MNIST_STD)
@@ -91,36 +102,85 @@ def test_mnist_offline_without_files_is_a_clear_error(tmp_path, offline, capsys)
     assert err.count("error:") == 1 and "could not be downloaded" in err and "--data synthetic" in err
 
 
-# --------------------------------------------------------------------------- sampler
+def two_nodes(tmp_path, cwds, *args, timeout=150):
+    """Two torchrun agents as two 'nodes' of 2 processes each, each node started in its own
+    directory, so a relative --data-dir is node-local, as on a cluster without a shared disk."""
+    port = common.free_port()
+    procs = []
+    for node, cwd in enumerate(cwds):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
+               f"--node-rank={node}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+               "--rdzv-id=data", f"--rdzv-conf=is_host={'true' if node == 0 else 'false'}", ROOT / "ddp.py", *args]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT / "tests" / "faults"), "OFFLINE": "1"}
+        procs.append(subprocess.Popen([str(c) for c in cmd], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, env=env))
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return [p.returncode for p in procs], outs
+
+
+def test_nodes_decide_on_the_data_together(tmp_path):
+    """Node 0 has MNIST in its own data/, node 1 has none and cannot download it (offline): every
+    rank must agree, falling back to synthetic (auto) with node 1 saying why, or failing with one
+    clear message (mnist) -- not node 1 crashing on files only node 0 has."""
+    a, b = tmp_path / "node0", tmp_path / "node1"
+    write_idx(a / "data", n_train=64, n_test=32)
+    b.mkdir()
+    cfg = ["--limit", "64", "--batch-size", "16", "--dim", "32", "--depth", "1", "--max-steps", "2", "--no-progress"]
+    codes, outs = two_nodes(tmp_path, [a, b], *cfg, "--data", "auto")
+    assert codes == [0, 0], outs
+    assert '"data": "synthetic"' in outs[0][0] and "MNIST is not in data/MNIST/raw" in outs[1][1], outs
+    codes, outs = two_nodes(tmp_path, [a, b], *cfg, "--data", "mnist")
+    assert codes[0] != 0 and codes[1] != 0, outs
+    assert outs[0][1].count("error: --data mnist: MNIST is missing on another node") == 1, outs
+    assert outs[1][1].count("MNIST is not in data/MNIST/raw") == 1, outs   # once, from node 1's local rank 0
+    write_idx(b / "data", n_train=64, n_test=32)                # both nodes have it: MNIST everywhere
+    codes, outs = two_nodes(tmp_path, [a, b], *cfg, "--data", "auto")
+    assert codes == [0, 0] and '"data": "mnist"' in outs[0][0], outs
+
+
+# --------------------------------------------------------------------------- samplers
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_shards_are_disjoint_cover_and_reshuffle(world):
+def test_train_shards_are_disjoint_cover_and_reshuffle(world):
+    """The scripts' DistributedSampler + DataLoader (batch/W each, drop_last): global batch k holds
+    the same samples at every world size, so every technique sees the same batches."""
     n, batch = 103, 12                                        # neither divides evenly
-    x, y = torch.arange(n).float(), torch.arange(n)
+    ds = common.Digits(torch.arange(n).float(), torch.arange(n))
+
+    def loader(rank, w, epoch):
+        sampler = DistributedSampler(ds, num_replicas=w, rank=rank, shuffle=True, seed=5, drop_last=True)
+        sampler.set_epoch(epoch)
+        return DataLoader(ds, batch_size=batch // w, sampler=sampler, drop_last=True)
     epochs = []
     for epoch in range(2):
-        per_rank = []
-        for rank in range(world):
-            loader, sampler = common.train_loader(x, y, batch, rank, world, seed=5)
-            sampler.set_epoch(epoch)
-            per_rank.append([b[1].tolist() for b in loader])
+        per_rank = [[b[1].tolist() for b in loader(rank, world, epoch)] for rank in range(world)]
         flat = [i for r in per_rank for b in r for i in b]
-        assert len(flat) == len(set(flat)) == (n // batch) * batch          # disjoint, full batches only
+        assert len(flat) == len(set(flat))                    # disjoint
         assert all(len(b) == batch // world for r in per_rank for b in r)
-        # global batch k = the union of every rank's batch k = the same samples as at world size 1
-        epochs.append([sorted(i for r in per_rank for i in r[k]) for k in range(n // batch)])
-    loader, sampler = common.train_loader(x, y, batch, 0, 1, seed=5)
-    sampler.set_epoch(0)
-    assert epochs[0] == [sorted(b[1].tolist()) for b in loader]
-    assert epochs[0] != epochs[1]                                           # set_epoch reshuffles
+        steps = min(len(r) for r in per_rank)
+        assert all(len(r) == steps for r in per_rank)         # every rank takes the same number of steps
+        epochs.append([sorted(i for r in per_rank for i in r[k]) for k in range(steps)])
+    if batch % world == 0 and n // world % (batch // world) == 0:
+        assert epochs[0] == [sorted(b[1].tolist()) for b in loader(0, 1, 0)][:len(epochs[0])]
+    assert epochs[0] != epochs[1]                             # set_epoch reshuffles
 
 
-@pytest.mark.parametrize("world", [1, 3, 4])
-def test_test_shards_count_every_sample_once(world):
-    n = 103
-    seen = [i for r in range(world) for b in common.test_loader(torch.zeros(n), torch.arange(n), 10, r, world)
-            for i in b[1].tolist()]
-    assert sorted(seen) == list(range(n))
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_test_shards_count_every_sample_once_with_equal_batches(world):
+    """Padded evaluation: every rank gets the same number of batches (so the same collectives:
+    FSDP / ZeRO-3 all-gathers cannot meet another rank's all-reduce), and the kept samples are
+    every test sample exactly once."""
+    n = 1025
+    ds = common.Digits(torch.zeros(n, 1), torch.arange(n))
+    loaders = [list(common.test_loader(ds, r, world, batch=512)) for r in range(world)]
+    assert len({len(l) for l in loaders}) == 1
+    assert all([len(b[1]) for b in l] == [len(b[1]) for b in loaders[0]] for l in loaders)
+    kept = [i for l in loaders for _, y, keep in l for i in y[keep].tolist()]
+    assert sorted(kept) == list(range(n))
 
 
 # --------------------------------------------------------------------------- model
@@ -180,12 +240,58 @@ def test_save_is_atomic_and_load_checks_shapes(tmp_path, capsys):
     assert "not a checkpoint torch.load can read" in capsys.readouterr().err
 
 
-def test_byte_accounting():
-    model = common.build_model(parse())
+def test_storage_bytes_count_what_is_held():
+    t = torch.zeros(100)
+    assert common.storage_bytes([t, t[:10], t.view(10, 10)]) == 400         # views add nothing
+    u = torch.zeros(50)
+    u.untyped_storage().resize_(0)
+    assert common.storage_bytes([t, u, None]) == 400                        # a freed buffer holds nothing
+
+
+def test_schedule_warms_up_then_decays_to_zero():
+    args = parse("--lr", "1.0", "--warmup", "0.1")
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=args.lr)
+    sched = common.make_scheduler(opt, args, 100)
+    lrs = []
+    for _ in range(100):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[:10] == pytest.approx([(i + 1) / 11 for i in range(10)])   # linear warm-up over 10 steps
+    assert lrs[10] == pytest.approx(1.0) and lrs[55] == pytest.approx(0.5, abs=0.03)
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:])) and lrs[-1] < 0.01
+    const = common.make_scheduler(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0),
+                                  parse("--lr-schedule", "constant", "--warmup", "0"), 100)
+    assert const.get_last_lr() == [1.0]
+    assert common.total_steps(parse("--epochs", "3"), 10) == 30
+    assert common.total_steps(parse("--epochs", "3", "--max-steps", "7"), 10) == 7
+
+
+@pytest.fixture
+def group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_meter_counts_collectives_and_memory_from_outside(group):
+    """The instrument sees the c10d ops and their bytes, ignores the 0-d logged loss, closes its
+    window after `steps` optimizer steps, and reads memory off storages after the first step."""
+    model = common.build_model(parse("--dim", "32", "--depth", "1"))
     psi = sum(p.numel() for p in model.parameters())
     opt = common.make_optimizer(model.parameters(), parse())
-    model(torch.randn(2, 1, 28, 28)).sum().backward()
-    opt.step()
-    assert common.param_bytes(model.parameters()) == common.grad_bytes(model.parameters()) == 4 * psi
-    assert common.optimizer_bytes(opt) == 8 * psi
-    assert not dist.is_initialized()
+    with common.Meter(model, opt, parse(), steps=2) as meter:
+        for step in range(3):
+            model(torch.randn(2, 1, 28, 28)).sum().backward()
+            flat = torch.cat([p.grad.flatten() for p in model.parameters()])
+            dist.all_reduce(flat)                                          # 4Ψ bytes
+            out = torch.empty(2 * psi)
+            dist.all_gather_into_tensor(out[:psi], flat)                   # world 1: the output is Ψ
+            dist.reduce_scatter_tensor(torch.empty(psi), flat)
+            dist.all_reduce(torch.zeros(()))                               # the logged loss: not counted
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    comm, calls, steps = meter.comm()
+    assert steps == 2 and calls == {"all_reduce": 2, "all_gather": 2, "reduce_scatter": 2}
+    assert comm == {"all_reduce": 4 * psi, "all_gather": 4 * psi, "reduce_scatter": 4 * psi}
+    assert meter.mem == dict(param_bytes=4 * psi, grad_bytes=4 * psi, optim_bytes=8 * psi)
