@@ -1,9 +1,7 @@
-"""ZeRO-1/2/3 written out with torch.distributed collectives: every rank trains on its slice of
-each global batch, like DDP, but the optimizer state (stage 1), the gradients (stage 2) and the
-parameters (stage 3) are split across the W ranks instead of replicated.
-
-Each unit (embed, every block, head) is one flat fp32 buffer, padded to a multiple of W;
-rank r owns the contiguous shard [r·S, (r+1)·S) of every unit:
+"""ZeRO-1/2/3 written out with torch.distributed collectives: like DDP, every rank trains on its slice
+of each global batch, but the optimizer state (stage 1), the gradients (stage 2) and the parameters
+(stage 3) are split across the W ranks instead of replicated. Each unit (embed, every block, head) is
+one flat fp32 buffer, padded to a multiple of W; rank r owns the contiguous shard [r·S, (r+1)·S):
 
     unit buffer:  [ shard 0 | shard 1 | ... | shard W-1 ]
                    rank 0     rank 1          rank W-1
@@ -14,20 +12,22 @@ rank r owns the contiguous shard [r·S, (r+1)·S) of every unit:
                                                is reduce-scattered and freed during backward)
     optimizer    own shard      own shard      own shard  (m, v only for the elements it owns)
 
-Memory per rank (fp32, AdamW, Ψ parameters, ZeRO paper's P_os, P_os+g, P_os+g+p):
-    stage 1: 4Ψ + 4Ψ + 8Ψ/W    stage 2: 4Ψ + 12Ψ/W    stage 3: 16Ψ/W    (DDP: 16Ψ)
+Memory per rank (fp32, AdamW, Ψ' = Ψ padded per unit to a multiple of W; ZeRO's P_os, P_os+g, P_os+g+p):
+    stage 1: 4Ψ' + 4Ψ' + 8Ψ'/W    stage 2: 4Ψ' + 12Ψ'/W    stage 3: 16Ψ'/W    (DDP: 16Ψ)
 Communication per step, in elements each rank puts through collectives:
-    stages 1-2: Ψ reduce-scattered + Ψ all-gathered = 2Ψ (the same as DDP's all-reduce)
-    stage 3:    Ψ gathered for forward + Ψ for backward + Ψ reduce-scattered = 3Ψ
-and a ring sends (W-1)/W of that per rank, 4 bytes an element.
+    stages 1-2: Ψ' reduce-scattered + Ψ' all-gathered = 2Ψ' (the same as DDP's all-reduce)
+    stage 3:    Ψ' gathered for forward + Ψ' for backward + Ψ' reduce-scattered = 3Ψ'
+and a ring sends (W-1)/W of that per rank, 4 bytes an element. The Meter reads memory off storages: the
+shards (the optimizer's parameters) view the unit's whole flat buffer at stages 1-2 (4Ψ'), and stage 1 keeps
+the whole flat gradient, which a shard's gradient views (4Ψ'). --offload cpu (ZeRO-Offload, on a GPU): fp32
+master shard, its gradient and optimizer state in pinned CPU memory, the step there; the Meter counts those.
 
     torchrun --standalone --nproc_per_node=4 zero.py --stage 1
     torchrun --standalone --nproc_per_node=4 zero.py --stage 3 --dim 256 --depth 8
-    torchrun --standalone --nproc_per_node=2 zero.py --stage 2 --offload   # ZeRO-Offload (on a GPU)
+    torchrun --standalone --nproc_per_node=2 zero.py --stage 2 --offload cpu   # ZeRO-Offload (on a GPU)
     python zero.py --stage 2                                   # a world of one process
 """
 import datetime
-import gc
 import os
 import time
 
@@ -35,256 +35,144 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler
 
 import common
 
-# torch >= 2.14 renames the two tensor collectives; 2.11 has only the old names.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 
-class AllReduceThenSlice:
-    """Reduce-scatter for a backend without it (an older Gloo): all-reduce the whole bucket and keep
-    this rank's shard. Same result, twice the traffic; it is still counted as the Ψ reduce-scattered
-    that the algorithm needs, not as the 2Ψ all-reduce a weaker backend forces."""
-
-    def __init__(self, out, inp, async_op=True):
-        self.out, self.inp, self.work = out, inp, dist.all_reduce(inp, async_op=True)
-
-    def wait(self):
-        self.work.wait()
-        self.out.copy_(self.inp.view(-1, self.out.numel())[dist.get_rank()])
-
-
-def collectives(device):
-    """(reduce_scatter, all_gather) on flat tensors: the real ones where the backend has them (NCCL
-    always; Gloo in this torch), else all-reduce / list all-gather with the same results."""
-    W = dist.get_world_size()
-    rs, ag = _reduce_scatter, _all_gather
-    try:
-        rs(torch.zeros(1, device=device), torch.zeros(W, device=device))
-    except (RuntimeError, NotImplementedError):
-        rs = AllReduceThenSlice
-    try:
-        ag(torch.zeros(W, device=device), torch.zeros(1, device=device))
-    except (RuntimeError, NotImplementedError):
-        ag = lambda out, inp, async_op=False: dist.all_gather(list(out.chunk(W)), inp, async_op=async_op)  # noqa: E731
-    return rs, ag
-
-
-def storage_bytes(tensors):
-    """Bytes of the distinct storages behind `tensors` (a view adds nothing; a freed buffer is 0)."""
-    seen = {}
-    for t in tensors:
-        if t is not None and t.untyped_storage().nbytes() > 0:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(seen.values())
-
+### begin: ZeRO
+# Model contract: model.embed, model.blocks (a sequence) and model.head hold every parameter (the units ZeRO
+# flattens); each unit returns one tensor; every parameter gets a gradient in every backward; the same weights
+# on every rank, on its device.
 
 class Unit:
-    """One module's parameters as a flat buffer `full` of N = W·S elements (zero padding at the end);
-    the module's parameters become views into it and `shard` is this rank's [r·S, (r+1)·S)."""
+    """A module's parameters as views into one flat buffer of N = W·S elements (zero padding at the end). `local`
+    is this rank's shard flat[r·S:(r+1)·S] (a copy at stage 3, where `flat` exists only while gathered); `shard`,
+    now the module's only nn.Parameter, is what the optimizer steps: `local`, or with offload its pinned CPU copy."""
 
-    def __init__(self, module, rank, world, stage):
-        self.module, self.params = module, list(module.parameters())
-        self.numel = sum(p.numel() for p in self.params)
-        self.S = -(-self.numel // world)
-        self.N, self.rank = self.S * world, rank
-        p0 = self.params[0]
-        self.full = torch.zeros(self.N, dtype=p0.dtype, device=p0.device)
-        self.offsets, offset = {}, 0                 # id(parameter) -> where it starts in the flat buffer
+    def __init__(self, prefix, module, rank, world, stage, offload):
+        named, self.params, self.ready, self.grad = list(module.named_parameters()), [], 0, None
+        self.S = -(-sum(p.numel() for _, p in named) // world)
+        self.N, offset, self.flat = self.S * world, 0, named[0][1].new_zeros(self.S * world)
         with torch.no_grad():
-            for p in self.params:
-                self.full[offset:offset + p.numel()].copy_(p.flatten())
-                p.data = self.full[offset:offset + p.numel()].view_as(p)
-                self.offsets[id(p)], offset = offset, offset + p.numel()
-        own = self.full[rank * self.S:(rank + 1) * self.S]
-        if stage < 3:                      # the optimizer updates the owned slice of `full` in place
-            self.shard = nn.Parameter(own)
-        else:                              # the shard is the only copy; `full` exists only when gathered
-            self.shard = nn.Parameter(own.clone())
-            self.full.untyped_storage().resize_(0)
-        self.gbuf = None                   # the unit's full flat gradient, while it exists
-        self.ready = 0                     # parameters whose gradient has arrived this backward
+            for name, p in named:          # each parameter becomes a plain tensor viewing into `flat`
+                # `.data = view`, not the view: the tensor keeps its own version counter, so autograd does
+                # not reject what it saved when stage 3 re-gathers `flat` before the backward
+                tensor = p.detach().requires_grad_()
+                tensor.data = self.flat[offset:offset + p.numel()].view_as(p).copy_(p)
+                owner, _, attr = name.rpartition(".")
+                delattr(module.get_submodule(owner), attr)
+                setattr(module.get_submodule(owner), attr, tensor)
+                self.params.append((f"{prefix}.{name}", tensor, offset))
+                offset += p.numel()
+        self.local = self.flat[rank * self.S:(rank + 1) * self.S]
+        self.local = self.local.clone() if stage == 3 else self.local
+        module.shard = self.shard = nn.Parameter(self.local.cpu().pin_memory() if offload else self.local)
+        self.gbuf = torch.zeros_like(self.flat) if stage == 1 else None   # the flat gradient: stage 1 keeps it
 
 
-class Zero:
-    """The ZeRO engine: hooks that reduce-scatter each unit's gradients as backward produces them
-    (and, at stage 3, gather and free each unit's parameters around its forward and backward),
-    the optimizer step on the owned shards, and counters of collective elements and bytes."""
+class ZeRO:
+    """The engine (model.zero): hooks that reduce-scatter each unit's gradients as backward produces them
+    and, at stage 3, gather and free each unit around its forward and backward; and the step's work."""
 
-    def __init__(self, model, stage, device, offload):
+    def __init__(self, model, stage, offload):
+        self.stage, self.offload, self.pending = stage, offload, None
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.stage, self.offload = stage, offload and device.type == "cuda"
-        self.reduce_scatter, self.all_gather = collectives(device)
-        self.units = [Unit(m, self.rank, self.world, stage) for m in [model.embed, *model.blocks, model.head]]
-        assert sum(u.numel for u in self.units) == sum(p.numel() for p in model.parameters())
-        self.comm = {"reduce_scatter": 0, "all_gather": 0}
-        self.peak = {"params": 0, "grads": 0}
-        self.pending = None                # (unit, work) of the reduce-scatter in flight
-        for u in self.units:
-            if stage == 1:                 # full gradients stay: accumulate straight into the flat buffer
-                u.gbuf = torch.zeros_like(u.full)
-                for p in u.params:
-                    p.grad = u.gbuf[u.offsets[id(p)]:u.offsets[id(p)] + p.numel()].view_as(p)
-                u.shard.grad = u.gbuf[self.rank * u.S:(self.rank + 1) * u.S]
-            else:
-                u.shard.grad = torch.zeros_like(u.shard)
-            for p in u.params:
-                p.register_post_accumulate_grad_hook(lambda p, u=u: self.on_grad(u, p))
+        units = [(name, m) for name, m in model.named_modules() if m in (model.embed, *model.blocks, model.head)]
+        self.units = [Unit(prefix, m, self.rank, self.world, stage, offload) for prefix, m in units]
+        for (_, m), u in zip(units, self.units):
+            for _, p, offset in u.params:
+                p.register_post_accumulate_grad_hook(lambda p, u=u, offset=offset: self.on_grad(u, p, offset))
             if stage == 3:
-                # (in evaluate(), under no_grad, the gathers are not counted as training traffic)
-                u.module.register_forward_pre_hook(lambda m, args, u=u: self.gather(u, torch.is_grad_enabled()))
-                u.module.register_forward_hook(lambda m, args, out, u=u: self.after_forward(u, out))
-        # --offload: the fp32 master shard and the optimizer state live in CPU memory, the optimizer
-        # steps there, and the updated shard is copied back (ZeRO-Offload).
-        self.masters = [nn.Parameter(u.shard.detach().cpu().pin_memory()) if self.offload else u.shard
-                        for u in self.units]
-        self.measure()
+                u.flat.untyped_storage().resize_(0)
+                m.register_forward_pre_hook(lambda m, args, u=u: self.gather(u))
+                m.register_forward_hook(lambda m, args, out, u=u: self.after_forward(u, out))
 
-    def measure(self, extra_grad=0):
-        """Resident bytes now; keeps the peak. Called wherever a buffer appears or goes."""
-        now = dict(params=storage_bytes([t for u in self.units for t in (u.full, u.shard)]),
-                   grads=storage_bytes([t for u in self.units for t in (u.gbuf, u.shard.grad)]) + extra_grad)
-        for k in now:
-            self.peak[k] = max(self.peak[k], now[k])
-        return now
-
-    # ---- stage 3: parameters exist in full only around the unit's forward and backward
     @torch.no_grad()
-    def gather(self, u, count=True):
-        u.full.untyped_storage().resize_(u.N * u.full.element_size())
-        self.all_gather(u.full, u.shard.detach())
-        self.comm["all_gather"] += u.N if count else 0
-        self.measure()
-
-    def free(self, u):
-        u.full.untyped_storage().resize_(0)
+    def gather(self, u):                   # stage 3: a unit is whole only around its forward and backward
+        u.flat.untyped_storage().resize_(u.N * u.flat.element_size())
+        dist.all_gather_into_tensor(u.flat, u.local)
 
     def after_forward(self, u, out):
-        self.free(u)
-        if out.requires_grad:              # fires when the gradient reaches the unit's output: before its backward
-            out.register_hook(lambda grad, u=u: self.gather(u))
+        u.flat.untyped_storage().resize_(0)
+        if out.requires_grad:              # the gradient reaching the unit's output: its backward is next
+            out.register_hook(lambda grad: self.gather(u))
 
-    # ---- gradients: reduce-scatter each unit as soon as all its gradients exist
     @torch.no_grad()
-    def on_grad(self, u, p):
-        if self.stage >= 2:                # copy into the unit's bucket and drop the per-parameter gradient
-            if u.gbuf is None:
-                u.gbuf = torch.zeros(u.N, dtype=u.shard.dtype, device=u.shard.device)
-            self.measure(extra_grad=p.grad.untyped_storage().nbytes())
-            a = u.offsets[id(p)]
-            u.gbuf[a:a + p.numel()].copy_(p.grad.flatten())
-            p.grad = None
-        u.ready += 1
-        if u.ready < len(u.params):
-            return
-        u.ready = 0
-        self.wait_pending()                # at most two buckets in flight: this one and the one before
-        u.gbuf.div_(self.world)            # Σ_ranks grad/W = gradient of the global-batch mean, as DDP does
-        self.pending = (u, self.reduce_scatter(u.shard.grad, u.gbuf, async_op=True))
-        self.comm["reduce_scatter"] += u.N
-        if self.stage == 3:
-            self.free(u)
+    def on_grad(self, u, p, offset):               # reduce-scatter a unit as soon as all its gradients are in
+        u.gbuf = u.local.new_zeros(u.N) if u.gbuf is None else u.gbuf
+        u.gbuf[offset:offset + p.numel()].copy_(p.grad.flatten())     # into the unit's flat gradient;
+        p.grad = None                                                   # the parameter's own one goes
+        u.ready = (u.ready + 1) % len(u.params)
+        if u.ready == 0:
+            self.wait()                    # at most two in flight: this unit's and the one before
+            u.gbuf.div_(self.world)        # Σ_ranks grad/W: the gradient of the global batch's mean, as DDP
+            # stage 1 reduces in place (NCCL's in-place layout: the output is the input's slice r)
+            u.grad = u.gbuf[self.rank * u.S:(self.rank + 1) * u.S] if self.stage == 1 else u.local.new_empty(u.S)
+            self.pending = (u, dist.reduce_scatter_tensor(u.grad, u.gbuf, async_op=True))
+            if self.stage == 3:
+                u.flat.untyped_storage().resize_(0)
 
-    def wait_pending(self):
+    def wait(self):
         if self.pending is not None:
             u, work = self.pending
             work.wait()
-            self.pending = None
-            if self.stage >= 2:            # stage 2-3: the full gradient is gone as soon as it is reduced
-                self.measure()
-                u.gbuf = None
+            self.pending, u.gbuf = None, u.gbuf if self.stage == 1 else None   # stages 2-3 free it now
 
-    def finish_backward(self):
-        self.wait_pending()
-        if self.offload:
-            for u, m in zip(self.units, self.masters):
-                m.grad = u.shard.grad.to("cpu")
+    @torch.no_grad()
+    def before_step(self):
+        self.wait()
+        for u in self.units:               # offload: .cpu() blocks until the device is done (see after_step)
+            u.shard.grad, u.grad = u.grad.cpu() if self.offload else u.grad, None
 
     @torch.no_grad()
     def after_step(self):
-        works = []
-        for u, m in zip(self.units, self.masters):
-            if self.offload:
-                u.shard.copy_(m, non_blocking=True)
-            if self.stage < 3:             # everyone needs the full, updated parameters for the next forward
-                works.append(self.all_gather(u.full, u.shard.detach(), async_op=True))
-                self.comm["all_gather"] += u.N
-            if self.stage == 1:
-                u.gbuf.zero_()
-        for work in works:
-            work.wait()
-
-    @torch.no_grad()
-    def state_dict(self, model):
-        """The full, plain state_dict (stage 3 gathers every unit for it; all ranks must call)."""
-        if self.stage == 3:
-            for u in self.units:
-                self.gather(u, count=False)
-        sd = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-        if self.stage == 3:
-            for u in self.units:
-                self.free(u)
-        return sd
+        for u in self.units:
+            if self.offload:               # non_blocking from pinned memory returns before the copy has read
+                # the master: safe only because before_step's copy to the CPU blocks until this stream is
+                # done, so the next step cannot write the master while this copy still reads it
+                u.local.copy_(u.shard, non_blocking=True)
+            if self.stage < 3:             # every rank needs the whole updated unit for the next forward
+                dist.all_gather_into_tensor(u.flat, u.local)
 
 
-def setup(backend, timeout):
-    # MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE come from the environment (torchrun or default_env()).
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
-    return dist.get_rank(), dist.get_world_size()
+def parallelize(model, device, stage, offload):
+    """ZeRO stage 1, 2 or 3, in place: model.parameters() become the shards. Offload only on a GPU."""
+    model.zero = ZeRO(model, stage, offload and device.type == "cuda")
+    return model
 
 
-def cleanup():
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def train(model, zero, optimizer, loader, sampler, args, device):
-    steps, t_train, loss_sum, loss_n, last_loss, mem = 0, 0.0, torch.zeros((), device=device), 0, float("nan"), {}
-    for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)                   # a new shuffle each epoch, the same on every rank
-        model.train()
-        t0 = time.perf_counter()
-        bar = common.progress(loader, args, desc=f"epoch {epoch}")
-        for x, y in bar:
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()                        # the hooks reduce-scatter each unit's gradients as they arrive
-            zero.finish_backward()
-            loss_sum += loss.detach()
-            optimizer.step()                       # each rank updates only the shard it owns
-            if steps == 0:
-                mem = dict(zero.measure(), optim_bytes=common.optimizer_bytes(optimizer))
-            zero.after_step()
-            steps, loss_n = steps + 1, loss_n + 1
-            if steps % 20 == 0 or steps == args.max_steps or steps % len(loader) == 0:
-                dist.all_reduce(loss_sum)
-                last_loss, loss_sum, loss_n = loss_sum.item() / dist.get_world_size() / loss_n, loss_sum * 0, 0
-                if bar is not loader:
-                    bar.set_postfix(loss=f"{last_loss:.4f}")
-            if steps == args.max_steps:
-                break
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t_train += time.perf_counter() - t0
-        common.log(f"epoch {epoch}: steps {steps}, train loss {last_loss:.4f}")
-        if steps == args.max_steps:
-            break
-    return dict(steps=steps, loss=last_loss, train_time=t_train, param_bytes=mem.get("params", 0),
-                grad_bytes=mem.get("grads", 0), optim_bytes=mem.get("optim_bytes", 0))
+def hook_optimizer(model, optimizer):
+    optimizer.register_step_pre_hook(lambda *_: model.zero.before_step())
+    optimizer.register_step_post_hook(lambda *_: model.zero.after_step())
 
 
 @torch.no_grad()
-def evaluate(model, loader, device):
-    """Each rank counts its own unpadded shard; one all-reduce of (correct, seen) makes it exact."""
-    model.eval()
-    counts = torch.zeros(2, dtype=torch.long, device=device)
-    for x, y in loader:
-        x, y = x.to(device), y.to(device)
-        counts += torch.stack([(model(x).argmax(1) == y).sum(), torch.tensor(len(y), device=device)])
-    dist.all_reduce(counts)
-    return counts[0].item() / max(counts[1].item(), 1)
+def full_state_dict(model):
+    """The plain state_dict of the common model, on rank 0: every unit's shards gathered to rank 0."""
+    sd, zero = {}, model.zero
+    for u in zero.units:
+        parts = [torch.empty_like(u.local) for _ in range(zero.world)] if zero.rank == 0 else None
+        dist.gather(u.local, parts, dst=0)
+        if zero.rank == 0:
+            flat = torch.cat(parts).cpu()
+            sd.update({key: flat[offset:offset + t.numel()].view_as(t).clone() for key, t, offset in u.params})
+    return sd
+### end: ZeRO
+
+
+def formula(psi, world, args):
+    """The paper's per-rank bytes for Ψ' = psi (padded), which the report sets next to what the Meter
+    measured. With offload it counts the optimizer's side: CPU master shard, its gradient, its state."""
+    k, s, cpu = 8 if args.optim == "adamw" else 4, args.stage, args.offload == "cpu"
+    p, g, note = s == 3 or cpu, s >= 2 or cpu, {True: "4Ψ'/W sharded" + " (CPU)" * cpu, False: "4Ψ' replicated"}
+    return dict(param_bytes=4 * psi // (world if p else 1), grad_bytes=4 * psi // (world if g else 1),
+                optim_bytes=k * psi // world, comm=dict(reduce_scatter=4 * psi, all_gather=(8 if s == 3 else 4) * psi),
+                notes=dict(param_bytes=note[p], grad_bytes=note[g], reduce_scatter="Ψ' fp32 gradients",
+                           optim_bytes=f"{k}Ψ'/W sharded " + ("AdamW m, v" if k == 8 else "SGD momentum"),
+                           all_gather="2Ψ': before forward and backward" if s == 3 else "Ψ' updated parameters"))
 
 
 def check_args(args, world):
@@ -294,77 +182,118 @@ def check_args(args, world):
                  f"the same whole number of samples per step")
 
 
-def run(args):
-    """One rank's work; RANK, LOCAL_RANK and WORLD_SIZE are in the environment."""
-    check_args(args, int(os.environ["WORLD_SIZE"]))
-    backend, device = common.pick_backend(args.backend)
-    model = common.build_model(args)               # same seed -> same weights on every rank
-    if args.load:
-        model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
-    if args.offload and device.type != "cuda":
-        common.log("--offload: the device is the CPU, so the optimizer state is in CPU memory anyway: no change")
-    rank, world = setup(backend, args.timeout)
-    try:
-        xtr, ytr, xte, yte, source = common.load_data(args)
-        loader, sampler = common.train_loader(xtr, ytr, args.batch_size, rank, world, args.seed)
-        common.check(len(loader) > 0, f"{len(ytr)} training samples make no full batch of {args.batch_size}")
-        psi = sum(p.numel() for p in model.parameters())
-        zero = Zero(model.to(device), args.stage, device, args.offload)
-        optimizer = common.make_optimizer(zero.masters, args)
-        pad = sum(u.N for u in zero.units)         # Ψ' = Ψ + padding: what the buffers and collectives hold
-        common.log(f"zero stage {args.stage}: world {world}, Ψ = {psi:,} parameters ({pad - psi} padding), "
-                   f"{len(zero.units)} units, {source} data ({len(ytr)} train / {len(yte)} test), "
-                   f"batch {args.batch_size} = {world} x {args.batch_size // world}")
-        zero.peak = {"params": 0, "grads": 0}
-        out = train(model, zero, optimizer, loader, sampler, args, device)
-        peak, steps = dict(zero.peak), max(out["steps"], 1)     # the peaks of the training steps only
-        elements = (zero.comm["reduce_scatter"] + zero.comm["all_gather"]) // steps
-        acc = evaluate(model, common.test_loader(xte, yte, 512, rank, world), device)
-        s, k = args.stage, 8 if args.optim == "adamw" else 4
-        shard = lambda sharded: "4Ψ/W (sharded)" if sharded else "4Ψ (replicated)"   # noqa: E731
-        formula = dict(param_bytes=4 * pad // (world if s == 3 else 1), grad_bytes=4 * pad // (world if s >= 2 else 1),
-                       optim_bytes=k * pad // world, comm_elements=(3 if s == 3 else 2) * pad)
-        comm_bytes = 4 * elements
-        wire = (world - 1) * comm_bytes // world
-        common.report([
-            ("parameters", out["param_bytes"], formula["param_bytes"], shard(s == 3)),
-            ("gradients", out["grad_bytes"], formula["grad_bytes"], shard(s >= 2)),
-            ("optimizer state" + (" (CPU)" if zero.offload else ""), out["optim_bytes"], formula["optim_bytes"],
-             f"{k}Ψ/W (sharded) " + ("AdamW m, v" if k == 8 else "SGD momentum")),
-            ("peak params in step", peak["params"], None, "with the units gathered at once" if s == 3 else ""),
-            ("peak grads in step", peak["grads"], None, "with the buckets in flight" if s >= 2 else ""),
-            ("collective per step", comm_bytes, 4 * formula["comm_elements"],
-             "3Ψ: 2Ψ all-gathered + Ψ reduce-scattered" if s == 3 else "2Ψ: Ψ reduce-scattered + Ψ all-gathered"),
-            ("sent per step (ring)", wire, (world - 1) * 4 * formula["comm_elements"] // world, "(W-1)/W of that"),
-        ], title=f"per-rank memory and communication (Ψ' = {pad:,}: padded to a multiple of W)")
+def setup(args):
+    """Join the process group. torchrun (or common.launch) put RANK, WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT in the environment; LOCAL_RANK picks this process's GPU."""
+    backend, device = common.pick_backend(args.backend)    # NCCL and a GPU per rank, else Gloo on the CPU
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = datetime.timedelta(seconds=args.timeout)
+    # torchrun keeps one store across restarts (--max-restarts): prefix it per attempt, or a
+    # restarted rank may read the address of a worker that died in the last attempt and hang.
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    return rank, world, device, backend
+
+
+def cleanup():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
+    """The loop every script shares: forward, loss, backward, step, schedule, log."""
+    stop, world = args.max_steps or float("inf"), dist.get_world_size()
+    loss_sum, loss_n, last_loss, steps_run, t_train = torch.zeros((), device=device), 0, float("nan"), 0, 0.0
+    for epoch in range(step // len(loader), args.epochs):
+        if step >= stop:
+            break
+        sampler.set_epoch(epoch)                   # a new shuffle each epoch, the same on every rank
+        model.train()
+        t0 = time.perf_counter()
+        bar = common.progress(loader, args, epoch)
+        for i, (x, y) in enumerate(bar):
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss_sum, loss_n, step, steps_run = loss_sum + loss.detach(), loss_n + 1, step + 1, steps_run + 1
+            if step % args.log_every == 0 or step >= stop or i + 1 == len(loader):
+                dist.all_reduce(loss_sum)          # each rank's loss is its slice's: average them
+                last_loss, loss_sum, loss_n = loss_sum.item() / world / loss_n, loss_sum * 0, 0
+                common.log_loss(bar, args, epoch, step, last_loss)
+            if step >= stop:
+                break
         if device.type == "cuda":
-            common.log(f"  cuda max_memory_allocated: {common.fmt_bytes(torch.cuda.max_memory_allocated(device))}")
-        sps = out["steps"] * args.batch_size / max(out["train_time"], 1e-9)
-        common.log(f"\ntest accuracy {acc:.4f}, final train loss {out['loss']:.4f}, {sps:.0f} samples/s")
-        sd = zero.state_dict(model) if args.save else None   # every rank takes part in stage 3's gathers
+            torch.cuda.synchronize()
+        t_train += time.perf_counter() - t0
+        common.log(f"epoch {epoch}: step {step}, train loss {last_loss:.4f}")
+    return dict(steps=step, steps_run=steps_run, loss=last_loss, train_time=t_train)
+
+
+@torch.no_grad()
+def evaluate(model, loader, device):
+    """Exact: the loader pads every rank to the same number of batches (padding masked out), so
+    every rank runs the same forward passes and collectives and each sample counts once."""
+    model.eval()
+    counts = torch.zeros(2, dtype=torch.long, device=device)
+    for x, y, keep in loader:
+        x, y, keep = x.to(device), y.to(device), keep.to(device)
+        counts += torch.stack([((model(x).argmax(1) == y) & keep).sum(), keep.sum()])
+    dist.all_reduce(counts)
+    return counts[0].item() / max(counts[1].item(), 1)
+
+
+def run(args):
+    """One rank, in the seeds' order: join the group, deal the data, build the model, wrap it,
+    train, evaluate, save on rank 0, leave the group."""
+    rank, world, device, backend = setup(args)
+    try:
+        train_set, test_set, source = common.load_data(args, device)
+        dp_rank, dp_world = rank, world            # every rank is a data-parallel rank
+        sampler = DistributedSampler(train_set, num_replicas=dp_world, rank=dp_rank, shuffle=True,
+                                     seed=args.seed, drop_last=True)
+        loader = DataLoader(train_set, batch_size=args.batch_size // dp_world, sampler=sampler, drop_last=True,
+                            pin_memory=device.type == "cuda")
+        common.check(len(loader) > 0, f"{len(train_set)} training samples make no full batch of {args.batch_size}")
+        model = common.build_model(args)           # the same seeded weights on every rank
+        if args.load:
+            model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
+        psi = sum(p.numel() for p in model.parameters())
+        if args.offload == "cpu" and device.type != "cuda":
+            common.log("--offload cpu: the device is the CPU, where the optimizer state lives anyway: no change")
+            args.offload = "none"
+        model = parallelize(model.to(device), device, args.stage, args.offload == "cpu")
+        optimizer = common.make_optimizer(model.parameters(), args)
+        hook_optimizer(model, optimizer)           # before the Meter's hook: its window sees the all-gather
+        padded = world * sum(p.numel() for p in model.parameters())    # Ψ': every unit padded to a multiple of W
+        scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
+        common.log(f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data ({len(train_set)} train / "
+                   f"{len(test_set)} test), batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}")
+        with common.Meter(model, optimizer, args) as meter:
+            out = train(model, optimizer, scheduler, loader, sampler, args, device)
+        acc = evaluate(model, common.test_loader(test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"),
+                       device)
+        state = full_state_dict(model)             # every rank takes part; rank 0 holds the whole
         if rank == 0 and args.save:
-            common.save_checkpoint(sd, args.save)
+            common.save_checkpoint(state, args.save)
             common.log(f"saved {args.save}")
-        common.result(script="zero", world_size=world, backend=backend, device=device.type, data=source,
-                      params=psi, steps=out["steps"], loss=out["loss"], test_acc=acc, samples_per_s=sps,
-                      param_bytes=out["param_bytes"], grad_bytes=out["grad_bytes"], optim_bytes=out["optim_bytes"],
-                      comm_bytes=comm_bytes, stage=s, offload=zero.offload, params_padded=pad, units=len(zero.units),
-                      formula=formula, peak_param_bytes=peak["params"], peak_grad_bytes=peak["grads"],
-                      comm_elements=elements, reduce_scatter_elements=zero.comm["reduce_scatter"] // steps,
-                      all_gather_elements=zero.comm["all_gather"] // steps, wire_bytes=wire)
+        common.report(SCRIPT, args, world, backend, device, source, psi, out, acc, meter, formula(padded, world, args),
+                      stage=args.stage, offload=args.offload, params_padded=padded)
     finally:
         cleanup()
 
 
 def main():
-    common.default_env()                           # plain `python zero.py`: a world of one
-    parser = common.get_parser("ZeRO stages 1-3 written out with collectives, on the common ViT")
+    parser = common.get_parser("ZeRO stages 1-3 written out with torch.distributed, on the common ViT")
     parser.add_argument("--stage", type=int, default=1, help="1: shard optimizer state, 2: + grads, 3: + params")
-    parser.add_argument("--offload", action="store_true", help="fp32 master shard and optimizer state on the CPU")
-    run(common.parse_args(parser))
-    # The hooks tie model and engine into reference cycles that still hold tensors the process group
-    # touched; free them now, not during interpreter shutdown, where Gloo's threads can abort the exit.
-    gc.collect()
+    parser.add_argument("--offload", choices=["none", "cpu"], default="none", help="cpu: ZeRO-Offload (on a GPU)")
+    args = common.parse_args(parser)
+    check_args(args, common.world_size(args))
+    common.launch(run, args)
 
 
 if __name__ == "__main__":
