@@ -96,6 +96,7 @@ def get_parser(description):
     g.add_argument("--lr-schedule", choices=["cosine", "constant"], default="cosine",
                    help="after warm-up: cosine decay to 0 over the run, or constant")
     g.add_argument("--optim", choices=["adamw", "sgd"], default="adamw")
+    g.add_argument("--shift", type=int, default=2, help="augmentation: move each training image by up to N pixels")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--data", choices=["auto", "mnist", "synthetic"], default="auto")
     g.add_argument("--data-dir", default="data")
@@ -122,7 +123,7 @@ def parse_args(parser, argv=None):
     args = parser.parse_args(argv)
     for name in ("epochs", "batch_size", "dim", "depth", "heads", "patch", "log_every"):
         check(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    for name in ("limit", "max_steps"):
+    for name in ("limit", "max_steps", "shift"):
         check(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     check(args.timeout > 0, f"--timeout must be positive, got {args.timeout}")
     check(0 <= args.warmup < 1, f"--warmup is a fraction of the steps in [0, 1), got {args.warmup}")
@@ -372,20 +373,34 @@ def load_data(args, device=torch.device("cpu")):
         xtr, ytr = synthetic_digits(min(limit or SYNTHETIC_TRAIN, SYNTHETIC_TRAIN), SYNTHETIC_SEED)
         xte, yte = synthetic_digits(min(limit or SYNTHETIC_TEST, SYNTHETIC_TEST), SYNTHETIC_SEED + 1)
     norm = lambda x: ((x.float() / 255 - MNIST_MEAN) / MNIST_STD).unsqueeze(1)  # noqa: E731
-    return Digits(norm(xtr), ytr.long()), Digits(norm(xte), yte.long()), source
+    return Digits(norm(xtr), ytr.long(), args.shift, args.seed), Digits(norm(xte), yte.long()), source
 
 
 class Digits(Dataset):
-    """Images and labels held as two tensors; indexed one sample at a time like any Dataset."""
+    """Images and labels held as two tensors; indexed one sample at a time like any Dataset.
 
-    def __init__(self, x, y):
-        self.x, self.y = x, y
+    With shift=s (the training set, --shift), sample i in epoch e is moved by a whole number of
+    pixels in [-s, s] along each axis, drawn from (seed, e, i) alone: every world size and every
+    technique sees the same augmented batches. set_epoch(e) picks the epoch, as the sampler's does."""
+
+    def __init__(self, x, y, shift=0, seed=0):
+        self.x, self.y, self.shift, self.seed, self.epoch = x, y, shift, seed, 0
+        self.background = x.amin() if len(x) else 0.0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
 
     def __len__(self):
         return len(self.y)
 
     def __getitem__(self, i):
-        return self.x[i], self.y[i]
+        x, s = self.x[i], self.shift
+        if s:
+            h = hash((self.seed, self.epoch, int(i))) & 0xFFFFFFFF       # ints hash to themselves: deterministic
+            h = (h * 2654435761) & 0xFFFFFFFF
+            dy, dx = h % (2 * s + 1) - s, (h // (2 * s + 1)) % (2 * s + 1) - s
+            x = F.pad(x, (s, s, s, s), value=float(self.background))[:, s - dy:s - dy + IMAGE, s - dx:s - dx + IMAGE]
+        return x, self.y[i]
 
 
 class PaddedShards(Sampler):

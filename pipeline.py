@@ -200,6 +200,7 @@ def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
         if step >= stop:
             break
         sampler.set_epoch(epoch)                   # a new shuffle each epoch, the same on every rank
+        loader.dataset.set_epoch(epoch)            # and new augmentations (--shift), the same everywhere
         model.train()
         t0 = time.perf_counter()
         bar = common.progress(loader, args, epoch)

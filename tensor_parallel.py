@@ -17,10 +17,9 @@ all-gather of the tokens (reduce-scatter backward), g a reduce-scatter (all-gath
 all-reduce's bytes, activations outside the split layers / W. Norm and row-bias grads are summed.
 
 Memory per rank (fp32, Ψ = Ψs split + Ψr replicated, Ψs = depth·(12D² + 6D) here): 4(Ψr + Ψs/W)
-params + as much grads + 8(Ψr + Ψs/W) AdamW. Communication per step, in B·T·D fp32 activations
-(B the whole batch): 4·depth all-reduces (a ring sends 2(W-1)/W of each); with SP 4·depth
-reduce-scatters and 4·depth + 2 all-gathers (SP's entry and exit), each sending (W-1)/W, and one
-all-reduce of the 6·D·depth norm/bias gradients.
+params + as much grads + 8(Ψr + Ψs/W) AdamW. Communication per step, in B·T·D fp32 activations (B the
+whole batch): 4·depth all-reduces (a ring sends 2(W-1)/W of each); with SP 4·depth reduce-scatters and
+4·depth + 2 all-gathers (SP's entry and exit), each sending (W-1)/W, + an all-reduce of 6·D·depth grads.
 
     torchrun --standalone --nproc_per_node=2 tensor_parallel.py
     python tensor_parallel.py --nproc 4 --sequence-parallel     # through mp.spawn on a free port
@@ -216,6 +215,7 @@ def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
         if step >= stop:
             break
         sampler.set_epoch(epoch)                   # a new shuffle each epoch, the same on every rank
+        loader.dataset.set_epoch(epoch)            # and new augmentations (--shift), the same everywhere
         model.train()
         t0 = time.perf_counter()
         bar = common.progress(loader, args, epoch)

@@ -25,7 +25,6 @@ master shard, its gradient and optimizer state in pinned CPU memory, the step th
     torchrun --standalone --nproc_per_node=4 zero.py --stage 1
     torchrun --standalone --nproc_per_node=4 zero.py --stage 3 --dim 256 --depth 8
     torchrun --standalone --nproc_per_node=2 zero.py --stage 2 --offload cpu   # ZeRO-Offload (on a GPU)
-    python zero.py --stage 2                                   # a world of one process
 """
 import datetime
 import os
@@ -210,6 +209,7 @@ def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
         if step >= stop:
             break
         sampler.set_epoch(epoch)                   # a new shuffle each epoch, the same on every rank
+        loader.dataset.set_epoch(epoch)            # and new augmentations (--shift), the same everywhere
         model.train()
         t0 = time.perf_counter()
         bar = common.progress(loader, args, epoch)
