@@ -1,165 +1,88 @@
-"""FSDP: PyTorch's fully sharded data parallel (FSDP2, `fully_shard`) on the common ViT --
-ZeRO-3 as a library. Every parameter becomes a DTensor sharded on dim 0 over a 1-D device
-mesh; each block (and then the root: embed + head) is one unit that FSDP all-gathers before
-its forward and backward and frees after, and whose gradients it reduce-scatters.
+"""FSDP: PyTorch's fully sharded data parallel (FSDP2, `fully_shard`), ZeRO-3 as a library: DDP, but each
+rank holds only its shard of every parameter (a DTensor). Each block, then the root (embed + head), is a
+unit: all-gathered before its forward and its backward, freed after, its gradients reduce-scattered.
 
-    mesh (W,):   rank 0       rank 1       ...   rank W-1
-    block i      rows 0::W    rows of 1    ...   each parameter's dim-0 chunk r (torch.chunk)
-    root         embed, head chunked the same way
-    optimizer    AdamW on the local chunks only (made after sharding)
+    a parameter's dim 0 in W contiguous chunks of c = ceil(dim0 / W) rows, the last zero-padded:
+    rank 0: rows [0, c)    rank 1: rows [c, 2c)    ...    rank W-1: rows [(W-1)c, dim0) + padding
 
-Memory per rank (fp32, AdamW, Ψ parameters): 4Ψ/W params + 4Ψ/W grads + 8Ψ/W optimizer =
-16Ψ/W (up to the uneven last chunk), plus the units gathered at once.
-Communication per step: Ψ all-gathered for forward + Ψ again for backward + Ψ reduce-scattered
-= 3Ψ elements (2Ψ with --no-reshard-after-forward, which keeps parameters gathered from
-forward to backward: ZeRO-2-like memory); a ring sends (W-1)/W of that per rank. The root
-unit (embed + head) stays gathered from forward to backward, so FSDP2 moves 3Ψ - Ψ_root.
+Memory per rank (fp32, AdamW, Ψ parameters): 4Ψ/W params + 4Ψ/W grads + 8Ψ/W optimizer = 16Ψ/W bytes
+(dim 0 padded to a multiple of W), plus the units gathered at the time. Communication per step:
+Ψ all-gathered for forward, Ψ again for backward (not the root, nor with --no-reshard-after-forward),
+Ψ fp32 gradients reduce-scattered; a ring sends (W-1)/W of each. --mixed-precision: bf16 compute and
+all-gathers; fp32 reduce-scatter, shards and output (the loss). --dcp DIR: sharded checkpoints DIR/step-N,
+the newest resumed at any W; every rank reads and writes DIR, so it must be on a shared file system.
 
-    torchrun --standalone --nproc_per_node=4 fsdp.py
     torchrun --standalone --nproc_per_node=2 fsdp.py --max-steps 100 --dcp ckpt/   # sharded save
     torchrun --standalone --nproc_per_node=4 fsdp.py --max-steps 200 --dcp ckpt/   # resume at W=4
-    python fsdp.py --save vit.pt                                               # a world of one
+    python fsdp.py --nproc 4 --mixed-precision --offload cpu   # through mp.spawn on a free port
+
+This model has no BatchNorm. A model that does would need
+`model = nn.SyncBatchNorm.convert_sync_batchnorm(model)` before wrapping, or each rank
+normalises with the statistics of its own batch/W samples only.
 """
 import datetime
-import gc
-import itertools
 import os
 import time
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.utils.data import DataLoader, DistributedSampler
 
 import common
 
-
-class CommCounter(TorchDispatchMode):
-    """Counts what FSDP's own collectives move on this rank (all-gather output, reduce-scatter input),
-    in elements and bytes. It sees every op, so it is switched on for one step only."""
-
-    def __init__(self):
-        super().__init__()
-        self.elements, self.bytes = {"all_gather": 0, "reduce_scatter": 0}, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.name()
-        t = args[0] if "_allgather_base_" in name else args[1] if "_reduce_scatter_base_" in name else None
-        if t is not None:
-            self.elements["all_gather" if "allgather" in name else "reduce_scatter"] += t.numel()
-            self.bytes += t.numel() * t.element_size()
-        return func(*args, **(kwargs or {}))
+SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 
-def shard_model(model, mesh, args, device):
-    """fully_shard each block, then the root (embed + head); parameters become DTensor shards."""
-    kw = dict(mesh=mesh, reshard_after_forward=not args.no_reshard_after_forward)
-    if args.mixed_precision:                  # bf16 copies for compute and all-gather, fp32 reduce and master
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if args.cpu_offload and device.type == "cuda":
-        kw["offload_policy"] = CPUOffloadPolicy()
+### begin: FSDP
+# Model contract: `model.blocks` (a unit each; the rest, embed and head, is the root unit), the same
+# weights on every rank, on this rank's device. Build the optimizer after sharding: on the shards.
+
+def parallelize(model, device, mixed_precision=False, offload=False, reshard_after_forward=True):
+    """fully_shard each block, then the root, which stays gathered from its forward to its backward (used
+    last, then first). Parameters become DTensor shards; hooks gather units and reduce-scatter their grads."""
+    kw = dict(mesh=init_device_mesh(device.type, (dist.get_world_size(),)),
+              offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy())
+    mp = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else {}
     for block in model.blocks:
-        fully_shard(block, **kw)
-    # The root (embed + head) is used last in forward and first in backward: resharding it in between
-    # would only gather it again at once, so it stays gathered (FSDP2's own default for the root).
-    fully_shard(model, **{**kw, "reshard_after_forward": False})
-    return model
+        fully_shard(block, reshard_after_forward=reshard_after_forward, mp_policy=MixedPrecisionPolicy(**mp), **kw)
+    root = MixedPrecisionPolicy(**mp, output_dtype=torch.float32)    # fp32 logits: the loss runs in fp32
+    return fully_shard(model, reshard_after_forward=False, mp_policy=root, **kw)
 
 
-def check_dcp(path, model, optim):
-    """Before any process group: is `path` empty/new (start fresh) or a DCP checkpoint of this model?"""
-    if not os.path.exists(path) or (os.path.isdir(path) and not os.listdir(path)):
-        return False
-    common.check(os.path.isdir(path) and os.path.isfile(os.path.join(path, ".metadata")),
-                 f"--dcp {path}: not a torch.distributed.checkpoint directory (no .metadata file); "
-                 f"give an empty or new directory to start one")
-    try:
-        meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    except Exception as e:
-        common.fail(f"--dcp {path}: unreadable DCP metadata ({type(e).__name__}: {str(e).splitlines()[0][:100]})")
-    for k, v in model.state_dict().items():
-        saved = meta.get(f"model.{k}")
-        common.check(saved is not None, f"--dcp {path}: missing tensor 'model.{k}' (other --dim/--depth/--heads?)")
-        common.check(tuple(saved.size) == tuple(v.shape), f"--dcp {path}: tensor 'model.{k}' has shape "
-                     f"{tuple(saved.size)}, this model needs {tuple(v.shape)} (check --dim/--depth/--heads)")
-    state = "exp_avg" if optim == "adamw" else "momentum_buffer"
-    common.check(any(k.endswith(state) for k in meta), f"--dcp {path}: holds no {state} optimizer state; "
-                 f"was it saved with another --optim than {optim}?")
-    return True
+def full_state_dict(model):
+    """The plain state_dict of the common model on rank 0's CPU, gathered tensor by tensor; {} elsewhere."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def dcp_state(model, optimizer, step):
-    """What a sharded checkpoint holds: each rank's shards of model and optimizer, and the step."""
+def dcp_state(model, optimizer, scheduler):
+    """A sharded checkpoint: this rank's shards of the model and of the optimizer state, and the schedule."""
     return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer),
-            "step": torch.tensor(step)}
+            "scheduler": scheduler.state_dict()}
 
 
-def setup(backend, timeout, device):
-    # MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE come from the environment (torchrun or default_env()).
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    return dist.get_rank(), dist.get_world_size(), mesh
+def load_dcp(path, model, optimizer, scheduler):
+    """Every rank reads its own shards (DCP reshards: the saving world size may differ)."""
+    state = dcp_state(model, optimizer, scheduler)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optim"])
+    scheduler.load_state_dict(state["scheduler"])
+### end: FSDP
 
 
-def cleanup():
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def train(model, optimizer, loader, sampler, args, device, comm, start=0):
-    steps, t_train, loss_sum, loss_n, last_loss, mem = start, 0.0, torch.zeros((), device=device), 0, float("nan"), {}
-    for epoch in range(start // len(loader), args.epochs):
-        sampler.set_epoch(epoch)                   # a new shuffle each epoch, the same on every rank
-        model.train()
-        t0 = time.perf_counter()
-        skip = start % len(loader) if epoch == start // len(loader) else 0   # resumed: these batches are done
-        bar = common.progress(itertools.islice(loader, skip, None), args, desc=f"epoch {epoch}")
-        for x, y in bar:
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            with comm if steps == start else nullcontext():     # count the first step's collectives
-                loss = F.cross_entropy(model(x), y)
-                loss.backward()                    # FSDP gathers each block for backward, reduce-scatters its grads
-            loss_sum += loss.detach()
-            optimizer.step()                       # on the local shards only
-            if not mem:
-                mem = dict(param_bytes=common.param_bytes(model.parameters()),
-                           grad_bytes=common.grad_bytes(model.parameters()),
-                           optim_bytes=common.optimizer_bytes(optimizer))
-            optimizer.zero_grad(set_to_none=True)
-            steps, loss_n = steps + 1, loss_n + 1
-            if steps % 20 == 0 or steps == args.max_steps or steps % len(loader) == 0:
-                dist.all_reduce(loss_sum)
-                last_loss, loss_sum, loss_n = loss_sum.item() / dist.get_world_size() / loss_n, loss_sum * 0, 0
-                if not isinstance(bar, itertools.islice):
-                    bar.set_postfix(loss=f"{last_loss:.4f}")
-            if steps == args.max_steps:
-                break
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t_train += time.perf_counter() - t0
-        common.log(f"epoch {epoch}: steps {steps}, train loss {last_loss:.4f}")
-        if steps == args.max_steps:
-            break
-    return dict(steps=steps, loss=last_loss, train_time=t_train, **mem)
-
-
-@torch.no_grad()
-def evaluate(model, loader, device):
-    """Each rank counts its own unpadded shard; one all-reduce of (correct, seen) makes it exact."""
-    model.eval()
-    counts = torch.zeros(2, dtype=torch.long, device=device)
-    for x, y in loader:
-        x, y = x.to(device), y.to(device)
-        counts += torch.stack([(model(x).argmax(1) == y).sum(), torch.tensor(len(y), device=device)])
-    dist.all_reduce(counts)
-    return counts[0].item() / max(counts[1].item(), 1)
+def formula(psi, world, args):
+    """The paper's per-rank bytes, which the report sets next to what the Meter measured."""
+    k = 8 if args.optim == "adamw" else 4
+    shard, gathers = -(-psi // world), 2 if args.reshard else 1    # FSDP2 pads dim 0, gathers the root once
+    return dict(param_bytes=4 * shard, grad_bytes=4 * shard, optim_bytes=k * shard, comm=dict(
+        all_gather=gathers * (2 if args.mixed_precision else 4) * psi, reduce_scatter=4 * psi), notes=dict(
+        param_bytes="4Ψ/W", grad_bytes="4Ψ/W", optim_bytes=f"{k}Ψ/W", all_gather=f"{gathers}Ψ", reduce_scatter="Ψ"))
 
 
 def check_args(args, world):
@@ -168,103 +91,144 @@ def check_args(args, world):
                  f"the same whole number of samples per step")
 
 
-def run(args):
-    """One rank's work; RANK, LOCAL_RANK and WORLD_SIZE are in the environment."""
-    check_args(args, int(os.environ["WORLD_SIZE"]))
-    backend, device = common.pick_backend(args.backend)
-    model = common.build_model(args)               # same seed -> same weights on every rank
-    if args.load:
-        model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
-    resume = check_dcp(args.dcp, model, args.optim) if args.dcp else False
-    if args.cpu_offload and device.type != "cuda":
-        common.log("--cpu-offload: the device is the CPU, so everything is in CPU memory anyway: no change")
-    if args.mixed_precision and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        common.fail("--mixed-precision: this GPU has no bf16 support")
-    shapes = [p.shape for p in model.parameters()]
-    psi = sum(p.numel() for p in model.parameters())
-    rank, world, mesh = setup(backend, args.timeout, device)
-    try:
-        xtr, ytr, xte, yte, source = common.load_data(args)
-        loader, sampler = common.train_loader(xtr, ytr, args.batch_size, rank, world, args.seed)
-        common.check(len(loader) > 0, f"{len(ytr)} training samples make no full batch of {args.batch_size}")
-        model = shard_model(model.to(device), mesh, args, device)
-        optimizer = common.make_optimizer(model.parameters(), args)   # after sharding: it sees the DTensor shards
-        start = 0
-        if resume:                                 # DCP reshards on load: the saving world size may differ
-            state = dcp_state(model, optimizer, 0)
-            dcp.load(state, checkpoint_id=args.dcp)
-            set_model_state_dict(model, state["model"])
-            set_optimizer_state_dict(model, optimizer, state["optim"])
-            start = int(state["step"])
-            common.log(f"resumed from {args.dcp} at step {start}")
-        common.log(f"fsdp: world {world}, Ψ = {psi:,} parameters, {source} data ({len(ytr)} train / {len(yte)} test), "
-                   f"batch {args.batch_size} = {world} x {args.batch_size // world}, reshard after forward: "
-                   f"{not args.no_reshard_after_forward}, mixed precision: {args.mixed_precision}")
-        comm = CommCounter()
-        out = train(model, optimizer, loader, sampler, args, device, comm, start)
-        acc = evaluate(model, common.test_loader(xte, yte, 512, rank, world), device)
-        # This rank's exact share: FSDP2 cuts each parameter's dim 0 like torch.chunk (rank r: chunk r).
-        rows = lambda n: max(0, min(-(-n // world), n - rank * -(-n // world)))   # noqa: E731
-        local = sum(rows(s[0]) * (s.numel() // s[0]) for s in shapes)
-        opt_k = 8 if args.optim == "adamw" else 4
-        k = 2 if args.no_reshard_after_forward else 3
-        # What the collectives carry: each unit padded to W equal chunks; the root unit (embed + head) is
-        # gathered once, as FSDP2 never reshards the root after forward, so it costs 2Ψ_root, not 3Ψ_root.
-        padded = lambda s: -(-s[0] // world) * world * (s.numel() // s[0])   # noqa: E731
-        blocks = sum(padded(p.shape) for b in model.blocks for p in b.parameters())
-        root = sum(padded(s) for s in shapes) - blocks
-        expected = k * blocks + 2 * root
-        formula = dict(param_bytes=4 * local, grad_bytes=4 * local, optim_bytes=opt_k * local, comm_elements=expected)
-        elements = comm.elements["all_gather"] + comm.elements["reduce_scatter"]
-        comm_bytes = comm.bytes
-        common.report([
-            ("parameters", out.get("param_bytes", 0), formula["param_bytes"], f"4Ψ/W = {4 * psi / world:,.0f} B "
-             "+ uneven chunks"),
-            ("gradients", out.get("grad_bytes", 0), formula["grad_bytes"], "4Ψ/W"),
-            ("optimizer state", out.get("optim_bytes", 0), formula["optim_bytes"],
-             f"{opt_k}Ψ/W " + ("AdamW m, v" if opt_k == 8 else "SGD momentum")),
-            ("collective per step", comm_bytes, None if args.mixed_precision else 4 * expected,
-             f"paper {k}Ψ; FSDP2: {k}Ψ'_blocks + 2Ψ'_root (Ψ' padded)"),
-            ("sent per step (ring)", (world - 1) * comm_bytes // world,
-             None if args.mixed_precision else (world - 1) * 4 * expected // world, "(W-1)/W of that"),
-        ], title="per-rank memory (DTensor local shards) and communication")
+def check_dcp(args):
+    """Rank 0 only: (why --dcp cannot be resumed, or None; the step of its newest complete checkpoint, or 0)."""
+    if not os.path.exists(path := args.dcp) or (os.path.isdir(path) and not os.listdir(path)):
+        return None, 0                             # a new or empty directory: start fresh
+    done = [int(n[5:]) for n in (os.listdir(path) if os.path.isdir(path) else []) if n[:5] == "step-"
+            and n[5:].isdigit() and os.path.isfile(os.path.join(path, n, ".metadata"))]    # .metadata comes last
+    if not done:
+        return f"--dcp {path}: not a torch.distributed.checkpoint directory (no step-N/.metadata in it)", 0
+    meta = dcp.FileSystemReader(os.path.join(path, f"step-{max(done)}")).read_metadata().state_dict_metadata
+    state = "exp_avg" if args.optim == "adamw" else "momentum_buffer"
+    for k, v in common.build_model(args).state_dict().items():
+        for key in (f"model.{k}", f"optim.state.{k}.{state}"):
+            if (saved := tuple(meta[key].size) if key in meta else "missing") != tuple(v.shape):
+                return f"--dcp {path}: '{key}' is {saved}, this run needs {tuple(v.shape)} (other --dim/--optim?)", 0
+    return None, max(done)
+
+
+def setup(args):
+    """Join the process group. torchrun (or common.launch) put RANK, WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT in the environment; LOCAL_RANK picks this process's GPU."""
+    backend, device = common.pick_backend(args.backend)    # NCCL and a GPU per rank, else Gloo on the CPU
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = datetime.timedelta(seconds=args.timeout)
+    # torchrun keeps one store across restarts (--max-restarts): prefix it per attempt, or a
+    # restarted rank may read the address of a worker that died in the last attempt and hang.
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    return rank, world, device, backend
+
+
+def cleanup():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
+    """The loop every script shares: forward, loss, backward, step, schedule, log."""
+    stop, world = args.max_steps or float("inf"), dist.get_world_size()
+    loss_sum, loss_n, last_loss, steps_run, t_train = torch.zeros((), device=device), 0, float("nan"), 0, 0.0
+    for epoch in range(step // len(loader), args.epochs):
+        if step >= stop:
+            break
+        sampler.set_epoch(epoch)                   # a new shuffle each epoch, the same on every rank
+        loader.dataset.set_epoch(epoch)            # and new augmentations (--shift), the same everywhere
+        model.train()
+        t0 = time.perf_counter()
+        bar = common.progress(loader, args, epoch)
+        for i, (x, y) in enumerate(bar):
+            if epoch * len(loader) + i < step:     # resumed mid-epoch: this batch was trained on
+                continue
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss_sum, loss_n, step, steps_run = loss_sum + loss.detach(), loss_n + 1, step + 1, steps_run + 1
+            if step % args.log_every == 0 or step >= stop or i + 1 == len(loader):
+                dist.all_reduce(loss_sum)          # each rank's loss is its slice's: average them
+                last_loss, loss_sum, loss_n = loss_sum.item() / world / loss_n, loss_sum * 0, 0
+                common.log_loss(bar, args, epoch, step, last_loss)
+            if step >= stop:
+                break
         if device.type == "cuda":
-            common.log(f"  cuda max_memory_allocated: {common.fmt_bytes(torch.cuda.max_memory_allocated(device))}")
-        sps = (out["steps"] - start) * args.batch_size / max(out["train_time"], 1e-9)
-        common.log(f"\ntest accuracy {acc:.4f}, final train loss {out['loss']:.4f}, {sps:.0f} samples/s")
-        if args.save:                              # every rank takes part in the gather; rank 0 gets the tensors
-            sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-            if rank == 0:
-                common.save_checkpoint(sd, args.save)
-                common.log(f"saved {args.save}")
-        if args.dcp:
-            dcp.save(dcp_state(model, optimizer, out["steps"]), checkpoint_id=args.dcp)
-            common.log(f"saved a sharded checkpoint (step {out['steps']}, {world} ranks) in {args.dcp}")
-        common.result(script="fsdp", world_size=world, backend=backend, device=device.type, data=source,
-                      params=psi, steps=out["steps"], loss=out["loss"], test_acc=acc, samples_per_s=sps,
-                      param_bytes=out.get("param_bytes", 0), grad_bytes=out.get("grad_bytes", 0),
-                      optim_bytes=out.get("optim_bytes", 0), comm_bytes=comm_bytes, formula=formula,
-                      comm_elements=elements, all_gather_elements=comm.elements["all_gather"],
-                      reduce_scatter_elements=comm.elements["reduce_scatter"],
-                      reshard_after_forward=not args.no_reshard_after_forward, mixed_precision=args.mixed_precision,
-                      start_step=start)
+            torch.cuda.synchronize()
+        t_train += time.perf_counter() - t0
+        common.log(f"epoch {epoch}: step {step}, train loss {last_loss:.4f}")
+    return dict(steps=step, steps_run=steps_run, loss=last_loss, train_time=t_train)
+
+
+@torch.no_grad()
+def evaluate(model, loader, device):
+    """Exact: the loader pads every rank to the same number of batches (padding masked out), so
+    every rank runs the same forward passes and collectives and each sample counts once."""
+    model.eval()
+    counts = torch.zeros(2, dtype=torch.long, device=device)
+    for x, y, keep in loader:
+        x, y, keep = x.to(device), y.to(device), keep.to(device)
+        counts += torch.stack([((model(x).argmax(1) == y) & keep).sum(), keep.sum()])
+    dist.all_reduce(counts)
+    return counts[0].item() / max(counts[1].item(), 1)
+
+
+def run(args):
+    """One rank, in the seeds' order: join the group, deal the data, build the model, wrap it,
+    train, evaluate, save on rank 0, leave the group."""
+    rank, world, device, backend = setup(args)
+    try:
+        decision = list(check_dcp(args) if args.dcp and rank == 0 else (None, 0))   # rank 0 decides for all
+        dist.broadcast_object_list(decision, src=0)
+        common.check(decision[0] is None, decision[0])
+        train_set, test_set, source = common.load_data(args, device)
+        dp_rank, dp_world = rank, world            # every rank is a data-parallel rank
+        sampler = DistributedSampler(train_set, num_replicas=dp_world, rank=dp_rank, shuffle=True,
+                                     seed=args.seed, drop_last=True)
+        loader = DataLoader(train_set, batch_size=args.batch_size // dp_world, sampler=sampler, drop_last=True,
+                            pin_memory=device.type == "cuda")
+        common.check(len(loader) > 0, f"{len(train_set)} training samples make no full batch of {args.batch_size}")
+        model = common.build_model(args)           # the same seeded weights on every rank
+        if args.load:
+            model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
+        psi = sum(p.numel() for p in model.parameters())
+        model = parallelize(model.to(device), device, args.mixed_precision, args.offload == "cpu", args.reshard)
+        optimizer = common.make_optimizer(model.parameters(), args)
+        scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
+        if decision[1]:
+            load_dcp(os.path.join(args.dcp, f"step-{decision[1]}"), model, optimizer, scheduler)
+            common.log(f"resumed from {args.dcp} at step {decision[1]}")
+        common.log(f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data ({len(train_set)} train / "
+                   f"{len(test_set)} test), batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}")
+        with common.Meter(model, optimizer, args) as meter:
+            out = train(model, optimizer, scheduler, loader, sampler, args, device, decision[1])
+        acc = evaluate(model, common.test_loader(test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"),
+                       device)
+        state = full_state_dict(model)             # every rank takes part; rank 0 holds the whole
+        if rank == 0 and args.save:
+            common.save_checkpoint(state, args.save)
+            common.log(f"saved {args.save}")
+        if args.dcp and out["steps_run"]:          # every rank writes its own shards, into a new directory
+            dcp.save(dcp_state(model, optimizer, scheduler),
+                     checkpoint_id=os.path.join(args.dcp, f"step-{out['steps']}"))
+            common.log(f"saved a sharded checkpoint of step {out['steps']} in {args.dcp}")
+        common.report(SCRIPT, args, world, backend, device, source, psi, out, acc, meter, formula(psi, world, args))
     finally:
         cleanup()
 
 
 def main():
-    common.default_env()                           # plain `python fsdp.py`: a world of one
     parser = common.get_parser("FSDP2 (fully_shard) on the common ViT")
-    parser.add_argument("--no-reshard-after-forward", action="store_true",
-                        help="keep each unit gathered from forward to backward (ZeRO-2-like: 2Ψ traffic, more memory)")
-    parser.add_argument("--mixed-precision", action="store_true", help="bf16 parameters for compute, fp32 reduce")
-    parser.add_argument("--cpu-offload", action="store_true", help="shards, grads and optimizer state in CPU memory")
-    parser.add_argument("--dcp", default=None, help="sharded checkpoint directory: resume from it if it holds one, "
-                                                    "save to it at the end")
-    run(common.parse_args(parser))
-    # FSDP's modules, mesh and hooks form reference cycles that still hold the process group; free them
-    # now, not during interpreter shutdown, where Gloo's worker threads can abort the process at exit.
-    gc.collect()
+    parser.add_argument("--no-reshard-after-forward", dest="reshard", action="store_false", help="blocks stay gathered")
+    parser.add_argument("--mixed-precision", action="store_true", help="bf16 compute and all-gathers, fp32 the rest")
+    parser.add_argument("--offload", choices=["none", "cpu"], default="none", help="shards and optimizer on the CPU")
+    parser.add_argument("--dcp", metavar="DIR", help="sharded checkpoint to resume from and save to (a shared FS)")
+    args = common.parse_args(parser)
+    check_args(args, common.world_size(args))
+    common.launch(run, args)
 
 
 if __name__ == "__main__":

@@ -1,88 +1,147 @@
-"""fsdp.py: FSDP2 ends with the one-process parameters, holds its DTensor shards' bytes, moves 3Ψ
-(2Ψ without resharding after forward), and a DCP checkpoint saved at W=2 resumes at W=4."""
-from types import SimpleNamespace
+"""fsdp.py (FSDP2 `fully_shard` + torch.distributed.checkpoint) against ddp.py at W=1.
+
+Every launch is a real multi-process run on CPU/Gloo. What is checked: the parameters after N steps
+equal one process's (SGD and AdamW, W=2 and W=3, a model whose dim 0s W=3 does not divide); rank 0
+holds exactly its padded dim-0 chunks and moves exactly what FSDP2's units must (counted by the
+Meter, computed here from the model's shapes); uneven test shards evaluate exactly, without a hang;
+a DCP checkpoint resumes (at another W) to the uninterrupted result, and at its --max-steps trains
+nothing; --offload cpu runs on the CPU; --mixed-precision computes in bf16 and hands fp32 logits to the loss.
+"""
+import math
 
 import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
 import common
-from helpers import SMALL, max_diff, ok, python, torchrun
+from helpers import max_diff, ok, python, torchrun
 
-NO_STEPS = [a for a in SMALL if a not in ("--max-steps", "6")]       # SMALL without its step count
-
-
-def expected(world, rank=0):
-    """(local elements on `rank`, elements the collectives move per step) for the SMALL model, computed
-    here: FSDP2 cuts dim 0 like torch.chunk and pads each parameter to W equal chunks."""
-    model = common.build_model(SimpleNamespace(seed=0, dim=32, depth=2, heads=4))
-    chunk = lambda n: -(-n // world)                                                   # noqa: E731
-    local = sum(max(0, min(chunk(p.shape[0]), p.shape[0] - rank * chunk(p.shape[0]))) * (p.numel() // p.shape[0])
-                for p in model.parameters())
-    padded = lambda ps: sum(chunk(p.shape[0]) * world * (p.numel() // p.shape[0]) for p in ps)   # noqa: E731
-    blocks = padded([p for b in model.blocks for p in b.parameters()])
-    root = padded(model.parameters()) - blocks
-    slack = sum((world - 1) * (p.numel() // p.shape[0]) for p in model.parameters())   # at most W-1 rows short
-    return local, blocks, root, slack
+# --limit 1025: the W=2 test shards hold 513 and 512 samples, 2 batches of 512 against 1 (padded to 2).
+# --dim 32 (MLP 128, 10 classes, a 1-row position embedding): W=3 divides no dim 0, W=2 not the
+# position embedding's, so padded chunks run at both. 1025 // 168 = 6 steps an epoch: step 7 is in
+# epoch 1. A constant lr after int(0.4 * 7) = int(0.4 * 5) = 2 warm-up steps: a run stopped after 5
+# steps follows the 7-step run's schedule, and a resume that forgets the scheduler does not.
+CFG = ["--data", "synthetic", "--limit", "1025", "--batch-size", "168", "--dim", "32", "--depth", "2", "--heads", "4",
+       "--epochs", "2", "--max-steps", "7", "--lr-schedule", "constant", "--warmup", "0.4", "--no-progress",
+       "--timeout", "90"]
+TOL = {"sgd": 1e-6, "adamw": 1e-5}   # float32 round-off; measured ~1.5e-8 (SGD), ~3e-7 (AdamW)
+TIMEOUT = 150      # a hang (uneven evaluation) fails the launch; --timeout 90 ends its workers too
 
 
-@pytest.fixture(scope="module")
-def ref(tmp_path_factory):
-    """One-process references: ddp.py with AdamW, fsdp.py with SGD, and fsdp.py at W=2 (uninterrupted)."""
-    d, cache = tmp_path_factory.mktemp("fsdp_ref"), {}
-
-    def get(name):
-        if name not in cache:
-            script, world, optim = {"ddp1": ("ddp.py", 1, "adamw"), "fsdp1_sgd": ("fsdp.py", 1, "sgd"),
-                                    "fsdp2": ("fsdp.py", 2, "adamw")}[name]
-            path, args = d / f"{name}.pt", [*SMALL, "--optim", optim, "--save", d / f"{name}.pt"]
-            cache[name] = (path, ok(python(script, *args, timeout=120) if script == "fsdp.py" and world == 1
-                                    else torchrun(script, world, *args, timeout=120)))
-        return cache[name]
-    return get
+def steps(n):
+    """CFG with --max-steps n."""
+    i = CFG.index("--max-steps")
+    return CFG[:i + 1] + [str(n)] + CFG[i + 2:]
 
 
-def check_bytes(res, world, optim, reshard=True):
-    local, blocks, root, slack = expected(world)
-    assert res["param_bytes"] == res["grad_bytes"] == 4 * local
-    assert res["optim_bytes"] == (8 if optim == "adamw" else 4) * local
-    assert 0 <= local * world - res["params"] <= slack      # that is 4Ψ/W, up to the uneven last chunks
-    # all-gather Ψ' for forward and (blocks only, when resharding) again for backward; reduce-scatter Ψ'
-    assert res["all_gather_elements"] == (2 * blocks if reshard else blocks) + root
-    assert res["reduce_scatter_elements"] == blocks + root
-    assert res["comm_bytes"] == 4 * res["comm_elements"]
+def model_and_args(argv=CFG):
+    args = common.parse_args(common.get_parser("test"), argv)
+    return common.build_model(args), args
 
 
-def test_w2_equals_ddp(ref):
-    path, res = ref("fsdp2")
-    diff = max_diff(path, ref("ddp1")[0])
-    print(f"fsdp W=2 adamw: max |Δ| vs ddp.py W=1 = {diff:.2e}")
-    assert diff <= 1e-5
-    check_bytes(res, 2, "adamw")
+def expected(world, optim, mixed_precision=False):
+    """Rank 0's measured bytes and the bytes per step, computed here from the model's shapes.
+
+    FSDP2 gives rank r the contiguous rows [r*c, (r+1)*c) of every parameter, c = ceil(dim0 / W), and
+    keeps each shard (and its gradient) in a c-row buffer, zero-padded on the last ranks: rank 0's
+    share is exactly sum(c * row) elements. A unit's all-gather output and reduce-scatter input are W
+    of those buffers; every block is gathered for forward and again for backward, the root (embed +
+    head) once, and every unit's gradients are reduce-scattered once."""
+    model, _ = model_and_args()
+    chunk = lambda p: -(-p.shape[0] // world) * (p.numel() // p.shape[0])    # noqa: E731
+    shard = sum(chunk(p) for p in model.parameters())
+    blocks = sum(chunk(p) for block in model.blocks for p in block.parameters())
+    psi = sum(p.numel() for p in model.parameters())
+    rows = sum(p.numel() // p.shape[0] for p in model.parameters())
+    assert psi <= world * shard <= psi + (world - 1) * rows          # Ψ/W, up to the padding of dim 0
+    memory = dict(param_bytes=4 * shard, grad_bytes=4 * shard, optim_bytes=(8 if optim == "adamw" else 4) * shard)
+    comm = dict(all_gather=(2 if mixed_precision else 4) * world * (2 * blocks + (shard - blocks)),
+                reduce_scatter=4 * world * shard)
+    return memory, comm, psi
 
 
-def test_w4_equals_one_process(ref, tmp_path):
-    r = ok(torchrun("fsdp.py", 4, *SMALL, "--optim", "sgd", "--save", tmp_path / "w4.pt", timeout=150))
-    diff = max_diff(tmp_path / "w4.pt", ref("fsdp1_sgd")[0])
-    print(f"fsdp W=4 sgd: max |Δ| vs fsdp.py W=1 = {diff:.2e}")
-    assert diff <= 1e-6
-    check_bytes(r, 4, "sgd")
+def check_measured(res, world, optim):
+    memory, comm, psi = expected(world, optim)
+    assert res["params"] == psi and res["world_size"] == world
+    assert {k: res[k] for k in memory} == memory
+    assert res["comm"] == comm                       # all-gather + reduce-scatter only: no all-reduce
+    units = 1 + len(model_and_args()[0].blocks)
+    n = res["comm_steps"]
+    assert res["comm_calls"] == dict(all_gather=n * (2 * units - 1), reduce_scatter=n * units)
 
 
-def test_dcp_saved_at_w2_resumes_at_w4(ref, tmp_path):
-    """3 steps at W=2 into a DCP checkpoint, then steps 3-5 at W=4 (without resharding after forward,
-    also exact) must end where 6 uninterrupted steps at W=2 end."""
+def accuracy(path):
+    """The accuracy of saved weights over the whole test set, computed here in one process."""
+    model, args = model_and_args()
+    model.load_state_dict(torch.load(path, weights_only=True))
+    _, test_set, _ = common.load_data(args)
+    with torch.no_grad():
+        correct = (model(test_set.x).argmax(1) == test_set.y).sum().item()
+    return correct / len(test_set)
+
+
+@pytest.mark.parametrize("world,optim,extra", [(2, "sgd", []), (2, "adamw", []), (3, "sgd", ["--offload", "cpu"])],
+                         ids=["W2-sgd", "W2-adamw", "W3-sgd-offload-cpu"])
+def test_equals_ddp_one_process(refs, tmp_path, world, optim, extra):
+    res = ok(torchrun("fsdp.py", world, *CFG, "--optim", optim, *extra, "--save", tmp_path / "w.pt", timeout=TIMEOUT))
+    assert res["steps"] == 7
+    diff = max_diff(tmp_path / "w.pt", refs[optim])
+    print(f"fsdp W={world} {optim} {' '.join(extra)}: max |Δ| vs ddp.py W=1 = {diff:.2e}")
+    assert diff <= TOL[optim]
+    check_measured(res, world, optim)
+    # uneven test shards (W=2: 513 and 512 samples) finish, and count every sample once
+    assert res["test_acc"] == accuracy(tmp_path / "w.pt")
+
+
+def test_dcp_resume_at_another_world_size(refs, tmp_path):
+    """5 steps at W=2 into DCP, then on to step 7 at W=3: the parameters of 7 uninterrupted steps (the
+    ddp.py W=1 reference), with the model, AdamW state and lr schedule resharded and restored. The same
+    command once more resumes at step 7 = --max-steps and trains nothing (not the rest of the epochs)."""
     ckpt = tmp_path / "dcp"
-    first = ok(torchrun("fsdp.py", 2, *NO_STEPS, "--max-steps", "3", "--dcp", ckpt, timeout=120))
-    assert first["steps"] == 3 and (ckpt / ".metadata").is_file()
-    r = torchrun("fsdp.py", 4, *NO_STEPS, "--max-steps", "6", "--dcp", ckpt, "--no-reshard-after-forward",
-                 "--save", tmp_path / "resumed.pt", timeout=150)
-    res = ok(r)
-    assert "resumed from" in r.stdout and res["start_step"] == 3 and res["steps"] == 6
-    diff = max_diff(tmp_path / "resumed.pt", ref("fsdp2")[0])
-    print(f"fsdp DCP W=2 -> W=4: max |Δ| vs uninterrupted W=2 = {diff:.2e}")
-    assert diff <= 1e-5
-    check_bytes(res, 4, "adamw", reshard=False)
+    first = ok(torchrun("fsdp.py", 2, *steps(5), "--optim", "adamw", "--dcp", ckpt, timeout=TIMEOUT))
+    assert first["steps"] == 5 and (ckpt / "step-5" / ".metadata").is_file()
 
-    # a DCP checkpoint of another model size: the first mismatching tensor is named
-    r = python("fsdp.py", *SMALL, "--dim", "64", "--dcp", ckpt, timeout=60)
-    assert r.returncode == 2 and "tensor 'model.embed.pos' has shape (1, 16, 32), this model needs (1, 16, 64)" \
-        in r.stderr, r.output
+    r = torchrun("fsdp.py", 3, *CFG, "--optim", "adamw", "--dcp", ckpt, "--save", tmp_path / "resumed.pt",
+                 timeout=TIMEOUT)
+    resumed = ok(r)
+    assert f"resumed from {ckpt} at step 5" in r.stdout
+    assert resumed["steps"] == 7 and resumed["comm_steps"] == 2          # steps 6 and 7 ran here
+    diff = max_diff(tmp_path / "resumed.pt", refs["adamw"])
+    print(f"fsdp DCP W=2 (5 steps) -> W=3 (7): max |Δ| vs ddp.py W=1 = {diff:.2e}")
+    assert diff <= TOL["adamw"]
+    check_measured(resumed, 3, "adamw")
+    assert (ckpt / "step-7" / ".metadata").is_file()
+
+    r = python("fsdp.py", *CFG, "--optim", "adamw", "--dcp", ckpt, timeout=TIMEOUT)
+    again = ok(r)
+    assert f"resumed from {ckpt} at step 7" in r.stdout and "epoch 1:" not in r.stdout
+    assert again["steps"] == 7 and again["samples_per_s"] == 0 and math.isnan(again["loss"])
+    assert again["test_acc"] == resumed["test_acc"] == accuracy(tmp_path / "resumed.pt")   # the loaded weights
+
+    # a checkpoint of another model or optimizer: one message from rank 0, exit 2, before any data
+    for argv, message in ((["--dim", "48"], "'model.embed.pos' is (1, 16, 32), this run needs (1, 16, 48)"),
+                          (["--optim", "sgd"], "'optim.state.embed.pos.momentum_buffer' is missing")):
+        r = python("fsdp.py", *CFG, *argv, "--dcp", ckpt, timeout=60)
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.output
+
+
+def test_mixed_precision_policy(tmp_path):
+    """In this process, a world of one: --mixed-precision computes the blocks in bf16 (their gathered
+    parameters and outputs), keeps fp32 shards and gradients, and the root returns fp32 logits, so the
+    loss is computed in fp32, not in bf16."""
+    import fsdp
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        model, _ = model_and_args()
+        model = fsdp.parallelize(model, torch.device("cpu"), mixed_precision=True)
+        seen = {}
+        model.blocks[0].attn.q.register_forward_hook(lambda m, i, o: seen.update(weight=m.weight.dtype))
+        model.blocks[0].register_forward_hook(lambda m, i, o: seen.update(out=o.dtype))
+        logits = model(torch.randn(4, 1, 28, 28))
+        F.cross_entropy(logits, torch.arange(4)).backward()
+        assert seen == dict(weight=torch.bfloat16, out=torch.bfloat16)
+        assert logits.dtype == torch.float32
+        assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
+    finally:
+        dist.destroy_process_group()
