@@ -132,8 +132,9 @@ def parse_args(parser, argv=None):
     check(args.nproc is None or args.nproc >= 1, f"--nproc must be >= 1, got {args.nproc}")
     if args.lr is None:
         args.lr = 1e-3 if args.optim == "adamw" else 0.05
-    if args.load is not None:
+    if args.load is not None:                  # a bad file fails now, before any process group or data
         check(os.path.isfile(args.load), f"--load {args.load}: no such file")
+        load_state_dict_file(args.load, ViT(args.dim, args.depth, args.heads, args.patch).state_dict())
     return args
 
 
@@ -317,7 +318,7 @@ def _find_mnist(data_dir):
             _mnist(data_dir, True, True), _mnist(data_dir, False, True)
         return "mnist"
     except Exception as e:
-        return f"MNIST is not in {os.path.join(data_dir, 'MNIST', 'raw')} on {socket.gethostname()} and could not " \
+        return f"MNIST is not in {os.path.join(data_dir, 'MNIST', 'raw')} and could not " \
                f"be downloaded ({str(e).strip().splitlines()[-1][:120] if str(e).strip() else type(e).__name__})"
     finally:
         socket.setdefaulttimeout(old)
@@ -340,9 +341,9 @@ def _agree_on_mnist(args, device):
         time.sleep(0.2 if local_zero and not found else 1.0)
     have = torch.tensor([0 if local_zero and found["source"] != "mnist" else 1], device=device)
     dist.all_reduce(have, op=dist.ReduceOp.MIN)
-    if local_zero and found["source"] != "mnist" and (args.data == "mnist" or env_rank() != 0):
-        print(f"{'error' if args.data == 'mnist' else 'warning'} (rank {env_rank()}): {found['source']}",
-              file=sys.stderr, flush=True)
+    if local_zero and found["source"] != "mnist" and env_rank() != 0:     # rank 0 says its own reason
+        print(f"{'error' if args.data == 'mnist' else 'warning'} (rank {env_rank()} on {socket.gethostname()}): "
+              f"{found['source']}", file=sys.stderr, flush=True)
     return bool(have.item()), found.get("source", "")
 
 
