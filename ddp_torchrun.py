@@ -1,6 +1,6 @@
-"""DDP under torchrun, with snapshots: the same training as ddp.py, but the launcher
-(torchrun) starts the processes and tells each its rank through LOCAL_RANK, RANK and
-WORLD_SIZE, and a snapshot written every epoch lets a restarted run carry on where it stopped.
+"""DDP under torchrun, with snapshots: the training of ddp.py, plus a snapshot (model, optimizer,
+LR schedule, step, RNG state) written after every epoch, from which a restarted run carries on
+exactly where the last one stopped, as if it had never been interrupted.
 
     rank 0: [ full model ]  batch[0::W] --\
     rank 1: [ full model ]  batch[1::W] ---+-- all-reduce(grads) / W --> same step on every rank
@@ -10,55 +10,148 @@ Memory per rank (fp32, AdamW, Ψ parameters): 4Ψ params + 4Ψ grads + 8Ψ optim
 Communication per step: one all-reduce of Ψ gradient elements (bucketed, overlapped with
 backward); a ring all-reduce sends 2(W-1)/W · 4Ψ bytes per rank.
 
-    torchrun --standalone --nproc_per_node=4 ddp_torchrun.py --snapshot snap.pt
     torchrun --standalone --nproc_per_node=4 --max-restarts=3 ddp_torchrun.py --snapshot snap.pt
         # a crashed worker makes torchrun restart all of them; they resume from snap.pt
+    python ddp_torchrun.py --nproc 4 --snapshot snap.pt       # after a crash, the same command resumes
 
     # two nodes, 4 processes each; run on every node (node-rank 0 on the first, 1 on the second):
-    torchrun --nnodes=2 --nproc_per_node=4 --node-rank=0 --rdzv-backend=c10d \
+    torchrun --nnodes=2 --nproc_per_node=4 --node-rank=0 --rdzv-backend=c10d --max-restarts=3 \
              --rdzv-endpoint=HOST_OF_NODE0:29500 --rdzv-id=job1 ddp_torchrun.py --snapshot /shared/snap.pt
 
-The snapshot (model, optimizer, epoch, step count, RNG state) is written by rank 0 to a temp
-file and renamed, so a crash while saving leaves the previous one intact. Every rank reads it
-on start, so on several nodes it must be on a shared file system.
+--snapshot needs a file system every node shares: rank 0 alone decides whether to resume (and
+broadcasts the step), then every rank reads the file. Resume with the same command: the LR
+schedule is drawn over its --epochs/--max-steps. A finished run's snapshot holds its last step,
+so the same command run again trains nothing and only evaluates and reports.
 
 This model has no BatchNorm. A model that does would need
 `model = nn.SyncBatchNorm.convert_sync_batchnorm(model)` before wrapping, or each rank
 normalises with the statistics of its own batch/W samples only.
 """
 import datetime
-import gc
 import os
 import time
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
 
 import common
 
 SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 
-def counting_allreduce(state, bucket):
-    """DDP comm hook: count the gradient elements each bucket all-reduces, then do DDP's own
-    averaging all-reduce. Measures the communication the docstring predicts."""
-    state["elements"] += bucket.buffer().numel()
-    return default_hooks.allreduce_hook(None, bucket)
+### begin: DDP
+# Model contract: any nn.Module, built with the same weights on every rank (DDP also broadcasts
+# rank 0's parameters when it wraps), on this rank's device.
+
+def parallelize(model, device):
+    """DDP hooks every parameter: as backward produces gradients it all-reduces them in ~25 MB
+    buckets, overlapped with the rest of backward, and divides by W. Each rank's loss is the mean
+    over its batch/W samples, so every rank then holds the gradient of the global batch's mean."""
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+               gradient_as_bucket_view=True)    # grads live in DDP's buckets: no second copy
 
 
-def setup(backend, timeout):
-    # MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE come from the environment (torchrun or main()).
-    # torchrun keeps one store across restarts: without a prefix per attempt, a restarted rank can
-    # read the address of a worker that died in the last attempt and wait for it forever.
-    store, rank, world = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout)))
+def full_state_dict(model):
+    """The plain state_dict of the common model: every rank holds it whole."""
+    return {k: v.detach().cpu() for k, v in model.module.state_dict().items()}
+### end: DDP
+
+
+### begin: Snapshots
+# Model contract: any nn.Module, loaded before DDP wraps it; an optimizer and an LR scheduler
+# (state_dict() / load_state_dict()). Every rank calls each function, at the same point.
+
+def save_snapshot(path, model, optimizer, scheduler, step, device):
+    """All a restarted run needs to go on exactly: the weights, the optimizer state, the schedule's
+    position, the step and every rank's RNG state (its CPU generator and its own GPU's), gathered
+    to rank 0. Rank 0 writes a temporary file, fsyncs it and renames it over `path`: a crash while
+    saving leaves the last snapshot whole."""
+    if not path:
+        return
+    rng = dict(cpu=torch.get_rng_state(), cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+    rngs = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(rng, rngs, dst=0)
+    if dist.get_rank() == 0:
+        tmp = f"{path}.tmp.{os.getpid()}"
+        with open(tmp, "wb") as f:
+            torch.save(dict(model=full_state_dict(model), optimizer=optimizer.state_dict(),
+                            scheduler=scheduler.state_dict(), step=step, rng=rngs), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        print(f"snapshot: step {step} saved to {path}", flush=True)
+
+
+def load_snapshot(path, model, device):
+    """Rank 0 alone decides: it looks for `path` and broadcasts the step the snapshot holds (-1:
+    none), so ranks that see different files cannot diverge. Then every rank reads the snapshot
+    and loads its weights into the bare model, before DDP wraps it (DDP's start-up broadcast then
+    sends the loaded weights). Returns the snapshot, or None to start afresh."""
+    if not path:
+        return None
+    rank = dist.get_rank()
+    snap = torch.load(path, map_location="cpu", weights_only=True) if rank == 0 and os.path.exists(path) else None
+    step = torch.tensor([snap["step"] if snap else -1], device=device)
+    dist.broadcast(step, src=0)
+    if step.item() < 0:
+        return None
+    if snap is None and os.path.exists(path):
+        snap = torch.load(path, map_location="cpu", weights_only=True)
+    if snap is None or snap["step"] != step.item():
+        raise RuntimeError(f"rank {rank} does not find the snapshot of step {step.item()} that rank 0 resumes "
+                           f"from in {path}: --snapshot must be on a file system every rank shares")
+    model.load_state_dict(snap["model"])
+    return snap
+
+
+def resume(snap, optimizer, scheduler, device):
+    """Restore the optimizer, the schedule's position and this rank's RNG state; returns the step
+    to go on from (0: no snapshot)."""
+    if snap is None:
+        return 0
+    optimizer.load_state_dict(snap["optimizer"])   # moves the state to the parameters' device
+    scheduler.load_state_dict(snap["scheduler"])
+    rng = snap["rng"][dist.get_rank() % len(snap["rng"])]   # (restarted at another world size: some rank's)
+    torch.set_rng_state(rng["cpu"])
+    if device.type == "cuda" and rng["cuda"] is not None:
+        torch.cuda.set_rng_state(rng["cuda"], device)     # this rank's own GPU only
+    if dist.get_rank() == 0:
+        print(f"snapshot: resuming at step {snap['step']}", flush=True)
+    return snap["step"]
+### end: Snapshots
+
+
+def formula(psi, world, args):
+    """The paper's per-rank bytes, which the report sets next to what the Meter measured."""
+    k = 8 if args.optim == "adamw" else 4
+    return dict(param_bytes=4 * psi, grad_bytes=4 * psi, optim_bytes=k * psi, comm=dict(all_reduce=4 * psi),
+                notes=dict(param_bytes="4Ψ replicated", grad_bytes="4Ψ replicated",
+                           optim_bytes=f"{k}Ψ " + ("AdamW m, v" if k == 8 else "SGD momentum"),
+                           all_reduce="Ψ fp32 gradients; a ring sends 2(W-1)/W of it"))
+
+
+def check_args(args, world):
+    common.check(args.batch_size % world == 0,
+                 f"--batch-size {args.batch_size} is not divisible by world size {world}: every rank must get "
+                 f"the same whole number of samples per step")
+
+
+def setup(args):
+    """Join the process group. torchrun (or common.launch) put RANK, WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT in the environment; LOCAL_RANK picks this process's GPU."""
+    backend, device = common.pick_backend(args.backend)    # NCCL and a GPU per rank, else Gloo on the CPU
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = datetime.timedelta(seconds=args.timeout)
+    # torchrun keeps one store across restarts (--max-restarts): prefix it per attempt, or a
+    # restarted rank may read the address of a worker that died in the last attempt and hang.
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
     store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout))
-    return dist.get_rank(), dist.get_world_size()
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    return rank, world, device, backend
 
 
 def cleanup():
@@ -66,153 +159,96 @@ def cleanup():
         dist.destroy_process_group()
 
 
-def save_snapshot(model, optimizer, epoch, steps, path):
-    """Everything a restarted run needs to continue exactly: written by rank 0, atomically."""
-    if dist.get_rank() == 0:
-        common.save_checkpoint({"model": {k: v.cpu() for k, v in model.module.state_dict().items()},
-                                "optimizer": optimizer.state_dict(), "epoch": epoch, "steps": steps,
-                                "rng": torch.get_rng_state(),
-                                "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-                               path)
-        common.log(f"snapshot: epoch {epoch} done, saved {path}")
-
-
-def load_snapshot(model, optimizer, path, device):
-    """Resume from `path` if it exists (every rank reads it); returns (first epoch, steps so far)."""
-    if not path or not os.path.exists(path):
-        return 0, 0
-    snap = torch.load(path, map_location="cpu", weights_only=True)
-    model.module.load_state_dict(common.load_state_dict_file(path, model.module.state_dict()))
-    optimizer.load_state_dict(snap["optimizer"])    # moves the state to the parameters' device
-    torch.set_rng_state(snap["rng"])
-    if snap["cuda_rng"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(snap["cuda_rng"])
-    common.log(f"snapshot: resuming from {path} after epoch {snap['epoch']} ({snap['steps']} steps)")
-    return snap["epoch"] + 1, snap["steps"]
-
-
-def train(model, optimizer, loader, sampler, args, device, comm, start_epoch=0, steps=0):
-    t_train, loss_sum, loss_n, last_loss, mem = 0.0, torch.zeros((), device=device), 0, float("nan"), {}
-    for epoch in range(start_epoch, args.epochs):
+def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
+    """The loop every script shares: forward, loss, backward, step, schedule, log."""
+    stop, world = args.max_steps or float("inf"), dist.get_world_size()
+    loss_sum, loss_n, last_loss, steps_run, t_train = torch.zeros((), device=device), 0, float("nan"), 0, 0.0
+    for epoch in range(step // len(loader), args.epochs):
+        if step >= stop:
+            break
         sampler.set_epoch(epoch)                   # a new shuffle each epoch, the same on every rank
+        loader.dataset.set_epoch(epoch)            # and new augmentations (--shift), the same everywhere
         model.train()
         t0 = time.perf_counter()
-        bar = common.progress(loader, args, desc=f"epoch {epoch}")
-        for x, y in bar:
+        bar = common.progress(loader, args, epoch)
+        for i, (x, y) in enumerate(bar):
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            for micro, (xm, ym) in enumerate(zip(x.chunk(args.grad_accum), y.chunk(args.grad_accum))):
-                # no_sync(): accumulate locally, all-reduce only on the last micro-step.
-                with model.no_sync() if micro < args.grad_accum - 1 else nullcontext():
-                    loss = F.cross_entropy(model(xm), ym) / args.grad_accum
-                    loss.backward()
-                loss_sum += loss.detach()
-            # The gradient needs no extra averaging: each rank's loss is the mean over its
-            # batch/W samples and DDP's all-reduce divides the sum by W, so every rank now holds
-            # the gradient of the mean loss over the whole global batch.
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
             optimizer.step()
-            if not mem:
-                mem = dict(param_bytes=common.param_bytes(model.parameters()),
-                           grad_bytes=common.grad_bytes(model.parameters()),
-                           optim_bytes=common.optimizer_bytes(optimizer))
+            scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            steps, loss_n = steps + 1, loss_n + 1
-            if steps % 20 == 0 or steps == args.max_steps or steps % len(loader) == 0:
-                # The loss of this rank's slice only; all-reduce it so the log shows the global batch's.
-                dist.all_reduce(loss_sum)
-                last_loss, loss_sum, loss_n = loss_sum.item() / dist.get_world_size() / loss_n, loss_sum * 0, 0
-                if bar is not loader:
-                    bar.set_postfix(loss=f"{last_loss:.4f}")
-            if steps == args.max_steps:
+            loss_sum, loss_n, step, steps_run = loss_sum + loss.detach(), loss_n + 1, step + 1, steps_run + 1
+            if step % args.log_every == 0 or step >= stop or i + 1 == len(loader):
+                dist.all_reduce(loss_sum)          # each rank's loss is its slice's: average them
+                last_loss, loss_sum, loss_n = loss_sum.item() / world / loss_n, loss_sum * 0, 0
+                common.log_loss(bar, args, epoch, step, last_loss)
+            if step >= stop:
                 break
         if device.type == "cuda":
             torch.cuda.synchronize()
         t_train += time.perf_counter() - t0
-        common.log(f"epoch {epoch}: steps {steps}, train loss {last_loss:.4f}")
-        if steps == args.max_steps:
-            break
-        if args.snapshot:
-            save_snapshot(model, optimizer, epoch, steps, args.snapshot)
-    return dict(steps=steps, loss=last_loss, train_time=t_train, **mem)
+        common.log(f"epoch {epoch}: step {step}, train loss {last_loss:.4f}")
+        save_snapshot(args.snapshot, model, optimizer, scheduler, step, device)
+    return dict(steps=step, steps_run=steps_run, loss=last_loss, train_time=t_train)
 
 
 @torch.no_grad()
 def evaluate(model, loader, device):
-    """Each rank counts its own unpadded shard; one all-reduce of (correct, seen) makes it exact."""
+    """Exact: the loader pads every rank to the same number of batches (padding masked out), so
+    every rank runs the same forward passes and collectives and each sample counts once."""
     model.eval()
     counts = torch.zeros(2, dtype=torch.long, device=device)
-    for x, y in loader:
-        x, y = x.to(device), y.to(device)
-        counts += torch.stack([(model(x).argmax(1) == y).sum(), torch.tensor(len(y), device=device)])
+    for x, y, keep in loader:
+        x, y, keep = x.to(device), y.to(device), keep.to(device)
+        counts += torch.stack([((model(x).argmax(1) == y) & keep).sum(), keep.sum()])
     dist.all_reduce(counts)
     return counts[0].item() / max(counts[1].item(), 1)
 
 
-def check_args(args, world):
-    common.check(args.grad_accum >= 1, f"--grad-accum must be >= 1, got {args.grad_accum}")
-    common.check(args.batch_size % (world * args.grad_accum) == 0,
-                 f"--batch-size {args.batch_size} is not divisible by world size {world} x --grad-accum "
-                 f"{args.grad_accum}: every rank must get the same whole number of samples per micro-step")
-
-
 def run(args):
-    """One rank's work; RANK, LOCAL_RANK and WORLD_SIZE are in the environment."""
-    check_args(args, int(os.environ["WORLD_SIZE"]))
-    backend, device = common.pick_backend(args.backend)
-    model = common.build_model(args)               # same seed -> same weights on every rank
-    if args.load:
-        model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
-    rank, world = setup(backend, args.timeout)
+    """One rank, in the seeds' order: join the group, deal the data, build the model, wrap it,
+    train, evaluate, save on rank 0, leave the group."""
+    rank, world, device, backend = setup(args)
     try:
-        xtr, ytr, xte, yte, source = common.load_data(args)
-        loader, sampler = common.train_loader(xtr, ytr, args.batch_size, rank, world, args.seed)
-        common.check(len(loader) > 0, f"{len(ytr)} training samples make no full batch of {args.batch_size}")
-        model = DDP(model.to(device), device_ids=[device.index] if device.type == "cuda" else None,
-                    gradient_as_bucket_view=True)   # grads live in DDP's buckets: no second copy
-        comm = {"elements": 0}
-        model.register_comm_hook(comm, counting_allreduce)
-        optimizer = common.make_optimizer(model.parameters(), args)
+        train_set, test_set, source = common.load_data(args, device)
+        dp_rank, dp_world = rank, world            # every rank is a data-parallel rank
+        sampler = DistributedSampler(train_set, num_replicas=dp_world, rank=dp_rank, shuffle=True,
+                                     seed=args.seed, drop_last=True)
+        loader = DataLoader(train_set, batch_size=args.batch_size // dp_world, sampler=sampler, drop_last=True,
+                            pin_memory=device.type == "cuda")
+        common.check(len(loader) > 0, f"{len(train_set)} training samples make no full batch of {args.batch_size}")
+        model = common.build_model(args)           # the same seeded weights on every rank
+        if args.load:
+            model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
+        snap = load_snapshot(args.snapshot, model, device)   # before DDP wraps it, whose broadcast sends it
         psi = sum(p.numel() for p in model.parameters())
-        common.log(f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data ({len(ytr)} train / {len(yte)} test), "
-                   f"batch {args.batch_size} = {world} x {args.batch_size // world // args.grad_accum} x "
-                   f"{args.grad_accum} micro-steps")
-        start_epoch, steps = load_snapshot(model, optimizer, args.snapshot, device)
-        out = train(model, optimizer, loader, sampler, args, device, comm, start_epoch, steps)
-        acc = evaluate(model.module, common.test_loader(xte, yte, 512, rank, world), device)
-        comm_bytes = 4 * comm["elements"] // max(out["steps"], 1)
-        common.report([
-            ("parameters", out["param_bytes"], 4 * psi, "4Ψ (replicated)"),
-            ("gradients", out["grad_bytes"], 4 * psi, "4Ψ (replicated)"),
-            ("optimizer state", out["optim_bytes"], (8 if args.optim == "adamw" else 4) * psi,
-             "8Ψ AdamW m, v" if args.optim == "adamw" else "4Ψ SGD momentum"),
-            ("all-reduced per step", comm_bytes, 4 * psi, "Ψ fp32 gradient elements"),
-            ("sent per step (ring)", 2 * (world - 1) * comm_bytes // world, 2 * (world - 1) * 4 * psi // world,
-             "2(W-1)/W · 4Ψ"),
-        ])
-        if device.type == "cuda":
-            common.log(f"  cuda max_memory_allocated: {common.fmt_bytes(torch.cuda.max_memory_allocated(device))}")
-        sps = out["steps"] * args.batch_size / max(out["train_time"], 1e-9)
-        common.log(f"\ntest accuracy {acc:.4f}, final train loss {out['loss']:.4f}, {sps:.0f} samples/s")
+        model = parallelize(model.to(device), device)
+        optimizer = common.make_optimizer(model.parameters(), args)
+        scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
+        step = resume(snap, optimizer, scheduler, device)
+        common.log(f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data ({len(train_set)} train / "
+                   f"{len(test_set)} test), batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}")
+        with common.Meter(model, optimizer, args) as meter:
+            out = train(model, optimizer, scheduler, loader, sampler, args, device, step)
+        acc = evaluate(model, common.test_loader(test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"),
+                       device)
+        state = full_state_dict(model)             # every rank takes part; rank 0 holds the whole
         if rank == 0 and args.save:
-            common.save_checkpoint({k: v.cpu() for k, v in model.module.state_dict().items()}, args.save)
+            common.save_checkpoint(state, args.save)
             common.log(f"saved {args.save}")
-        common.result(script=SCRIPT, world_size=world, backend=backend, device=device.type, data=source,
-                      params=psi, steps=out["steps"], loss=out["loss"], test_acc=acc, samples_per_s=sps,
-                      param_bytes=out["param_bytes"], grad_bytes=out["grad_bytes"], optim_bytes=out["optim_bytes"],
-                      comm_bytes=comm_bytes)
+        common.report(SCRIPT, args, world, backend, device, source, psi, out, acc, meter, formula(psi, world, args))
     finally:
         cleanup()
 
 
 def main():
     parser = common.get_parser("DDP under torchrun, with snapshots, on the common ViT")
-    parser.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step (no_sync on all but the last)")
-    parser.add_argument("--snapshot", default=None, help="save here every epoch; resume from it if it exists")
+    parser.add_argument("--snapshot", default=None, metavar="PATH",
+                        help="save here every epoch; resume from it if it exists (on a shared file system)")
     args = common.parse_args(parser)
-    common.default_env()                           # plain `python ddp_torchrun.py`: a world of one
-    run(args)
-    # DDP and its comm hook form reference cycles that hold Python callbacks on Gloo work; free
-    # them now, not during interpreter shutdown, where Gloo's threads can abort the exit.
-    gc.collect()
+    check_args(args, common.world_size(args))
+    common.launch(run, args)
 
 
 if __name__ == "__main__":

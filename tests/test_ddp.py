@@ -1,89 +1,151 @@
-"""The data-parallel family: ddp.py (mp.spawn and torchrun), ddp_torchrun.py snapshots, dp.py.
+"""The data-parallel family: ddp.py (torchrun and `python ddp.py --nproc N`), ddp_torchrun.py's
+snapshots, dp.py.
 
 Each launch is a real multi-process run on CPU/Gloo; the promise checked is that data
-parallelism changes nothing about the result: the parameters after N steps equal those of
-one process training on the same global batches.
+parallelism changes nothing about the result: the parameters after N steps equal those of one
+process training on the same global batches, and evaluation counts every test sample once.
 """
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
 import common
-from helpers import SMALL, max_diff, ok, python, torchrun
+from helpers import ROOT, SMALL, max_diff, ok, python, torchrun
 
-CFG = SMALL + ["--limit", "510"]          # 510 test samples: uneven shards at W=4 (128, 128, 127, 127)
-TOL = {"sgd": 1e-6, "adamw": 1e-5}        # float32 round-off; measured ~7e-9 (SGD), ~2e-6 (AdamW)
+CFG = [*SMALL, "--limit", "511", "--batch-size", "48"]   # 48: W = 1..4 all divide it; 511 test samples
+TOL = {"sgd": 1e-6, "adamw": 1e-5}        # give uneven shards at W = 2, 3, 4. Round-off: ~7e-9 SGD, ~4e-6 AdamW
+PSI = sum(p.numel() for p in common.build_model(common.parse_args(common.get_parser("t"), CFG)).parameters())
+CASES = [("sgd", 2, "torchrun"), ("sgd", 3, "spawn"), ("adamw", 3, "torchrun"), ("adamw", 4, "spawn")]
+FAULTS = str(ROOT / "tests" / "faults")
+
+
+def launch(launcher, script, world, *args, **kw):
+    if launcher == "torchrun":
+        return torchrun(script, world, *args, **kw)
+    return python(script, "--nproc", world, *args, **kw)
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """One process, per optimizer: the run every data-parallel run must reproduce."""
     d = tmp_path_factory.mktemp("ref")
-    out = {}
-    for opt in ("sgd", "adamw"):
-        res = ok(torchrun("ddp.py", 1, *CFG, "--optim", opt, "--save", d / f"{opt}.pt"))
-        out[opt] = (d / f"{opt}.pt", res)
-    return out
+    with ThreadPoolExecutor(2) as pool:
+        res = pool.map(lambda o: ok(torchrun("ddp.py", 1, *CFG, "--optim", o, "--save", d / f"{o}.pt")), TOL)
+        return {o: (d / f"{o}.pt", r) for o, r in zip(TOL, res)}
 
 
-@pytest.mark.parametrize("opt,world,launcher", [
-    ("sgd", 2, "torchrun"), ("sgd", 4, "spawn"), ("adamw", 2, "spawn"), ("adamw", 4, "torchrun"),
-])
-def test_ddp_equals_one_process(reference, tmp_path, opt, world, launcher):
-    ref_path, ref = reference[opt]
-    args = [*CFG, "--optim", opt, "--save", tmp_path / "w.pt"]
-    res = ok(torchrun("ddp.py", world, *args) if launcher == "torchrun" else python("ddp.py", "--nproc", world, *args))
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """ddp.py at W = 2, 3, 4 through both launchers: {case: (saved weights, RESULT)}."""
+    d = tmp_path_factory.mktemp("ddp")
+
+    def one(case):
+        opt, world, launcher = case
+        path = d / f"{opt}-{world}.pt"
+        return path, ok(launch(launcher, "ddp.py", world, *CFG, "--optim", opt, "--save", path))
+
+    with ThreadPoolExecutor(2) as pool:
+        return dict(zip(CASES, pool.map(one, CASES)))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{o}-W{w}-{l}" for o, w, l in CASES])
+def test_ddp_equals_one_process(reference, runs, case):
+    opt, world, launcher = case
+    (ref_path, ref), (path, res) = reference[opt], runs[case]
     assert res["world_size"] == world and res["backend"] == "gloo" and res["steps"] == ref["steps"] == 6
-    diff = max_diff(ref_path, tmp_path / "w.pt")
+    diff = max_diff(ref_path, path)
     print(f"{opt} W={world} ({launcher}): max |param diff| = {diff:.2e}")
     assert diff < TOL[opt]
     assert res["loss"] == pytest.approx(ref["loss"], rel=1e-5)
     # exact distributed evaluation: the same weights give the same accuracy at every world size
     assert res["test_acc"] == ref["test_acc"]
-    # the measured bytes and communication equal the formula: 4Ψ / 4Ψ / 8Ψ (4Ψ SGD), all-reduce of Ψ
-    psi = res["params"]
-    assert (res["param_bytes"], res["grad_bytes"], res["comm_bytes"]) == (4 * psi, 4 * psi, 4 * psi)
-    assert res["optim_bytes"] == (8 if opt == "adamw" else 4) * psi
+    # measured from outside: 4Ψ / 4Ψ / 8Ψ (4Ψ SGD) per rank, one all-reduce of Ψ fp32 per step
+    assert (res["param_bytes"], res["grad_bytes"]) == (4 * PSI, 4 * PSI)
+    assert res["optim_bytes"] == (8 if opt == "adamw" else 4) * PSI
+    assert res["comm"]["all_reduce"] == 4 * PSI
 
 
-def test_distributed_accuracy_equals_one_process_accuracy(reference):
-    """Recompute the accuracy of the saved weights in this process over the whole test set."""
-    path, res = reference["adamw"]
+def test_distributed_accuracy_equals_one_process_accuracy(runs):
+    """The W=4 run's reported accuracy (4 uneven, padded shards) recomputed here, in one process,
+    from its saved weights over the whole test set."""
+    path, res = runs["adamw", 4, "spawn"]
     args = common.parse_args(common.get_parser("t"), CFG)
     model = common.build_model(args)
     model.load_state_dict(torch.load(path, weights_only=True))
-    *_, xte, yte, _ = common.load_data(args)
+    _, test_set, _ = common.load_data(args)
     with torch.no_grad():
-        acc = (model(xte).argmax(1) == yte).sum().item() / len(yte)
-    assert len(yte) == 510 and res["test_acc"] == acc
+        acc = (model(test_set.x).argmax(1) == test_set.y).sum().item() / len(test_set)
+    assert len(test_set) == 511 and res["test_acc"] == acc
 
 
-def test_grad_accum_equals_plain_step(reference, tmp_path):
-    """--grad-accum 2: each rank does two half-size micro-steps under no_sync(), one all-reduce."""
-    res = ok(torchrun("ddp.py", 2, *CFG, "--optim", "adamw", "--grad-accum", "2", "--save", tmp_path / "a.pt"))
-    assert max_diff(reference["adamw"][0], tmp_path / "a.pt") < TOL["adamw"]
-    assert res["comm_bytes"] == 4 * res["params"]          # still one all-reduce of Ψ per optimizer step
+# ddp_torchrun.py: 8 steps per epoch, a cosine schedule over 16: a crash in epoch 1 (rank 1 exits
+# inside step 11, injected from outside by tests/faults), then the same command again.
+SNAP = ["--data", "synthetic", "--limit", "256", "--batch-size", "32", "--dim", "32", "--depth", "2", "--heads", "4",
+        "--epochs", "2", "--optim", "adamw", "--no-progress"]
 
 
-def test_snapshot_resume_equals_uninterrupted(tmp_path):
-    """ddp_torchrun.py: train 1 epoch, stop; start again with --epochs 2: it resumes from the
-    snapshot and ends where an uninterrupted 2-epoch run ends."""
-    cfg = ["--data", "synthetic", "--limit", "256", "--batch-size", "32", "--dim", "32", "--depth", "2",
-           "--no-progress", "--snapshot", tmp_path / "snap.pt"]
-    first = ok(torchrun("ddp_torchrun.py", 2, *cfg, "--epochs", "1"))
-    assert first["steps"] == 8 and (tmp_path / "snap.pt").exists()
-    second = torchrun("ddp_torchrun.py", 2, *cfg, "--epochs", "2", "--save", tmp_path / "resumed.pt")
-    assert "resuming from" in second.stdout and ok(second)["steps"] == 16
-    cfg[-1] = tmp_path / "other.pt"
-    ok(torchrun("ddp_torchrun.py", 2, *cfg, "--epochs", "2", "--save", tmp_path / "straight.pt"))
-    assert max_diff(tmp_path / "resumed.pt", tmp_path / "straight.pt") == 0
+@pytest.fixture(scope="module")
+def snapshots(tmp_path_factory):
+    d = tmp_path_factory.mktemp("snap")
+    cmd = [*SNAP, "--snapshot", d / "snap.pt", "--save", d / "resumed.pt"]
+
+    def interrupted():
+        crash = torchrun("ddp_torchrun.py", 2, *cmd, env={"PYTHONPATH": FAULTS, "FAULT": "exit", "FAULT_RANK": "1",
+                                                          "FAULT_STEP": "11"})
+        resumed = torchrun("ddp_torchrun.py", 2, *cmd)
+        t0 = time.time()
+        again = python("ddp_torchrun.py", "--nproc", "2", *cmd)        # the same command, the other launcher
+        return crash, resumed, again, time.time() - t0
+
+    with ThreadPoolExecutor(2) as pool:
+        straight = pool.submit(torchrun, "ddp_torchrun.py", 2, *SNAP, "--save", d / "straight.pt")
+        crash, resumed, again, t_again = interrupted()
+        return dict(dir=d, crash=crash, resumed=resumed, again=again, t_again=t_again, straight=ok(straight.result()))
 
 
-def test_dp_trains_on_cpu_and_says_so():
-    r = python("dp.py", "--data", "synthetic", "--limit", "1024", "--batch-size", "32", "--dim", "32",
-               "--depth", "2", "--max-steps", "30", "--no-progress", "--lr", "3e-3")
+def test_snapshot_resume_equals_uninterrupted(snapshots):
+    """Weights, AdamW state, the schedule's position and the step come back: the resumed run ends
+    bit for bit where the uninterrupted one ends, and reports this attempt's communication."""
+    d, crash, resumed = snapshots["dir"], snapshots["crash"], snapshots["resumed"]
+    assert crash.returncode != 0 and "RESULT" not in crash.stdout, crash.output
+    assert "snapshot: step 8 saved" in crash.stdout and "snapshot: step 16" not in crash.stdout, crash.output
+    assert "snapshot: resuming at step 8" in resumed.stdout, resumed.output
+    res = ok(resumed)
+    assert res["steps"] == snapshots["straight"]["steps"] == 16
+    assert max_diff(d / "resumed.pt", d / "straight.pt") == 0
+    assert res["comm"]["all_reduce"] == 4 * res["params"]          # per step of this attempt, not of all 16
+
+
+def test_rerunning_a_finished_run_trains_nothing_and_exits_0(snapshots):
+    """The snapshot after the last epoch holds step 16: the same command again resumes there,
+    trains 0 steps, reports 0 samples/s (this attempt's) and the same accuracy, and saves the same weights."""
+    again, d = snapshots["again"], snapshots["dir"]
+    assert "snapshot: resuming at step 16" in again.stdout, again.output
+    res = ok(again)
+    assert res["steps"] == 16 and res["samples_per_s"] == 0 and res["comm"] == {}
+    assert res["test_acc"] == snapshots["straight"]["test_acc"]
+    assert max_diff(d / "resumed.pt", d / "straight.pt") == 0
+    assert snapshots["t_again"] < 90
+
+
+def test_a_rank_that_cannot_see_the_snapshot_fails_clearly(snapshots):
+    """Rank 0 decides to resume and broadcasts the step; a rank on a node without the shared file
+    system (tests/faults HIDE) must stop with that reason, not train from scratch beside it."""
+    snap = snapshots["dir"] / "snap.pt"
+    r = torchrun("ddp_torchrun.py", 2, *SNAP, "--snapshot", snap, "--timeout", "30",
+                 env={"PYTHONPATH": FAULTS, "HIDE": str(snap), "FAULT_RANK": "1"}, timeout=120)
+    assert r.returncode != 0 and "RESULT" not in r.stdout, r.output
+    assert "must be on a file system every rank shares" in r.output, r.output
+
+
+def test_dp_on_cpu_says_so_and_equals_ddp_one_process(reference, tmp_path):
+    r = python("dp.py", *CFG, "--optim", "sgd", "--save", tmp_path / "dp.pt")
     res = ok(r)
     assert "no GPUs visible, training on the CPU as a single device" in r.stdout
-    assert res["world_size"] == 1 and res["steps"] == 30 and res["loss"] < 0.9 * res["first_loss"]
+    assert res["world_size"] == 1 and res["steps"] == 6
+    assert max_diff(reference["sgd"][0], tmp_path / "dp.pt") < TOL["sgd"]
 
 
 @pytest.mark.parametrize("script", ["ddp.py", "dp.py", "ddp_torchrun.py"])

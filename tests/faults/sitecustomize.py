@@ -4,6 +4,12 @@ FAULT=raise|hang|exit  FAULT_RANK=r  FAULT_STEP=k: on global rank r, just before
 optimizer step (1-based), raise an exception, sleep forever, or exit(3). Only on the first
 attempt of a torchrun job (TORCHELASTIC_RESTART_COUNT 0), so a restarted group runs clean.
 OFFLINE=1: no connection to any host but this one (MNIST cannot be downloaded).
+HIDE=PATH FAULT_RANK=r: on rank r that file does not exist (a node without the shared file system).
+PROBE=DIR: what the first optimizer step of training did, seen from outside the script and written
+to DIR/rank<r>.json at that step: `saved_bytes`, what autograd kept for backward in the first
+forward (distinct storages, parameters left out: a checkpointed block keeps only its input), and
+`attention`, the attention calls made with grad enabled, by the dtype of their queries (a
+checkpointed block runs its forward again during backward; autocast makes the queries 16-bit).
 The scripts themselves carry no test hooks.
 """
 import os
@@ -42,3 +48,61 @@ if os.environ.get("OFFLINE"):
         return _create_connection(address, *args, **kwargs)
 
     socket.create_connection = _offline
+
+if os.environ.get("HIDE") and os.environ.get("RANK", "0") == os.environ.get("FAULT_RANK", "0"):
+    import builtins
+
+    _hidden, _exists, _open = os.path.abspath(os.environ["HIDE"]), os.path.exists, builtins.open
+
+    def _is_hidden(path):
+        return isinstance(path, (str, bytes, os.PathLike)) and os.path.abspath(os.fsdecode(path)) == _hidden
+
+    def _hidden_exists(path):
+        return False if _is_hidden(path) else _exists(path)
+
+    def _hidden_open(file, *args, **kwargs):
+        if _is_hidden(file):
+            raise FileNotFoundError(2, "No such file or directory (hidden by tests/faults)", str(file))
+        return _open(file, *args, **kwargs)
+
+    os.path.exists, builtins.open = _hidden_exists, _hidden_open
+
+if os.environ.get("PROBE"):
+    import json
+
+    import torch
+    import torch.nn.functional as F
+    import torch.optim.optimizer as _opt
+
+    _probe = {"saved": {}, "counting": True, "attention": {}}
+
+    def _pack(t):
+        if _probe["counting"]:
+            _probe["saved"][t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    def _unpack(t):
+        _probe["counting"] = False              # the first backward has begun: the first forward is whole
+        return t
+
+    _sdpa = F.scaled_dot_product_attention
+
+    def _attention(q, *args, **kwargs):
+        if torch.is_grad_enabled():
+            _probe["attention"][str(q.dtype)] = _probe["attention"].get(str(q.dtype), 0) + 1
+        return _sdpa(q, *args, **kwargs)
+
+    def _first_step(optimizer, args, kwargs):
+        _probe_hooks.__exit__()
+        _probe_step.remove()
+        F.scaled_dot_product_attention = _sdpa
+        params = {p.untyped_storage().data_ptr() for g in optimizer.param_groups for p in g["params"]}
+        os.makedirs(os.environ["PROBE"], exist_ok=True)
+        with open(os.path.join(os.environ["PROBE"], f"rank{os.environ.get('RANK', '0')}.json"), "w") as f:
+            json.dump(dict(saved_bytes=sum(n for ptr, n in _probe["saved"].items() if ptr not in params),
+                           attention=_probe["attention"]), f)
+
+    F.scaled_dot_product_attention = _attention
+    _probe_hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+    _probe_hooks.__enter__()
+    _probe_step = _opt.register_optimizer_step_pre_hook(_first_step)
