@@ -38,8 +38,12 @@ LAUNCHES = {  # name: (world, extra flags)
 }
 
 
+USES = {"test_checkpointing_keeps_only_each_blocks_input": ["ckpt", "accum"], "test_clip_bounds_every_step": ["clip"],
+        "test_bf16_is_active": ["bf16", "accum"]}      # the launches each unparametrized test reads
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(request, tmp_path_factory):
     """Each launch with the PROBE on: {name: (saved weights, RESULT, [probe of each rank])}."""
     d = tmp_path_factory.mktemp("amp")
 
@@ -50,8 +54,15 @@ def runs(tmp_path_factory):
         probes = [json.loads((d / name / f"rank{r}.json").read_text()) for r in range(world)]
         return d / f"{name}.pt", res, probes
 
+    # only the launches of the tests this session runs (all in a full run, one for tests/test_mutants.py)
+    wanted = set()
+    for item in request.session.items:
+        if item.module is request.module:
+            params = getattr(getattr(item, "callspec", None), "params", {})
+            wanted |= {params["name"]} if "name" in params else set(USES.get(item.originalname, []))
+    names = [n for n in LAUNCHES if n in wanted]
     with ThreadPoolExecutor(2) as pool:                  # two launches at a time: one per core
-        out = dict(zip(LAUNCHES, pool.map(launch, LAUNCHES)))
+        out = dict(zip(names, pool.map(launch, names)))
     for name, (_, res, _) in out.items():
         assert res["world_size"] == LAUNCHES[name][0] and res["steps"] == 6, name
     return out

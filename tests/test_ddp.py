@@ -27,17 +27,31 @@ def launch(launcher, script, world, *args, **kw):
     return python(script, "--nproc", world, *args, **kw)
 
 
+def needed(request):
+    """The ddp.py launches this session's selected tests of this module use (all of them in a full
+    run; one when a single test is asked for, as tests/test_mutants.py does)."""
+    cases = set()
+    for item in request.session.items:
+        if item.module is request.module:
+            if "case" in getattr(getattr(item, "callspec", None), "params", {}):
+                cases.add(item.callspec.params["case"])
+            elif item.name == "test_distributed_accuracy_equals_one_process_accuracy":
+                cases.add(("adamw", 4, "spawn"))
+    return [c for c in CASES if c in cases]
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(request, tmp_path_factory):
     """One process, per optimizer: the run every data-parallel run must reproduce."""
     d = tmp_path_factory.mktemp("ref")
+    opts = sorted({opt for opt, _, _ in needed(request)} | {"adamw"})     # adamw: the dp.py and load tests
     with ThreadPoolExecutor(2) as pool:
-        res = pool.map(lambda o: ok(torchrun("ddp.py", 1, *CFG, "--optim", o, "--save", d / f"{o}.pt")), TOL)
-        return {o: (d / f"{o}.pt", r) for o, r in zip(TOL, res)}
+        res = pool.map(lambda o: ok(torchrun("ddp.py", 1, *CFG, "--optim", o, "--save", d / f"{o}.pt")), opts)
+        return {o: (d / f"{o}.pt", r) for o, r in zip(opts, res)}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(request, tmp_path_factory):
     """ddp.py at W = 2, 3, 4 through both launchers: {case: (saved weights, RESULT)}."""
     d = tmp_path_factory.mktemp("ddp")
 
@@ -47,7 +61,8 @@ def runs(tmp_path_factory):
         return path, ok(launch(launcher, "ddp.py", world, *CFG, "--optim", opt, "--save", path))
 
     with ThreadPoolExecutor(2) as pool:
-        return dict(zip(CASES, pool.map(one, CASES)))
+        cases = needed(request)
+        return dict(zip(cases, pool.map(one, cases)))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{o}-W{w}-{l}" for o, w, l in CASES])

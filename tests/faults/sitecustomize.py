@@ -10,7 +10,8 @@ to DIR/rank<r>.json at that step: `saved_bytes`, what autograd kept for backward
 forward (distinct storages, parameters left out: a checkpointed block keeps only its input), and
 `attention`, the attention calls made with grad enabled, by the dtype of their queries (a
 checkpointed block runs its forward again during backward; autocast makes the queries 16-bit).
-The scripts themselves carry no test hooks.
+MUTANT=name: a deliberate bug that breaks one promise, applied from outside (tests/test_mutants.py
+lists them with the test that must fail under each). The scripts themselves carry no test hooks.
 """
 import os
 
@@ -106,3 +107,85 @@ if os.environ.get("PROBE"):
     _probe_hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
     _probe_hooks.__enter__()
     _probe_step = _opt.register_optimizer_step_pre_hook(_first_step)
+
+if os.environ.get("MUTANT"):
+    import importlib.abc
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    _mutant = os.environ["MUTANT"]
+    _after_import = {}                       # module name -> patch applied right after it is imported
+
+    class _PatchOnImport(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname not in _after_import:
+                return None
+            for finder in sys.meta_path:
+                spec = None if finder is self else finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    run = spec.loader.exec_module
+                    spec.loader.exec_module = lambda module: (run(module), _after_import[fullname](module))
+                    return spec
+            return None
+
+    sys.meta_path.insert(0, _PatchOnImport())
+
+    if _mutant == "sampler-same-shard":      # every rank trains on rank 0's shard
+        from torch.utils.data import DistributedSampler
+        _init = DistributedSampler.__init__
+        DistributedSampler.__init__ = lambda self, ds, num_replicas=None, rank=None, *a, **k: _init(
+            self, ds, num_replicas, 0, *a, **k)
+    elif _mutant == "ddp-sum":               # DDP sums the gradients instead of averaging them
+        from torch.nn.parallel import DistributedDataParallel as _DDP
+        _ddp_init = _DDP.__init__
+
+        def _summing(self, *a, **k):
+            _ddp_init(self, *a, **k)
+            self.register_comm_hook(None, lambda state, bucket: dist.all_reduce(
+                bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0]))
+        _DDP.__init__ = _summing
+    elif _mutant == "eval-counts-padding":   # evaluation counts the padding samples too
+        def _keep_all(common):
+            getitem = common._Masked.__getitem__
+            common._Masked.__getitem__ = lambda self, i: (*getitem(self, i)[:2], True)
+        _after_import["common"] = _keep_all
+    elif _mutant == "resume-forgets-schedule":   # a resumed run restarts its learning-rate schedule
+        torch.optim.lr_scheduler.LRScheduler.load_state_dict = lambda self, state: None
+        torch.optim.lr_scheduler.LambdaLR.load_state_dict = lambda self, state: None
+    elif _mutant == "no-checkpoint":         # activation checkpointing does nothing
+        import torch.utils.checkpoint
+        torch.utils.checkpoint.checkpoint = lambda fn, *a, use_reentrant=None, **k: fn(*a, **k)
+    elif _mutant == "no-autocast":           # mixed precision does nothing
+        _ac_init = torch.autocast.__init__
+        torch.autocast.__init__ = lambda self, device_type, dtype=None, enabled=True, cache_enabled=None: _ac_init(
+            self, device_type, dtype=dtype, enabled=False, cache_enabled=cache_enabled)
+    elif _mutant == "no-clip":               # gradient clipping does nothing
+        torch.nn.utils.clip_grad_norm_ = lambda parameters, max_norm, *a, **k: torch.zeros(())
+    elif _mutant == "zero-no-average":       # ZeRO reduce-scatters the sum of the gradients, not the mean
+        _rs = dist.reduce_scatter_tensor
+
+        def _sum_scatter(output, input, *a, **k):
+            input.mul_(dist.get_world_size())
+            return _rs(output, input, *a, **k)
+        dist.reduce_scatter_tensor = _sum_scatter
+    elif _mutant == "fsdp-sum":              # FSDP sums the gradients instead of averaging them
+        import torch.distributed.fsdp as _fsdp
+        _fully_shard = _fsdp.fully_shard
+
+        def _summing_shard(module, *a, **k):
+            out = _fully_shard(module, *a, **k)
+            out.set_gradient_divide_factor(1.0)
+            return out
+        _fsdp.fully_shard = _summing_shard
+    elif _mutant == "tp-f-identity":         # tensor parallel's f does no all-reduce in backward
+        _ar = dist.all_reduce
+        dist.all_reduce = lambda t, *a, **k: None if t.dim() == 3 and not torch.is_grad_enabled() else _ar(t, *a, **k)
+    elif _mutant == "pipeline-unpaired":     # pipeline sends and receives one op per group (NCCL deadlocks)
+        def _unpair(pipeline):
+            p2p = pipeline.p2p
+            pipeline.p2p = lambda ops: [p2p([op]) for op in ops]
+        _after_import["pipeline"] = _unpair
+    else:
+        raise SystemExit(f"tests/faults: unknown MUTANT={_mutant}")

@@ -1,0 +1,37 @@
+"""The tests bite: each mutant (tests/faults/sitecustomize.py, MUTANT=name) breaks one promise from
+outside the scripts, and the test that guards that promise must fail under it. Each row runs only
+its guarding test, in a fresh pytest process whose every launch carries the mutant."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ROOT
+
+MUTANTS = {   # mutant -> the test that must fail under it (the promise in the README it guards)
+    "sampler-same-shard": "tests/test_ddp.py::test_ddp_equals_one_process[sgd-W2-torchrun]",        # sampler
+    "ddp-sum": "tests/test_ddp.py::test_ddp_equals_one_process[sgd-W2-torchrun]",                   # exactness
+    "eval-counts-padding": "tests/test_ddp.py::test_distributed_accuracy_equals_one_process_accuracy",  # evaluation
+    "resume-forgets-schedule": "tests/test_ddp.py::test_snapshot_resume_equals_uninterrupted",      # resume
+    "no-checkpoint": "tests/test_amp_checkpoint.py::test_checkpointed_blocks_run_forward_twice_in_training[ckpt]",
+    "no-autocast": "tests/test_amp_checkpoint.py::test_bf16_is_active",                             # mixed precision
+    "no-clip": "tests/test_amp_checkpoint.py::test_clip_bounds_every_step",                         # clipping
+    "zero-no-average": "tests/test_zero.py::test_stage_equals_one_ddp_process[2-2-sgd]",            # ZeRO exactness
+    "fsdp-sum": "tests/test_fsdp.py::test_equals_ddp_one_process[W2-sgd]",                          # FSDP exactness
+    "tp-f-identity": "tests/test_tensor_parallel.py::test_same_parameters_as_ddp_one_process[W2-tp-sgd]",  # TP
+    "pipeline-unpaired": "tests/test_pipeline.py::test_p2p_order_is_nccl_safe",                     # NCCL order
+}
+
+
+@pytest.mark.parametrize("mutant", MUTANTS)
+def test_the_guarding_test_fails_under_the_mutant(mutant, tmp_path):
+    env = {**os.environ, "MUTANT": mutant, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT / "tests" / "faults"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--basetemp",
+                        str(tmp_path / "t"), MUTANTS[mutant]], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    tail = "\n".join(r.stdout.splitlines()[-15:])
+    assert "unknown MUTANT" not in r.stdout + r.stderr, tail
+    assert "no tests ran" not in r.stdout and " error" not in r.stdout.splitlines()[-1], tail   # it ran, and failed
+    assert r.returncode == 1 and " failed" in r.stdout.splitlines()[-1], tail
