@@ -89,14 +89,14 @@ class Parser(argparse.ArgumentParser):
 def get_parser(description):
     p = Parser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("shared flags (common.py)")
-    g.add_argument("--epochs", type=int, default=3)
+    g.add_argument("--epochs", type=int, default=6)
     g.add_argument("--batch-size", type=int, default=128, help="GLOBAL batch: each of W data-parallel ranks gets batch/W")
-    g.add_argument("--lr", type=float, default=None, help="peak learning rate (default: 1e-3 for adamw, 0.05 for sgd)")
+    g.add_argument("--lr", type=float, default=None, help="peak learning rate (default: 2e-3 for adamw, 0.05 for sgd)")
     g.add_argument("--warmup", type=float, default=0.05, help="fraction of the steps spent warming the lr up linearly")
     g.add_argument("--lr-schedule", choices=["cosine", "constant"], default="cosine",
                    help="after warm-up: cosine decay to 0 over the run, or constant")
     g.add_argument("--optim", choices=["adamw", "sgd"], default="adamw")
-    g.add_argument("--shift", type=int, default=2, help="augmentation: move each training image by up to N pixels")
+    g.add_argument("--shift", type=int, default=1, help="augmentation: move each training image by up to N pixels")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--data", choices=["auto", "mnist", "synthetic"], default="auto")
     g.add_argument("--data-dir", default="data")
@@ -131,7 +131,7 @@ def parse_args(parser, argv=None):
     check(IMAGE % args.patch == 0, f"--patch {args.patch} does not divide the 28-pixel image side")
     check(args.nproc is None or args.nproc >= 1, f"--nproc must be >= 1, got {args.nproc}")
     if args.lr is None:
-        args.lr = 1e-3 if args.optim == "adamw" else 0.05
+        args.lr = 2e-3 if args.optim == "adamw" else 0.05
     if args.load is not None:                  # a bad file fails now, before any process group or data
         check(os.path.isfile(args.load), f"--load {args.load}: no such file")
         load_state_dict_file(args.load, ViT(args.dim, args.depth, args.heads, args.patch).state_dict())
@@ -275,20 +275,20 @@ def synthetic_digits(n, seed, chunk=1000):
         m = chunk                         # always a whole chunk, cut at the end: the same draws for every n
         u = lambda lo, hi, *shape: lo + (hi - lo) * torch.rand(m, *shape, generator=g)   # noqa: E731
         y = torch.randint(0, 10, (m,), generator=g)
-        ctrl = pts0[y] + 0.045 * torch.randn(m, pts0.shape[1], 2, generator=g) - 0.5   # jittered, centred
-        ang, sx, sy, sh = u(-0.35, 0.35), u(0.7, 1.1), u(0.75, 1.1), u(-0.35, 0.35)
+        ctrl = pts0[y] + 0.052 * torch.randn(m, pts0.shape[1], 2, generator=g) - 0.5   # jittered, centred
+        ang, sx, sy, sh = u(-0.4, 0.4), u(0.68, 1.12), u(0.72, 1.1), u(-0.4, 0.4)
         cos, sin = ang.cos(), ang.sin()
         A = torch.stack([torch.stack([sx * cos, sy * (sh * cos - sin)], -1),
                          torch.stack([sx * sin, sy * (sh * sin + cos)], -1)], -2)       # rotate @ shear @ scale
         dots = (mix0[y] @ ctrl) @ A.transpose(1, 2) + 0.5 + u(-0.07, 0.07, 1, 2)       # [m, 64, 2]
         sigma = u(0.022, 0.045).view(m, 1)
         weight = (step0[y].view(m, 1) * sx.view(m, 1) / (sigma * 2.5066)).expand(m, dots.shape[1])
-        # distractor: 12 dots on a short random segment, at half strength, in half the images
+        # distractor: 12 dots on a short random segment, at 0.7 strength, in 65% of the images
         a, b = u(0.1, 0.9, 1, 2), u(-0.15, 0.15, 1, 2)
         extra = a + b * torch.linspace(0, 1, 12).view(1, 12, 1)
-        on = (torch.rand(m, 1, generator=g) < 0.5).float()
+        on = (torch.rand(m, 1, generator=g) < 0.65).float()
         dots = torch.cat([dots, extra], 1)
-        weight = torch.cat([weight, (0.5 * on * b.norm(dim=-1) / 12 / (sigma * 2.5066)).expand(m, 12)], 1)
+        weight = torch.cat([weight, (0.7 * on * b.norm(dim=-1) / 12 / (sigma * 2.5066)).expand(m, 12)], 1)
         gx = torch.exp(-((grid.view(1, 1, -1) - dots[..., :1]) / sigma.view(m, 1, 1)) ** 2 / 2)   # [m, dots, 28]
         gy = torch.exp(-((grid.view(1, 1, -1) - dots[..., 1:]) / sigma.view(m, 1, 1)) ** 2 / 2)
         ink = (gy * weight.unsqueeze(-1)).transpose(1, 2) @ gx                          # [m, 28 (y), 28 (x)]

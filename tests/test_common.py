@@ -61,12 +61,35 @@ def tensors(ds):
 
 
 def test_load_data_normalises_and_limits():
-    train, test, source = common.load_data(parse(*ARGS))
+    train, test, source = common.load_data(parse(*ARGS, "--shift", "0"))
     (xtr, ytr), (xte, _) = tensors(train), tensors(test)
     assert source == "synthetic" and xtr.shape == (300, 1, 28, 28) and xte.shape == (300, 1, 28, 28)
     assert xtr.dtype == torch.float32 and ytr.dtype == torch.long
     raw = common.synthetic_digits(300, common.SYNTHETIC_SEED)[0]
     assert torch.allclose(xtr[:, 0], (raw.float() / 255 - common.MNIST_MEAN) / common.MNIST_STD)
+
+
+def test_shift_augmentation_depends_on_seed_epoch_and_index_only():
+    """--shift 2: each training image moved by whole pixels in [-2, 2], the same for the same
+    (seed, epoch, index) in any process, new each epoch; the test set is never shifted."""
+    train, test, _ = common.load_data(parse(*ARGS, "--shift", "2"))
+    plain, bg = train.x, train.x.amin()
+    moves = set()
+    for epoch in (0, 1):
+        train.set_epoch(epoch)
+        for i in range(40):
+            x = train[i][0][0]
+            pad = torch.nn.functional.pad(plain[i, 0], (2, 2, 2, 2), value=float(bg))
+            found = [(dy, dx) for dy in range(-2, 3) for dx in range(-2, 3)
+                     if torch.equal(x, pad[2 - dy:30 - dy, 2 - dx:30 - dx])]
+            assert found, (epoch, i)
+            moves.add((epoch, i, found[0]))
+    assert len({m[2] for m in moves}) > 10                                  # many different moves
+    assert any(a[2] != b[2] for a in moves for b in moves if a[:2] == (0, b[1]) and b[0] == 1)   # new each epoch
+    again, _, _ = common.load_data(parse(*ARGS, "--shift", "2"))
+    again.set_epoch(1)
+    assert all(torch.equal(again[i][0], train[i][0]) for i in range(40))    # a function of (seed, epoch, index)
+    assert torch.equal(test[3][0], test.x[3])
 
 
 def test_mnist_from_idx_files(tmp_path):
