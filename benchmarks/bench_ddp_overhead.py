@@ -1,8 +1,10 @@
 """What does DDP cost on one process? ddp.py at world size 1 against a plain training loop
-over the same model, data, batches and optimizer (no process group, no wrapper).
+over the same model, data, batches, optimizer and learning-rate schedule (no process group, no
+wrapper, no Meter).
 
     python benchmarks/bench_ddp_overhead.py                 # 200 steps, best of 3 each
     python benchmarks/bench_ddp_overhead.py --steps 500 --repeats 5
+    python benchmarks/bench_ddp_overhead.py --dim 128       # any other flag is a shared flag, given to both
 
 Prints samples/s of both and the ratio; the target is ddp.py >= 0.95x the plain loop.
 """
@@ -15,6 +17,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -22,20 +25,31 @@ import common  # noqa: E402
 
 
 def plain_loop(flags, steps):
-    args = common.parse_args(common.get_parser("plain"), flags)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """ddp.py's train() with the distributed parts taken out: its data, sampler order, model,
+    optimizer, schedule and loop, timed the same way (from the loader's first batch to the last step)."""
+    args = common.parse_args(common.get_parser("plain"), [*flags, "--max-steps", str(steps)])
+    backend, device = common.pick_backend(args.backend)    # ddp.py's device and CPU thread count
+    train_set, _, _ = common.load_data(args, device)
+    sampler = DistributedSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=args.seed, drop_last=True)
+    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True,
+                        pin_memory=device.type == "cuda")
     model = common.build_model(args).to(device)
     optimizer = common.make_optimizer(model.parameters(), args)
-    xtr, ytr, *_ = common.load_data(args)
-    loader, sampler = common.train_loader(xtr, ytr, args.batch_size, 0, 1, args.seed)
+    scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
     sampler.set_epoch(0)
-    done, t0 = 0, time.perf_counter()
+    train_set.set_epoch(0)
+    model.train()
+    loss_sum, done, t0 = torch.zeros((), device=device), 0, time.perf_counter()
     for x, y in loader:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        F.cross_entropy(model(x), y).backward()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
         optimizer.step()
+        scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        done += 1
+        loss_sum, done = loss_sum + loss.detach(), done + 1
+        if done % args.log_every == 0 or done == steps:
+            loss_sum.item()                        # ddp.py reads its loss as often (after an all-reduce)
         if done == steps:
             break
     if device.type == "cuda":
@@ -51,12 +65,13 @@ def ddp_w1(flags, steps):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                epilog="Every other flag is a shared flag (common.py), given to both sides.")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("flags", nargs="*", default=[], help="extra common flags, after --")
-    a = p.parse_args()
-    flags = ["--data", "synthetic", "--epochs", "1", "--no-progress", *a.flags]
+    a, rest = p.parse_known_args()
+    flags = ["--data", "synthetic", "--epochs", "1", "--no-progress", *[f for f in rest if f != "--"]]
+    common.parse_args(common.get_parser("shared flags"), flags)     # a bad flag fails now, not in a subprocess
     plain, ddp = [], []
     for i in range(a.repeats):                     # alternate, so drift in machine load hits both
         plain.append(plain_loop(flags, a.steps))

@@ -11,9 +11,9 @@ median step time of each is reported, and the ratio written-out / PyTorch (targe
 
     torchrun --standalone --nproc_per_node=2 benchmarks/bench_model_parallel.py
     torchrun --standalone --nproc_per_node=2 benchmarks/bench_model_parallel.py --dim 256 --depth 8 --heads 8
+    python benchmarks/bench_model_parallel.py --nproc 2        # through mp.spawn on a free port
 """
 import argparse
-import datetime
 import os
 import statistics
 import sys
@@ -30,15 +30,14 @@ import tensor_parallel   # noqa: E402
 
 
 def tp_mine(args, device, rank, world):
-    model, _ = tensor_parallel.parallelize(common.build_model(args), rank, world, sp=False)
-    model = model.to(device)
+    model = tensor_parallel.parallelize(common.build_model(args).to(device), device, sp=False)
     opt = common.make_optimizer(model.parameters(), args)
 
     def step(x, y):
-        F.cross_entropy(tensor_parallel.forward(model, x, False), y).backward()
+        F.cross_entropy(model(x), y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return step, lambda: tensor_parallel.dense_state_dict(model)
+    return step, lambda: tensor_parallel.full_state_dict(model)
 
 
 def tp_dtensor(args, device, rank, world):
@@ -64,16 +63,14 @@ def tp_dtensor(args, device, rank, world):
 
 def pp_mine(schedule):
     def build(args, device, rank, world):
-        stage = pipeline.Stage(common.build_model(args), rank, world).to(device)
+        stage = pipeline.parallelize(common.build_model(args), device)
         opt = common.make_optimizer(stage.parameters(), args)
-        ns = argparse.Namespace(microbatches=args.microbatches, dim=args.dim)
-        order, stats = pipeline.schedule(schedule, args.microbatches, world, rank), dict(peak=0, busy=0.0)
 
         def step(x, y):
-            pipeline.train_step(stage, order, x, y, ns, rank, world, device, stats)
+            pipeline.train_step(stage, x, y, schedule, args.microbatches)
             opt.step()
             opt.zero_grad(set_to_none=True)
-        return step, lambda: gather_stages(stage)
+        return step, lambda: pipeline.full_state_dict(stage)
     return build
 
 
@@ -95,14 +92,13 @@ def pp_torch(schedule):
                 sched.step()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        return step, lambda: gather_stages(stage_mod)
+        return step, lambda: pipeline.full_state_dict(stage_mod)
     return build
 
 
-def gather_stages(stage):
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, stage.plain_state_dict())
-    return {k: v for part in parts for k, v in part.items()}
+def snapshot(state):
+    """A copy: on the CPU .cpu() returns the tensor itself, which the timed steps go on to change."""
+    return {k: v.clone() for k, v in (state or {}).items()}
 
 
 VARIANTS = {"tp written out": tp_mine, "tp DTensor parallelize_module": tp_dtensor,
@@ -112,19 +108,11 @@ PAIRS = [("tp written out", "tp DTensor parallelize_module"), ("1f1b written out
          ("gpipe written out", "gpipe torch pipelining")]
 
 
-def main():
-    common.default_env()
-    parser = common.get_parser("written-out TP / PP against DTensor and torch.distributed.pipelining")
-    parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant per round")
-    args = common.parse_args(parser)
-    backend, device = common.pick_backend(args.backend)
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
-    rank, world = dist.get_rank(), dist.get_world_size()
+def run(args):
+    rank, world, device, backend = tensor_parallel.setup(args)
     try:
         g = torch.Generator().manual_seed(0)
-        x = torch.randn(args.batch_size, 1, 28, 28, generator=g).to(device)
+        x = torch.randn(args.batch_size, 1, 28, 28, generator=g).to(device)    # every rank: the whole batch
         y = torch.randint(0, 10, (args.batch_size,), generator=g).to(device)
         steps, times, failed, states = {}, {name: [] for name in VARIANTS}, {}, {}
         for name, build in VARIANTS.items():
@@ -132,7 +120,7 @@ def main():
                 steps[name], state = build(args, device, rank, world)
                 for _ in range(2):               # warm-up (and the pipelining stages' shape inference)
                     steps[name](x, y)
-                states[name] = state()           # after the same 2 steps from the same seed: compare
+                states[name] = snapshot(state())     # after the same 2 steps from the same seed; whole on rank 0
             except Exception as e:              # report it and go on with the others
                 failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
                 steps.pop(name, None)
@@ -158,14 +146,30 @@ def main():
             if mine in med and ref in med:
                 key = mine.split()[0]
                 ratios[key] = med[mine] / med[ref]
-                diffs[key] = max((states[mine][k].double() - states[ref][k].double()).abs().max().item()
-                                 for k in states[mine])
-                common.log(f"  ratio {mine} / {ref}: {ratios[key]:.3f}   "
-                           f"(parameters after 2 steps differ by {diffs[key]:.2g})")
+                if rank == 0:                    # full_state_dict gathers to rank 0 only
+                    diffs[key] = max((states[mine][k].double() - states[ref][k].double()).abs().max().item()
+                                     for k in states[ref])
+                    common.log(f"  ratio {mine} / {ref}: {ratios[key]:.3f}   "
+                               f"(parameters after 2 steps differ by {diffs[key]:.2g})")
         common.result(script="bench_model_parallel", world_size=world, backend=backend, device=device.type,
-                      ms_per_step={n: 1000 * v for n, v in med.items()}, ratios=ratios, max_param_diff=diffs, failed=failed)
+                      ms_per_step={n: 1000 * v for n, v in med.items()}, ratios=ratios, max_param_diff=diffs,
+                      failed=failed)
     finally:
-        dist.destroy_process_group()
+        tensor_parallel.cleanup()
+
+
+def main():
+    parser = common.get_parser("written-out TP / PP against DTensor and torch.distributed.pipelining")
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant per round")
+    args = common.parse_args(parser)
+    world = common.world_size(args)
+    for name in ("steps", "rounds"):
+        common.check(getattr(args, name) > 0, f"--{name} must be positive, got {getattr(args, name)}")
+    tensor_parallel.check_args(argparse.Namespace(**vars(args), sequence_parallel=False), world)
+    pipeline.check_args(argparse.Namespace(**vars(args), schedule="1f1b"), world)    # 1f1b checks what gpipe does
+    common.launch(run, args)
 
 
 if __name__ == "__main__":
