@@ -1,8 +1,8 @@
 """DDP + AMP + activation checkpointing: ddp.py's DDP (every rank holds the whole model and trains
 on its slice of each global batch; gradients are averaged with an all-reduce during backward)
 with levers that trade precision or compute for memory, and change no communication:
-- `--amp bf16|fp16`: torch.autocast runs matmuls and attention in 16 bits; parameters, gradients,
-  optimizer state (the "master weights"), norms, softmax and the loss stay fp32. bf16 needs no
+- `--amp bf16|fp16`: torch.autocast runs matmuls and attention (its softmax too) in 16 bits;
+  parameters, gradients, optimizer state (the "master weights"), LayerNorms and the loss stay fp32. bf16 needs no
   loss scaling and runs on CPU too; fp16 (CUDA only) uses a GradScaler: loss x S before backward,
   gradients / S (`unscale_`) before clipping (`--clip`) and the step, inf/nan steps skipped.
 - `--checkpoint`: each block runs under checkpoint(..., use_reentrant=False), which keeps only the

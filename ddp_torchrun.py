@@ -74,10 +74,11 @@ def save_snapshot(path, model, optimizer, scheduler, step, device):
     rng = dict(cpu=torch.get_rng_state(), cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
     rngs = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(rng, rngs, dst=0)
+    state = full_state_dict(model)                 # every rank: it is a collective under sharding techniques
     if dist.get_rank() == 0:
         tmp = f"{path}.tmp.{os.getpid()}"
         with open(tmp, "wb") as f:
-            torch.save(dict(model=full_state_dict(model), optimizer=optimizer.state_dict(),
+            torch.save(dict(model=state, optimizer=optimizer.state_dict(),
                             scheduler=scheduler.state_dict(), step=step, rng=rngs), f)
             f.flush()
             os.fsync(f.fileno())

@@ -79,7 +79,7 @@ def load_dcp(path, model, optimizer, scheduler):
 def formula(psi, world, args):
     """The paper's per-rank bytes, which the report sets next to what the Meter measured."""
     k = 8 if args.optim == "adamw" else 4
-    shard, gathers = -(-psi // world), 2 if args.reshard else 1    # FSDP2 pads dim 0, gathers the root once
+    shard, gathers = -(-psi // world), 2 if args.reshard else 1    # the paper's; FSDP2 pads each dim 0 (a bit more)
     return dict(param_bytes=4 * shard, grad_bytes=4 * shard, optim_bytes=k * shard, comm=dict(
         all_gather=gathers * (2 if args.mixed_precision else 4) * psi, reduce_scatter=4 * psi), notes=dict(
         param_bytes="4Ψ/W", grad_bytes="4Ψ/W", optim_bytes=f"{k}Ψ/W", all_gather=f"{gathers}Ψ", reduce_scatter="Ψ"))

@@ -106,7 +106,7 @@ class ZeRO:
         p.grad = None                                                   # the parameter's own one goes
         u.ready = (u.ready + 1) % len(u.params)
         if u.ready == 0:
-            self.wait()                    # at most two in flight: this unit's and the one before
+            self.wait()                    # one reduce-scatter pending at a time: the previous unit's ends first
             u.gbuf.div_(self.world)        # Σ_ranks grad/W: the gradient of the global batch's mean, as DDP
             # stage 1 reduces in place (NCCL's in-place layout: the output is the input's slice r)
             u.grad = u.gbuf[self.rank * u.S:(self.rank + 1) * u.S] if self.stage == 1 else u.local.new_empty(u.S)
@@ -139,7 +139,7 @@ class ZeRO:
 
 def parallelize(model, device, stage, offload):
     """ZeRO stage 1, 2 or 3, in place: model.parameters() become the shards. Offload only on a GPU."""
-    model.zero = ZeRO(model, stage, offload and device.type == "cuda")
+    model.zero = ZeRO(model, stage, offload)
     return model
 
 
@@ -267,9 +267,9 @@ def run(args):
             common.log("--offload cpu: the device is the CPU, where the optimizer state lives anyway: no change")
             args.offload = "none"
         model = parallelize(model.to(device), device, args.stage, args.offload == "cpu")
+        padded = world * sum(p.numel() for p in model.parameters())    # Ψ': every unit padded to a multiple of W
         optimizer = common.make_optimizer(model.parameters(), args)
         hook_optimizer(model, optimizer)           # before the Meter's hook: its window sees the all-gather
-        padded = world * sum(p.numel() for p in model.parameters())    # Ψ': every unit padded to a multiple of W
         scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
         common.log(f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data ({len(train_set)} train / "
                    f"{len(test_set)} test), batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}")
