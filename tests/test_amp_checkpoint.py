@@ -25,7 +25,7 @@ from helpers import ROOT, SMALL, max_diff, ok, python, torchrun
 CFG = [*SMALL, "--batch-size", "48"]           # 48: W = 1, 2, 3 and two micro-batches all divide it
 OFF = [*CFG, "--amp", "off"]
 L, T, D = 2, 16, 32                           # SMALL: depth 2, 16 tokens (patch 7), dim 32
-TOL = {"sgd": 1e-6, "adamw": 3e-5}            # AdamW, W=3 + accum: one fc1 element ~9e-6 off (a ~0 gradient)
+TOL = {"sgd": 1e-6, "adamw": 5e-5}   # round-off; AdamW turns it into steps on ~0 gradients: up to 1.9e-5 seen
 CLIP = 0.01                                   # far below the gradient norm: every step is clipped
 PSI = sum(p.numel() for p in common.build_model(common.parse_args(common.get_parser("t"), CFG)).parameters())
 

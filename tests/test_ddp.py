@@ -15,7 +15,7 @@ import common
 from helpers import ROOT, SMALL, max_diff, ok, python, torchrun
 
 CFG = [*SMALL, "--limit", "511", "--batch-size", "48"]   # 48: W = 1..4 all divide it; 511 test samples
-TOL = {"sgd": 1e-6, "adamw": 3e-5}        # float32 round-off; AdamW W=4 measured 1.2e-5 on torch 2.11, 4e-6 on 2.14
+TOL = {"sgd": 1e-6, "adamw": 5e-5}   # round-off; AdamW turns it into steps on ~0 gradients: up to 1.9e-5 seen
 PSI = sum(p.numel() for p in common.build_model(common.parse_args(common.get_parser("t"), CFG)).parameters())
 CASES = [("sgd", 2, "torchrun"), ("sgd", 3, "spawn"), ("adamw", 3, "torchrun"), ("adamw", 4, "spawn")]
 FAULTS = str(ROOT / "tests" / "faults")

