@@ -25,13 +25,11 @@ to the root, the root adds and sends the sum back) makes the root send and recei
     torchrun --standalone --nproc_per_node=4 collectives.py --numel 7 --ring-numel 10000019 --root 2
     python collectives.py                                           # one process: world size 1
 
-Some backends (Gloo in older torch) lack reduce-scatter, all-to-all or scatter; each is then
-shown built from collectives that exist, and the output says so. The built versions are always
-checked too, so they are known to work where the real one exists.
+A backend that lacks scatter, reduce-scatter or all-to-all (Gloo in torch 2.11 has no all_to_all) gets
+it built from collectives that exist, and says so; the built versions are always checked too.
 """
 import argparse
 import datetime
-import os
 import re
 import time
 
@@ -65,14 +63,12 @@ def try_native(name, call, args):
 # --------------------------------------------------------------------------- the primitives
 
 def primitives(args, device):
-    """(name, meaning, before, after, expected, built) for each primitive on this rank. `after` and
-    `expected` are None where the primitive defines no result (a non-root rank of gather/reduce);
-    `built` is (how, result of the built version, native exists)."""
+    """(name, meaning, before, after, expected, built) per primitive on this rank; None where there is no result
+    (a non-root rank of gather/reduce); `built` is (how, result of the built version, native exists)."""
     r, p, root, n, k = dist.get_rank(), dist.get_world_size(), args.root, args.numel, args.chunk
     x = lambda j: rank_tensor(j, n, device)                         # noqa: E731  rank j's N elements
     xs = lambda j: rank_tensor(j, p * k, device)                    # noqa: E731  rank j's p chunks of k
-    total = sum(x(j) for j in range(p))
-    out = []
+    total, xall, out = sum(x(j) for j in range(p)), torch.cat([x(j) for j in range(p)]), []
 
     t = x(r)
     dist.broadcast(t, src=root)
@@ -91,8 +87,7 @@ def primitives(args, device):
     parts = [torch.empty(n, device=device) for _ in range(p)] if r == root else None
     dist.gather(x(r), parts, dst=root)
     out.append(("gather", f"rank {root} gets every rank's tensor, in rank order", x(r),
-                torch.cat(parts) if r == root else None, torch.cat([x(j) for j in range(p)]) if r == root else None,
-                None))
+                torch.cat(parts) if r == root else None, xall if r == root else None, None))
 
     t = x(r)
     dist.reduce(t, dst=root)                                       # other ranks' t is left undefined
@@ -101,8 +96,7 @@ def primitives(args, device):
 
     parts = [torch.empty(n, device=device) for _ in range(p)]
     dist.all_gather(parts, x(r))
-    out.append(("all_gather", "every rank gets every rank's tensor, in rank order", x(r), torch.cat(parts),
-                torch.cat([x(j) for j in range(p)]), None))
+    out.append(("all_gather", "every rank gets all ranks' tensors, in rank order", x(r), torch.cat(parts), xall, None))
 
     t = x(r)
     dist.all_reduce(t)
@@ -179,20 +173,17 @@ def naive_all_reduce(x, root, sent):
 
 
 def timed(fn, device, reps=3):
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     best = float("inf")
     for _ in range(reps):
         dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync()
         best = min(best, time.perf_counter() - t0)
     return best
 
-
-# --------------------------------------------------------------------------- printing
 
 def fmt(t):
     return "-" if t is None else str([int(v) for v in t.tolist()])
@@ -213,13 +204,8 @@ def setup(args):
     backend, device = common.pick_backend(args.backend)    # NCCL and a GPU per rank, else Gloo on the CPU
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    timeout = datetime.timedelta(seconds=args.timeout)
-    # torchrun keeps one store across restarts (--max-restarts): prefix it per attempt, or a
-    # restarted rank may read the address of a worker that died in the last attempt and hang.
-    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-    store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-    return rank, world, device, backend
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))   # no restarts here
+    return dist.get_rank(), dist.get_world_size(), device, backend
 
 
 def cleanup():
@@ -261,16 +247,14 @@ def run(args):
             if built is not None:
                 how, result, native = built
                 checks[f"{name} (built)"] = torch.equal(result, expected)
-                if not native:
-                    built_for.append(name)
+                built_for += [] if native else [name]
                 common.log(f"  {'shown: built from' if not native else 'also built from'} {how}" + (
                     "" if native else " (--avoid)" if name in args.avoid else
                     f": {backend} in torch {torch.__version__} has no {name}"))
 
         x = rank_tensor(rank, args.numel, device)                  # the small ring, printed
         after = ring_all_reduce(x.clone(), [0])
-        sizes = [len(c) for c in x.tensor_split(p)]
-        common.log(f"\n== ring_all_reduce: send/recv around the ring, chunks of {sizes} elements")
+        common.log(f"\n== ring_all_reduce: send/recv around the ring, chunks of {[len(c) for c in x.tensor_split(p)]}")
         show_ranks([f"  rank {rank}: {fmt(x)} -> {fmt(after)}"])
         checks["ring_all_reduce (small)"] = torch.equal(after, sum(rank_tensor(j, args.numel, device) for j in range(p)))
 
@@ -280,8 +264,8 @@ def run(args):
         dist.all_reduce(want)
         ring_sent, naive_sent = [0], [0]
         checks["ring_all_reduce == dist.all_reduce"] = torch.equal(ring_all_reduce(x.clone(), ring_sent), want)
-        checks["naive_all_reduce == dist.all_reduce"] = torch.equal(naive_all_reduce(x.clone(), args.root, naive_sent),
-                                                                    want)
+        naive = naive_all_reduce(x.clone(), args.root, naive_sent)
+        checks["naive_all_reduce == dist.all_reduce"] = torch.equal(naive, want)
         t_ring = timed(lambda: ring_all_reduce(x.clone(), [0]), device)
         t_lib = timed(lambda: dist.all_reduce(x.clone()), device)
         t_naive = timed(lambda: naive_all_reduce(x.clone(), args.root, [0]), device)
@@ -295,11 +279,9 @@ def run(args):
         common.log(f"  time (best of 3): ring {1e3 * t_ring:.1f} ms, dist.all_reduce {1e3 * t_lib:.1f} ms, "
                    f"naive {1e3 * t_naive:.1f} ms")
 
-        sent = [None] * p
-        dist.all_gather_object(sent, (ring_sent[0], naive_sent[0]))
-        ok = [None] * p
-        dist.all_gather_object(ok, checks)                          # a check passes only if it passed everywhere
-        checks = {k: all(o[k] for o in ok) for k in checks}
+        every = [None] * p                                          # (ring bytes, naive bytes, checks) of each rank
+        dist.all_gather_object(every, (ring_sent[0], naive_sent[0], checks))
+        sent, checks = every, {k: all(e[2][k] for e in every) for k in checks}   # a check passes only everywhere
         failed = [k for k, v in checks.items() if not v]
         common.log(f"\nchecks: {sum(checks.values())}/{len(checks)} passed" + (f"; FAILED: {failed}" if failed else "")
                    + (f"; built from other collectives: {built_for}" if built_for else ""))

@@ -168,8 +168,8 @@ def launch(run, args):
     if "LOCAL_RANK" not in os.environ:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     if "LOCAL_RANK" in os.environ or (args.nproc or 1) == 1:
-        os.environ.update({k: os.environ.get(k, "0" if k != "WORLD_SIZE" and k != "LOCAL_WORLD_SIZE" else "1")
-                           for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")})
+        for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1")):
+            os.environ.setdefault(k, v)
         run(args)
     else:
         try:
@@ -696,9 +696,8 @@ class Meter:
 
     def __init__(self, model, optimizer, args, steps=3):
         self.params, self.optimizer, self.steps, self.profile_dir = list(model.parameters()), optimizer, steps, args.profile
-        self.counter, self.profiler, self.seen, self.mem = CollectiveCounter(), None, 0, {}
+        self.counter, self.profiler, self.seen, self.mem, self.open = CollectiveCounter(), None, 0, {}, False
         self.hook = optimizer.register_step_post_hook(lambda *_: self._after_step())
-        self.t0 = self.elapsed = None
 
     def __enter__(self):
         self.counter.__enter__()
@@ -790,7 +789,7 @@ def report(script, args, world, backend, device, source, model_params, out, acc,
     fields = dict(script=script, world_size=world, backend=backend, device=device.type, data=source,
                   params=model_params, steps=out["steps"], loss=out["loss"], test_acc=acc, samples_per_s=sps,
                   **meter.mem, comm_bytes=sum(comm.values()), comm=comm, comm_calls=calls, comm_steps=counted,
-                  formula={k: v for k, v in formula.items()}, **extra)
+                  formula=formula, **extra)
     result(**fields)
     return fields
 
