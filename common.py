@@ -685,22 +685,51 @@ def memory(params, optimizer):
                 optim_bytes=storage_bytes(state))
 
 
+class SavedActivations:
+    """What autograd keeps for backward during the first forward (until the first backward begins):
+    the distinct storages of the saved tensors, parameters left out (also gathered or unsharded
+    ones: a leaf that requires grad, or a view of one). A checkpointed block keeps only its input."""
+
+    def __init__(self):
+        self.kept, self.counting = {}, True
+
+    def pack(self, t):
+        if self.counting:
+            base = t._base if t._base is not None else t
+            if not (base.is_leaf and base.requires_grad):
+                s = _local(t).untyped_storage()
+                self.kept[s.data_ptr() if s.nbytes() else id(s)] = s.nbytes()
+        return t
+
+    def unpack(self, t):
+        self.counting = False
+        return t
+
+    def bytes(self, params):
+        own = {_local(p).untyped_storage().data_ptr() for p in params}
+        return sum(n for ptr, n in self.kept.items() if ptr not in own)
+
+
 class Meter:
     """The instrument, attached from outside: `with Meter(model, optimizer, args): train(...)`.
 
     It counts the collectives of the first `steps` optimizer steps (forward, backward and step:
     a window closed by the optimizer's post-step hook, so the rest of training runs at full speed),
-    reads per-rank memory off the storages right after the first step, and with --profile records
+    reads per-rank memory off the storages right after the first step (activations: what the first
+    forward saved for backward), and with --profile records
     those steps with torch.profiler, one Chrome/Perfetto trace per rank. Deleting it from a
     script changes nothing the technique does."""
 
     def __init__(self, model, optimizer, args, steps=3):
         self.params, self.optimizer, self.steps, self.profile_dir = list(model.parameters()), optimizer, steps, args.profile
         self.counter, self.profiler, self.seen, self.mem, self.open = CollectiveCounter(), None, 0, {}, False
+        self.saved, self.packing = SavedActivations(), None
         self.hook = optimizer.register_step_post_hook(lambda *_: self._after_step())
 
     def __enter__(self):
         self.counter.__enter__()
+        self.packing = torch.autograd.graph.saved_tensors_hooks(self.saved.pack, self.saved.unpack)
+        self.packing.__enter__()
         self.open = True
         if self.profile_dir:
             from torch.profiler import ProfilerActivity, profile
@@ -713,10 +742,18 @@ class Meter:
         self.seen += 1
         if self.seen == 1:
             self.mem = memory(self.params, self.optimizer)
+            self._stop_packing()
+            self.mem["act_bytes"] = self.saved.bytes(self.params)
         if self.seen == self.steps:
             self._close()
 
+    def _stop_packing(self):
+        if self.packing is not None:
+            self.packing.__exit__(None, None, None)
+            self.packing = None
+
     def _close(self):
+        self._stop_packing()
         if self.profiler is not None:
             self.profiler.__exit__(None, None, None)
             os.makedirs(self.profile_dir, exist_ok=True)
@@ -772,7 +809,7 @@ def report(script, args, world, backend, device, source, model_params, out, acc,
     comm, calls, counted = meter.comm()
     rows = [(what, meter.mem.get(k, 0), formula.get(k), notes.get(k, ""))
             for what, k in (("parameters", "param_bytes"), ("gradients", "grad_bytes"),
-                            ("optimizer state", "optim_bytes"))]
+                            ("optimizer state", "optim_bytes"), ("activations (1st forward)", "act_bytes"))]
     for kind in sorted(set(comm) | set(formula.get("comm", {}))):
         rows.append((f"{kind.replace('_', '-')} per step", comm.get(kind, 0), formula.get("comm", {}).get(kind),
                      notes.get(kind, "") + f" ({calls.get(kind, 0)} calls in {counted} steps)"))
