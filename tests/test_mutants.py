@@ -4,6 +4,7 @@ its guarding test, in a fresh pytest process whose every launch carries the muta
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -24,13 +25,29 @@ MUTANTS = {   # mutant -> the test that must fail under it (the promise in the R
 }
 
 
-@pytest.mark.parametrize("mutant", MUTANTS)
-def test_the_guarding_test_fails_under_the_mutant(mutant, tmp_path):
+def under(mutant, basetemp):
+    """Run the guarding test of `mutant` in a fresh pytest process whose every launch carries it."""
     env = {**os.environ, "MUTANT": mutant, "PYTHONPATH": os.pathsep.join(
         [str(ROOT / "tests" / "faults"), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--basetemp",
-                        str(tmp_path / "t"), MUTANTS[mutant]], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=600)
+    return subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--basetemp",
+                           str(basetemp), MUTANTS[mutant]], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+
+
+@pytest.fixture(scope="module")
+def outcomes(request, tmp_path_factory):
+    """The mutants this session selected, two at a time (each is mostly one process waiting on
+    another: two keep both cores busy)."""
+    wanted = [item.callspec.params["mutant"] for item in request.session.items
+              if item.module is request.module and hasattr(item, "callspec")]
+    with ThreadPoolExecutor(2) as pool:
+        runs = pool.map(lambda m: under(m, tmp_path_factory.mktemp(m)), wanted)
+        return dict(zip(wanted, runs))
+
+
+@pytest.mark.parametrize("mutant", MUTANTS)
+def test_the_guarding_test_fails_under_the_mutant(mutant, outcomes):
+    r = outcomes[mutant]
     tail = "\n".join(r.stdout.splitlines()[-15:])
     assert "unknown MUTANT" not in r.stdout + r.stderr, tail
     assert "no tests ran" not in r.stdout and " error" not in r.stdout.splitlines()[-1], tail   # it ran, and failed
