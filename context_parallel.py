@@ -1,23 +1,21 @@
-"""Context parallelism: each of W ranks holds the whole model and T/W tokens of every sample of the
-whole batch. Only attention needs the other tokens: ring attention (Liu et al. 2023) passes K/V blocks
-around a ring and merges them with the online softmax; DeepSpeed-Ulysses (Jacobs et al. 2023) turns
-the token split into a head split with an all-to-all for attention, and back. Embedding, norms, MLPs
-and head run on the local tokens; the head all-reduces the token sums; gradients are summed.
+"""Context parallelism: each of W ranks holds the whole model and T/W tokens of every sample (the whole
+batch); only attention needs the others. Ring attention (Liu et al. 2023) passes K/V blocks around a ring,
+merged by the online softmax; DeepSpeed-Ulysses (Jacobs et al. 2023) all-to-alls the token split into a
+head split for attention, and back. The rest runs on local tokens; gradients are summed.
 
-    ring, W = 4: rank r holds Q_r; at step s it holds the K/V block of rank r - s
-        step:    0     1     2     3        each step: post send K/V to r+1 and receive from r-1
-        rank 0:  KV0   KV3   KV2   KV1      (one batch), compute with the block in hand, wait
-        rank 1:  KV1   KV0   KV3   KV2
+    ring, W = 4, rank r holds Q_r:   step  0    1    2    3     each step: post the send of K/V to r+1 and
+                             rank 0:     KV0  KV3  KV2  KV1     the receive from r-1 (one batch), compute
+                             rank 1:     KV1  KV0  KV3  KV2     with the block in hand, then wait
     merge block j (per query, S_j = Q·K_jᵀ/√d):  m' = max(m, rowmax S_j),  l' = l·e^(m-m') + rowsum e^(S_j-m'),
         O' = O·e^(m-m') + e^(S_j-m')·V_j;  at the end out = O / l, and lse = m + log l is kept for backward
     ulysses:  [B, T/W, H, d] --all-to-all--> [B, T, H/W, d] --attention--> --all-to-all--> [B, T/W, H, d]
 
-Memory per rank (fp32): 16Ψ (parameters, gradients, AdamW) as DDP; every activation / W, attention's
-(24·B·T·D + 4·B·H·T)/W bytes a block (its input, q, k, v, out, proj input; lse). Ring never holds
-T×T scores: one (T/W)×(T/W) block a step, recomputed from lse in backward; Ulysses' kernel sees T×T
-for H/W heads. Communication per step, a K/V block being 2·B·(T/W)·D fp32: ring sends W-1 blocks a
-block forward and 2(W-1) backward (K/V again, dK/dV partial sums), Ulysses 4 all-to-alls of B·T·D/W
-forward and 4 backward; both all-reduce B·D pooled features and the Ψ - Ψ_fc summed gradients.
+Memory per rank (fp32): 16Ψ as DDP; activations / W: attention's (4a·B·T·D + 4·B·H·T)/W bytes a block, a = 5
+[B, T/W, D] tensors (input, q, k, v, out) for ring, 6 for Ulysses (+ proj input), and lse. Ring never holds
+T×T scores: one (T/W)² block a step, recomputed from lse in backward; Ulysses' kernel sees T×T for H/W
+heads. Communication per step (K/V block: 2·B·(T/W)·D fp32): ring sends W-1 blocks per attention forward,
+2(W-1) backward (K/V again, dK/dV partial sums); Ulysses 4 all-to-alls of B·T·D/W forward, 4 backward;
+both all-reduce B·D pooled features (the head) and, as DDP, Ψ gradients.
 
     torchrun --standalone --nproc_per_node=4 context_parallel.py --patch 2 --method ring
     python context_parallel.py --nproc 2 --patch 2 --method ulysses     # through mp.spawn on a free port
@@ -30,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 import common
@@ -38,69 +37,56 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 
 ### begin: Context parallel
-# Model contract: `model.embed` (proj: nn.Linear on patch² pixels, pos [1, T, D], patch) -> [B, T, D] ->
-# `model.blocks` (x + attn(norm1(x)), x + mlp(norm2(x)); nn.Linear attn.q/k/v/proj, attn.head_dim)
-# -> `model.head` (fc(norm(x).mean(1))), the same weights on every rank, on this rank's device.
+# Model contract: `model.embed` (proj on patch² pixels, pos [1, T, D], patch) -> `model.blocks` (attn.q/k/v/
+# proj nn.Linear, attn.head_dim) -> `model.head` (fc(norm(x).mean(1))), the same weights on every rank.
 
 def ring_pass(tensors, group):
     """Post, in one batch, the send of `tensors` to the next rank and the receive of as many from the
-    previous one (one batch: NCCL blocks a send until its receive is posted). Returns (buffers, requests)."""
+    previous one (one batch: NCCL blocks a send until its receive is posted). Returns recv(): wait, get them."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     nxt, prv = (dist.get_global_rank(group, (rank + i) % world) for i in (1, -1))
     bufs = [torch.empty_like(t) for t in tensors]
     ops = [dist.P2POp(dist.isend, t, nxt, group) for t in tensors] + \
           [dist.P2POp(dist.irecv, b, prv, group) for b in bufs]
-    return bufs, dist.batch_isend_irecv(ops) if ops else []
+    reqs = dist.batch_isend_irecv(ops) if ops else []
+    return lambda: ([r.wait() for r in reqs], bufs)[1]
 
 
 class RingAttention(torch.autograd.Function):
     """softmax(q·kᵀ/√d)·v over the whole sequence; q, k, v, out: [B, H, T/W, d], this rank's tokens."""
-
     @staticmethod
     def forward(ctx, q, k, v, group):
-        world, scale = dist.get_world_size(group), q.shape[-1] ** -0.5
+        world, scale, ctx.group = dist.get_world_size(group), q.shape[-1] ** -0.5, group
         kv, out = torch.stack([k, v]), torch.zeros_like(q)    # out in q's layout: proj reads it without a copy
         m, l = q.new_full((*q.shape[:-1], 1), -float("inf")), q.new_zeros((*q.shape[:-1], 1))
         for step in range(world):                # step s: the K/V block of rank - s
-            bufs, reqs = ring_pass([kv] if step + 1 < world else [], group)    # post the next block's transfer,
+            recv = ring_pass([kv] if step + 1 < world else [], group)          # post the next block's transfer,
             s = q @ kv[0].transpose(-2, -1) * scale                             # compute on this one,
             m_new = torch.maximum(m, s.amax(-1, keepdim=True))
             p, c = torch.exp(s - m_new), torch.exp(m - m_new)
             l, out, m = l * c + p.sum(-1, keepdim=True), out * c + p @ kv[1], m_new
-            for r in reqs:                                                       # then wait
-                r.wait()
-            kv = bufs[0] if bufs else kv
+            kv = recv()[0] if step + 1 < world else kv                           # then wait for it
         out = out / l
         ctx.save_for_backward(q, k, v, out, m + l.log())     # the log-sum-exp: recomputes p block by block
-        ctx.group = group
         return out
 
-    @staticmethod
+    @staticmethod                                # flash-attention's backward, one K/V block at a time
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         group, world, scale = ctx.group, dist.get_world_size(ctx.group), q.shape[-1] ** -0.5
         delta = (dout * out).sum(-1, keepdim=True)            # rowsum(dO ∘ O) = Σ_j p_ij dp_ij
         kv, dq, own, acc = torch.stack([k, v]), torch.zeros_like(q), None, None
-        for step in range(world):
-            # Post the next K/V block, and (from step 2) pass on the dK/dV accumulated at the last step:
-            # it belongs to the block the next rank holds now.
-            bufs, reqs = ring_pass(([kv] if step + 1 < world else []) + ([acc] if step >= 2 else []), group)
+        for step in range(world):            # post the next K/V block and the last step's dK/dV (to its block)
+            recv = ring_pass(([kv] if step + 1 < world else []) + ([acc] if step >= 2 else []), group)
             p = torch.exp(q @ kv[0].transpose(-2, -1) * scale - lse)
             ds = p * (dout @ kv[1].transpose(-2, -1) - delta) * scale
             dq += ds @ kv[0]
             dkv = torch.stack([ds.transpose(-2, -1) @ q, p.transpose(-2, -1) @ dout])
-            for r in reqs:
-                r.wait()
-            if step == 0:
-                own = dkv                        # this rank's own block: kept until the rest comes home
-            else:
-                acc = dkv if step == 1 else dkv + bufs[-1]
+            bufs = recv()                        # own: this rank's block, kept until the rest comes home
+            own, acc = (dkv, None) if step == 0 else (own, dkv if step == 1 else dkv + bufs[-1])
             kv = bufs[0] if step + 1 < world else kv
         if world > 1:                            # the last partial sum goes home: W - 1 dK/dV hops in all
-            (home,), reqs = ring_pass([acc], group)
-            for r in reqs:
-                r.wait()
-            own = own + home
+            own = own + ring_pass([acc], group)()[0]
         return dq, own[0], own[1], None
 
 
@@ -117,15 +103,11 @@ class AllToAll(torch.autograd.Function):          # the gradient goes back the o
     def forward(ctx, x, group, scatter, gather):
         ctx.back = group, gather, scatter
         return all_to_all(x, group, scatter, gather)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_to_all(grad, *ctx.back), None, None, None
+    backward = staticmethod(lambda ctx, grad: (all_to_all(grad, *ctx.back), None, None, None))
 
 
 class ContextParallelAttention(nn.Module):
     """The block's attention on this rank's T/W tokens; the same q, k, v, proj (same state_dict keys)."""
-
     def __init__(self, attn, method, group):
         super().__init__()
         self.q, self.k, self.v, self.proj, self.head_dim = attn.q, attn.k, attn.v, attn.proj, attn.head_dim
@@ -134,9 +116,8 @@ class ContextParallelAttention(nn.Module):
     def forward(self, x):                        # x: [B, T/W, D]
         B, t, D = x.shape
         q, k, v = (lin(x).view(B, t, -1, self.head_dim) for lin in (self.q, self.k, self.v))
-        if self.method == "ring":
-            out = RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.group)
-            out = out.transpose(1, 2)
+        if self.method == "ring":                # [B, H, T/W, d] in, out
+            out = RingAttention.apply(*(t.transpose(1, 2) for t in (q, k, v)), self.group).transpose(1, 2)
         else:                                    # [B, T/W, H, d] -> [B, T, H/W, d] and back
             q, k, v = (AllToAll.apply(t, self.group, 2, 1).transpose(1, 2) for t in (q, k, v))
             out = AllToAll.apply(F.scaled_dot_product_attention(q, k, v).transpose(1, 2), self.group, 1, 2)
@@ -145,11 +126,9 @@ class ContextParallelAttention(nn.Module):
 
 class LocalPatchEmbed(nn.Module):
     """This rank's T/W tokens only (a contiguous run of patches) and their position embeddings."""
-
-    def __init__(self, embed, rank, world):
+    def __init__(self, embed, mine):
         super().__init__()
-        self.proj, self.pos, self.patch, t = embed.proj, embed.pos, embed.patch, embed.pos.shape[1] // world
-        self.mine = slice(rank * t, (rank + 1) * t)
+        self.proj, self.pos, self.patch, self.mine = embed.proj, embed.pos, embed.patch, mine
 
     def forward(self, img):
         B, p, n = img.shape[0], self.patch, img.shape[-1] // self.patch
@@ -158,86 +137,54 @@ class LocalPatchEmbed(nn.Module):
 
 
 class SumOverRanks(torch.autograd.Function):
-    """All-reduce forward, identity backward: every rank computes the same loss from the sum, so the
-    gradient arriving here is dL/d(sum) on every rank, which is also each rank's own term's."""
+    """All-reduce forward; backward W·grad: the all-reduce of the W ranks' gradients, equal (same loss)."""
     @staticmethod
     def forward(ctx, x, group):
-        x = x.clone()
+        ctx.world, x = dist.get_world_size(group), x.clone()
         dist.all_reduce(x, group=group)
         return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class ContextParallelHead(nn.Module):
-    """fc(mean of norm(x) over all T tokens), the mean being the all-reduced token sums / T."""
-
-    def __init__(self, head, tokens, group):
-        super().__init__()
-        self.norm, self.fc, self.tokens, self.group = head.norm, head.fc, tokens, group
-
-    def forward(self, x):
-        return self.fc(SumOverRanks.apply(self.norm(x).sum(1), self.group) / self.tokens)
+    backward = staticmethod(lambda ctx, grad: (grad * ctx.world, None))
 
 
 def parallelize(model, device, method="ring", group=None):
     """Every rank keeps the whole model and runs it on its T/W tokens of every sample."""
     group = group or dist.group.WORLD
-    rank, world, tokens = dist.get_rank(group), dist.get_world_size(group), model.embed.pos.shape[1]
-    model.embed = LocalPatchEmbed(model.embed, rank, world)
+    rank, world, T = dist.get_rank(group), dist.get_world_size(group), model.embed.pos.shape[1]
+    model.embed = LocalPatchEmbed(model.embed, slice(rank * T // world, (rank + 1) * T // world))
     for block in model.blocks:
         block.attn = ContextParallelAttention(block.attn, method, group)
-    model.head = ContextParallelHead(model.head, tokens, group)
-    # Every weight outside the classifier met only this rank's tokens: its gradient is this rank's part
-    # of a sum over all T tokens, so the SUM of the W parts (not the mean) is the whole gradient. The
-    # classifier saw the all-reduced mean on every rank: its gradient is already whole and the same.
-    # When backward has accumulated the last part, all-reduce them in one flat buffer.
-    partial, ready = [p for p in model.parameters() if all(p is not q for q in model.head.fc.parameters())], []
-
-    def sum_partial_grads(p):
-        ready.append(p)
-        if len(ready) == len(partial):
-            ready.clear()
-            flat = torch.cat([q.grad.flatten() for q in partial])
-            dist.all_reduce(flat, group=group)
-            for q, g in zip(partial, flat.split([q.numel() for q in partial])):
-                q.grad.copy_(g.view_as(q))
-    for p in partial:
-        p.register_post_accumulate_grad_hook(sum_partial_grads)
-    return model
+    # The head's mean over all T tokens: the all-reduced sum of the ranks' means over T/W, / W.
+    model.head.fc.register_forward_pre_hook(lambda fc, args: SumOverRanks.apply(args[0] / world, group))
+    # A weight's gradient is a sum over all tokens; each rank has its tokens' part, times W (SumOverRanks'
+    # backward; the classifier's is whole everywhere). DDP's all-reduce / W leaves the whole gradient.
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, process_group=group,
+               gradient_as_bucket_view=True)
 
 
 def full_state_dict(model):
     """The plain state_dict of the common model: every rank holds it whole."""
-    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    return {k: v.detach().cpu() for k, v in model.module.state_dict().items()}
 ### end: Context parallel
 
 
 def formula(psi, world, args):
     """The paper's per-rank bytes, which the report sets next to what the Meter measured."""
-    k, d, B, D, T = (8 if args.optim == "adamw" else 4), args.depth, args.batch_size, args.dim, (common.IMAGE // args.patch) ** 2
-    acts = 5 if args.method == "ring" else 6                    # [B, T/W, D] tensors attention saves
-    kv = 8 * B * T * D // world                                 # one K/V block: [2, B, T/W, D] fp32
-    comm = dict(send=3 * (world - 1) * d * kv, recv=3 * (world - 1) * d * kv) if args.method == "ring" \
-        else dict(all_to_all=8 * d * 4 * B * T * D // world)
-    comm = dict({k: v for k, v in comm.items() if v}, all_reduce=4 * (B * D + psi - (D + 1) * common.CLASSES))
+    k, d, B, D, T = (8 if args.optim == "adamw" else 4), args.depth, args.batch_size, args.dim, (28 // args.patch) ** 2
+    a, kv = (5 if args.method == "ring" else 6), 3 * (world - 1) * d * 8 * B * T * D // world   # K/V: [2, B, T/W, D]
+    comm = dict(send=kv, recv=kv) if args.method == "ring" else dict(all_to_all=32 * d * B * T * D // world)
+    comm["all_reduce"] = 4 * (B * D + psi)
     return dict(param_bytes=4 * psi, grad_bytes=4 * psi, optim_bytes=k * psi, comm=comm,
-                act_bytes_attention=d * (acts * 4 * B * T * D + 4 * B * args.heads * T) // world,
-                notes=dict(param_bytes="4Ψ replicated", grad_bytes="4Ψ replicated", optim_bytes=f"{k}Ψ",
-                           act_bytes_attention=f"depth·({4 * acts}·B·T·D + 4·B·H·T)/W", send="3(W-1)·depth K/V blocks",
-                           recv="3(W-1)·depth K/V blocks", all_to_all="8·depth x B·T·D/W",
-                           all_reduce="B·D pooled + Ψ - Ψ_fc gradients"))
+                act_bytes_attention=d * (4 * a * B * T * D + 4 * B * args.heads * T) // world,
+                notes=dict(param_bytes="4Ψ replicated", grad_bytes="4Ψ replicated", optim_bytes=f"{k}Ψ", recv="as sent",
+                           act_bytes_attention=f"depth·({4 * a}·B·T·D + 4·B·H·T)/W", all_to_all="8·depth·B·T·D/W",
+                           send="3(W-1)·depth K/V blocks", all_reduce="B·D pooled + Ψ gradients"))
 
 
 def check_args(args, world):
     tokens = (common.IMAGE // args.patch) ** 2
-    common.check(tokens % world == 0, f"--patch {args.patch} gives {tokens} tokens, which the {world} context-parallel "
-                                      f"ranks cannot split evenly")
-    common.check(args.method == "ring" or args.heads % world == 0,
-                 f"--method ulysses: --heads {args.heads} is not divisible by the {world} ranks, each of which "
-                 f"attends with whole heads")
+    common.check(tokens % world == 0, f"--patch {args.patch} gives {tokens} tokens: not divisible by {world} ranks")
+    common.check(args.method == "ring" or args.heads % world == 0, f"--method ulysses: --heads {args.heads} is not "
+                 f"divisible by {world} ranks (each attends with whole heads)")
 
 
 def setup(args):
@@ -327,7 +274,7 @@ def run(args):
         scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
         common.log(f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data ({len(train_set)} train / "
                    f"{len(test_set)} test), batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}")
-        with common.Meter(model, optimizer, args, parts=dict(attention=[b.attn for b in model.blocks])) as meter:
+        with common.Meter(model, optimizer, args, parts=dict(attention=[b.attn for b in model.module.blocks])) as meter:
             out = train(model, optimizer, scheduler, loader, sampler, args, device)
         acc = evaluate(model, common.test_loader(test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"),
                        device)
