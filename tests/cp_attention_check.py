@@ -53,7 +53,7 @@ def case(world, d, group, rank):
 def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    for w in (2, 3, 4):
+    for w in (w for w in (2, 3, 4) if w <= world):
         group = dist.new_group(list(range(w)))
         for d in (5, 7):
             if rank < w:
