@@ -114,14 +114,14 @@ class ContextParallelAttention(nn.Module):
         self.method, self.group = method, group
 
     def forward(self, x):                        # x: [B, T/W, D]
-        B, t, D = x.shape
-        q, k, v = (lin(x).view(B, t, -1, self.head_dim) for lin in (self.q, self.k, self.v))
+        B, n, D = x.shape
+        q, k, v = (lin(x).view(B, n, -1, self.head_dim) for lin in (self.q, self.k, self.v))
         if self.method == "ring":                # [B, H, T/W, d] in, out
             out = RingAttention.apply(*(t.transpose(1, 2) for t in (q, k, v)), self.group).transpose(1, 2)
         else:                                    # [B, T/W, H, d] -> [B, T, H/W, d] and back
             q, k, v = (AllToAll.apply(t, self.group, 2, 1).transpose(1, 2) for t in (q, k, v))
             out = AllToAll.apply(F.scaled_dot_product_attention(q, k, v).transpose(1, 2), self.group, 1, 2)
-        return self.proj(out.reshape(B, t, D))
+        return self.proj(out.reshape(B, n, D))
 
 
 class LocalPatchEmbed(nn.Module):
