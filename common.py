@@ -691,7 +691,7 @@ class SavedActivations:
     ones: a leaf that requires grad, or a view of one). A checkpointed block keeps only its input."""
 
     def __init__(self):
-        self.kept, self.counting = {}, True
+        self.kept, self.counting, self.part, self.parts = {}, True, None, {}
 
     def pack(self, t):
         if self.counting:
@@ -699,15 +699,17 @@ class SavedActivations:
             if not (base.is_leaf and base.requires_grad):
                 s = _local(t).untyped_storage()
                 self.kept[s.data_ptr() if s.nbytes() else id(s)] = s.nbytes()
+                if self.part is not None:          # saved while inside one of the modules of Meter's `parts`
+                    self.parts.setdefault(self.part, {})[s.data_ptr() if s.nbytes() else id(s)] = s.nbytes()
         return t
 
     def unpack(self, t):
         self.counting = False
         return t
 
-    def bytes(self, params):
+    def bytes(self, params, part=None):
         own = {_local(p).untyped_storage().data_ptr() for p in params}
-        return sum(n for ptr, n in self.kept.items() if ptr not in own)
+        return sum(n for ptr, n in (self.kept if part is None else self.parts.get(part, {})).items() if ptr not in own)
 
 
 class Meter:
@@ -718,13 +720,19 @@ class Meter:
     reads per-rank memory off the storages right after the first step (activations: what the first
     forward saved for backward), and with --profile records
     those steps with torch.profiler, one Chrome/Perfetto trace per rank. Deleting it from a
-    script changes nothing the technique does."""
+    script changes nothing the technique does. `parts={"attention": [modules]}` adds a row
+    act_bytes_attention: what those modules' forwards saved for backward in the first forward."""
 
-    def __init__(self, model, optimizer, args, steps=3):
+    def __init__(self, model, optimizer, args, steps=3, parts=None):
         self.params, self.optimizer, self.steps, self.profile_dir = list(model.parameters()), optimizer, steps, args.profile
         self.counter, self.profiler, self.seen, self.mem, self.open = CollectiveCounter(), None, 0, {}, False
         self.saved, self.packing = SavedActivations(), None
         self.hook = optimizer.register_step_post_hook(lambda *_: self._after_step())
+        self.parts, self.part_hooks = parts or {}, []
+        for name, modules in self.parts.items():
+            for m in modules:
+                self.part_hooks += [m.register_forward_pre_hook(lambda *_, n=name: setattr(self.saved, "part", n)),
+                                    m.register_forward_hook(lambda *_: setattr(self.saved, "part", None))]
 
     def __enter__(self):
         self.counter.__enter__()
@@ -744,10 +752,15 @@ class Meter:
             self.mem = memory(self.params, self.optimizer)
             self._stop_packing()
             self.mem["act_bytes"] = self.saved.bytes(self.params)
+            for name in self.parts:
+                self.mem[f"act_bytes_{name}"] = self.saved.bytes(self.params, name)
         if self.seen == self.steps:
             self._close()
 
     def _stop_packing(self):
+        for h in self.part_hooks:
+            h.remove()
+        self.part_hooks = []
         if self.packing is not None:
             self.packing.__exit__(None, None, None)
             self.packing = None
@@ -810,6 +823,8 @@ def report(script, args, world, backend, device, source, model_params, out, acc,
     rows = [(what, meter.mem.get(k, 0), formula.get(k), notes.get(k, ""))
             for what, k in (("parameters", "param_bytes"), ("gradients", "grad_bytes"),
                             ("optimizer state", "optim_bytes"), ("activations (1st forward)", "act_bytes"))]
+    rows += [(f"  of which {k[10:]}", meter.mem[k], formula.get(k), notes.get(k, ""))
+             for k in sorted(meter.mem) if k.startswith("act_bytes_")]
     for kind in sorted(set(comm) | set(formula.get("comm", {}))):
         rows.append((f"{kind.replace('_', '-')} per step", comm.get(kind, 0), formula.get("comm", {}).get(kind),
                      notes.get(kind, "") + f" ({calls.get(kind, 0)} calls in {counted} steps)"))

@@ -33,6 +33,8 @@ RUNS=(
   "pipeline naive|torchrun|pipeline.py --schedule naive"
   "pipeline gpipe|torchrun|pipeline.py --schedule gpipe --microbatches 4"
   "pipeline 1f1b|torchrun|pipeline.py --schedule 1f1b --microbatches 4"
+  "context parallel ring|torchrun|context_parallel.py --method ring"
+  "context parallel ulysses|torchrun|context_parallel.py --method ulysses"
 )
 
 failed=()

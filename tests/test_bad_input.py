@@ -64,6 +64,10 @@ CASES = [
     ("pipeline.py", ["--schedule", "gpipe", "--microbatches", "3", "--batch-size", "32"], as_rank0_of(2),
      "--batch-size 32 is not divisible"),
     ("pipeline.py", ["--schedule", "1f1b", "--microbatches", "2"], as_rank0_of(4), "--microbatches"),
+    ("context_parallel.py", [], as_rank0_of(3), "--patch 7 gives 16 tokens: not divisible by 3 ranks"),
+    ("context_parallel.py", ["--method", "ulysses", "--patch", "2", "--heads", "2", "--dim", "32"], as_rank0_of(4),
+     "--method ulysses: --heads 2 is not divisible by 4 ranks"),
+    ("context_parallel.py", ["--patch", "3"], None, "--patch 3 does not divide the 28-pixel image side"),
     ("collectives.py", ["--root", "5"], as_rank0_of(2), "--root 5 is not a rank of this world"),
     ("collectives.py", ["--backend", "nccl"], None, "--backend nccl needs a CUDA GPU"),
 ]
