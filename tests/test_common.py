@@ -317,4 +317,17 @@ def test_meter_counts_collectives_and_memory_from_outside(group):
     comm, calls, steps = meter.comm()
     assert steps == 2 and calls == {"all_reduce": 2, "all_gather": 2, "reduce_scatter": 2}
     assert comm == {"all_reduce": 4 * psi, "all_gather": 4 * psi, "reduce_scatter": 4 * psi}
-    assert meter.mem == dict(param_bytes=4 * psi, grad_bytes=4 * psi, optim_bytes=8 * psi)
+    assert meter.mem == dict(param_bytes=4 * psi, grad_bytes=4 * psi, optim_bytes=8 * psi,
+                             act_bytes=meter.mem["act_bytes"])
+
+
+def test_meter_reads_what_the_first_forward_saved_for_backward():
+    """Linear then tanh on x [4, 8]: autograd keeps x (128 B) and tanh's output [4, 16] (256 B) --
+    and the weight, a parameter, which does not count; the later forwards are not counted."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with common.Meter(model, opt, parse()) as meter:
+        for step in range(2):
+            model(torch.randn(4 * (step + 1), 8)).sum().backward()
+            opt.step()
+    assert meter.mem["act_bytes"] == 4 * (4 * 8 + 4 * 16)
