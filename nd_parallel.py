@@ -1,27 +1,20 @@
-"""N-D parallelism: data (HSDP: replicas of FSDP groups), tensor and pipeline parallelism composed
-on one DeviceMesh, with PyTorch's own pieces: init_device_mesh, parallelize_module (Megatron TP),
-fully_shard (FSDP2; HSDP with a replicate dimension) and torch.distributed.pipelining.
+"""N-D parallelism: data (HSDP: replicas of FSDP groups), tensor and pipeline parallelism on one
+DeviceMesh with PyTorch's own pieces: init_device_mesh, parallelize_module (Megatron TP), fully_shard
+(FSDP2, HSDP with a replicate dimension), torch.distributed.pipelining (GPipe, 1F1B). Exact.
 
-W = P·R·S·T ranks on a mesh of shape (pp, dp_replicate, dp_shard, tp), tp innermost (the ranks
-that talk every layer sit next to each other: one node, NVLink), pp outermost (one send per
-micro-batch may cross the slow network). 2 nodes x 4 GPUs, --pp 2 --dp-shard 2 --tp 2:
+W = P·R·S·T ranks on a mesh (pp, dp_replicate, dp_shard, tp): tp innermost (it talks every layer:
+keep it inside a node), pp outermost (a send per micro-batch may cross nodes). 2 nodes x 4 GPUs,
+--pp 2 --dp-shard 2 --tp 2:   node 0 = stage 0: [0 1] [2 3]   [a b]: a TP group (heads split)
+                              node 1 = stage 1: [4 5] [6 7]   0-2, 1-3, 4-6, 5-7: FSDP groups; 0-4 ..: pipes
+Ranks that differ only in tp or pp read the same batch/(R·S) samples (the data rank is the mesh's
+(dp_replicate, dp_shard) coordinate). Order: the pipeline split first (TP and FSDP see only the
+stage's blocks), then TP, then FSDP: fully_shard shards the DTensor TP shards again on dim 0 over
+the dp mesh; sharded first, TP would have to split flat FSDP shards that lost rows and columns.
 
-                 dp_shard 0      dp_shard 1
-    pp 0 node 0: [ 0 | 1 ]       [ 2 | 3 ]      [a | b] one TP group: blocks' linears split by heads
-    pp 1 node 1: [ 4 | 5 ]       [ 6 | 7 ]      0-2, 1-3, 4-6, 5-7: FSDP groups (shard the TP shards)
-                                                0-4, 1-5, 2-6, 3-7: pipelines (stage 0 -> stage 1)
-The data-parallel rank is (dp_replicate, dp_shard): ranks that differ only in tp or pp read the
-same batch/(R·S) samples. Order of application: the pipeline split first (each rank keeps its
-stage's blocks, FSDP and TP then see only those); TP inside, then FSDP: fully_shard shards the
-DTensor TP shards further along the dp mesh (a 2-D parameter), whereas sharding first would leave
-TP to split flat FSDP buffers that no longer have the weight's rows and columns.
-
-Memory per rank (fp32, AdamW): 16Ψ/(P·T·S) bytes for the split part (Ψ_stage's linears / T, then
-/ S by FSDP), the norms and row biases of the stage not split by T. Communication per step on
-the mesh dimension that carries it: tp: 4 all-reduces per block per micro-batch of the
-[B/(R·S·m), T, D] activation (Megatron f and g); dp_shard: FSDP all-gathers of the stage's
-parameters for forward and backward, one reduce-scatter of its gradients; dp_replicate: one
-all-reduce of the shard's gradients (HSDP); pp: m activations sent forward, m gradients back.
+Memory per rank (fp32, AdamW): ≈16Ψ/(P·T·S) bytes (norms, biases, embedding, head: not split by T).
+Per step, per mesh dimension: tp: all-reduces of [B/(R·S), T, D] (f, g in each block); dp_shard:
+FSDP all-gathers, a reduce-scatter of the grads; dp_replicate: an all-reduce of the shard's grads
+(HSDP); pp: m activations forward, m gradients back.
 
     torchrun --standalone --nproc_per_node=4 nd_parallel.py --dp-shard 2 --tp 2
     torchrun --standalone --nproc_per_node=8 nd_parallel.py --pp 2 --dp-shard 2 --tp 2 --microbatches 4
@@ -53,22 +46,11 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 # (each norm1, attn.{q,k,v,proj}, norm2, mlp.{fc1,fc2}: nn.Linear, heads contiguous in q, k, v's
 # outputs, attention reading its head count off q's width) -> model.head (-> logits); cross-entropy.
 
-DIMS = ("pp", "dp_replicate", "dp_shard", "tp")    # outermost to innermost
-
-
-def make_mesh(device, pp, dp_replicate, dp_shard, tp):
-    return init_device_mesh(device.type, (pp, dp_replicate, dp_shard, tp), mesh_dim_names=DIMS)
-
-
-def data_rank(mesh):
-    """(dp rank, dp size): the ranks that differ only in tp or pp read the same samples."""
-    r, s = mesh["dp_replicate"], mesh["dp_shard"]
-    return r.get_local_rank() * s.size() + s.get_local_rank(), r.size() * s.size()
+DIMS = ("pp", "dp_replicate", "dp_shard", "tp")    # outermost to innermost: the mesh's dimension names
 
 
 class Stage(nn.Module):
-    """Stage s of p: blocks s·d/p .. (s+1)·d/p - 1, the embedding on the first, the head on the last.
-    Blocks keep their index in the whole model, so the state_dict has the plain model's keys."""
+    """Blocks s·d/p .. (s+1)·d/p - 1 (keys: their index in the model), embedding on 0, head on p-1."""
 
     def __init__(self, model, s, p):
         super().__init__()
@@ -84,11 +66,9 @@ class Stage(nn.Module):
         return x
 
 
-# Megatron's split: q, k, v, fc1 by output rows (heads), proj, fc2 by input columns, their outputs
-# summed by an all-reduce; norms and row biases replicated (DTensor keeps their gradients whole).
+# Megatron: q, k, v, fc1 split by rows (heads), proj, fc2 by columns (outputs all-reduced); norms replicated.
 TP_PLAN = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
            "attn.proj": RowwiseParallel(), "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
 def parallelize(model, mesh, device, microbatches, schedule):
@@ -96,18 +76,16 @@ def parallelize(model, mesh, device, microbatches, schedule):
     pp, tp = mesh["pp"], mesh["tp"]
     stage = Stage(model, pp.get_local_rank(), pp.size()).to(device)
     if tp.size() > 1:
-        for block in stage.blocks.values():
-            parallelize_module(block, tp, TP_PLAN)
+        parallelize_module(stage, tp, {f"blocks.*.{name}": style for name, style in TP_PLAN.items()})
     dp = mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
     if dp.size() > 1:
-        for block in stage.blocks.values():
-            fully_shard(block, mesh=dp)                # gathered for its forward, freed, again for backward
-        fully_shard(stage, mesh=dp)                    # the rest of the stage: embedding, head
+        for module in [*stage.blocks.values(), stage]:   # a block gathered for its forward, freed, again
+            fully_shard(module, mesh=dp)                 # for backward; then the rest (embedding, head)
     stage.answers = stage.s == stage.p - 1 and tp.get_local_rank() == 0    # counts the test samples once
     stage.schedule, stage.group = None, pp.get_group()
     if pp.size() > 1:   # each micro-batch's mean loss / m: the summed gradients are the batch mean's
-        pipe = PipelineStage(stage, stage.s, stage.p, device, group=stage.group)
-        stage.schedule = SCHEDULES[schedule](pipe, microbatches, scale_grads=False,
+        pipe = PipelineStage(stage, stage.s, stage.p, device, group=stage.group)   # shapes found in step 1
+        stage.schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](pipe, microbatches, scale_grads=False,
                                              loss_fn=lambda out, y: F.cross_entropy(out, y) / microbatches)
     return stage
 
@@ -116,32 +94,27 @@ def train_step(stage, x, y):
     """Forward, loss and backward of this dp rank's batch: the pipeline schedule runs its micro-batches
     (input on the first stage, targets on the last). The batch's mean loss on the last stage, 0 before."""
     if stage.schedule is None:
-        loss = F.cross_entropy(stage(x), y)
-        loss.backward()
+        (loss := F.cross_entropy(stage(x), y)).backward()
         return loss.detach()
-    losses = []
-    stage.schedule.step(*([x] if stage.s == 0 else []), **(dict(target=y, losses=losses) if stage.s == stage.p - 1 else {}))
-    return torch.stack(losses).sum().detach() if losses else torch.zeros((), device=x.device)
+    last, losses = stage.s == stage.p - 1, []
+    stage.schedule.step(*[x][:stage.s == 0], **(dict(target=y, losses=losses) if last else {}))
+    return torch.stack(losses).sum().detach() if last else torch.zeros((), device=x.device)
 
 
 @torch.no_grad()
 def infer(stage, x):
     """The batch through the stages in turn (p2p on the pp group): logits where stage.answers, else None."""
-    s, p, group = stage.s, stage.p, stage.group
-    if s > 0:
-        x = torch.empty(len(x), *stage.act_shape, device=x.device)
-        for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, x, dist.get_global_rank(group, s - 1), group)]):
-            work.wait()
+    s, p, peer = stage.s, stage.p, lambda i: dist.get_global_rank(stage.group, i)   # noqa: E731
+    if s > 0:                                    # a chain 0 -> 1 -> ...: one send and one receive each, no cycle
+        dist.recv(x := torch.empty(len(x), *stage.act_shape, device=x.device), peer(s - 1), stage.group)
     out = stage(x)
     if s < p - 1:
-        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, out, dist.get_global_rank(group, s + 1), group)]):
-            work.wait()
+        dist.send(out, peer(s + 1), stage.group)
     return out if stage.answers else None
 
 
 def full_state_dict(stage, mesh):
-    """The common model's plain state_dict on rank 0 (None elsewhere): each stage's whole tensors
-    (TP and FSDP shards gathered by every rank of the stage), then the stages' pieces to rank 0."""
+    """The plain state_dict on rank 0 (None elsewhere): whole tensors per stage, then the stages to rank 0."""
     state = {k: v.cpu() for k, v in get_model_state_dict(stage, options=StateDictOptions(full_state_dict=True)).items()}
     if any(mesh[d].get_local_rank() for d in DIMS[1:]):
         return None
@@ -152,74 +125,60 @@ def full_state_dict(stage, mesh):
 
 
 def formula(psi, world, args):
-    """Rank 0's bytes (stage 0, TP shard 0, FSDP shard 0) worked out from the model's shapes, and the
-    traffic per step on each mesh dimension (B_dp = batch/(R·S) samples of T tokens of D on this rank)."""
-    model, k, (R, S, T, P, m) = common.build_model(args), 8 if args.optim == "adamw" else 4, \
-        (args.dp_replicate, args.dp_shard, args.tp, args.pp, args.microbatches if args.pp > 1 else 1)
-    stage, own = Stage(model, 0, P), dict(blocks=0, rest=0)
-    for name, p in stage.named_parameters():
+    """Rank 0's bytes (stage 0, TP shard 0, FSDP shard 0) from the model's shapes; each mesh dimension's
+    traffic per step (act: this dp rank's B/(R·S) samples of T tokens of D, fp32)."""
+    (R, S, T, P), model, own = (args.dp_replicate, args.dp_shard, args.tp, args.pp), common.build_model(args), [0, 0]
+    for name, p in Stage(model, 0, P).named_parameters():
         shape, (layer, kind), part = list(p.shape), name.split(".")[-2:], name.split(".")[0]
-        if T > 1 and part == "blocks" and layer in ("q", "k", "v", "fc1"):
-            shape[0] //= T                             # ColwiseParallel: rows (heads)
-        elif T > 1 and part == "blocks" and layer in ("proj", "fc2") and kind == "weight":
-            shape[1] //= T                             # RowwiseParallel: columns
-        if R * S > 1:
-            shape[0] = -(-shape[0] // S)               # fully_shard: dim 0 in S pieces, padded
-        own["blocks" if part == "blocks" else "rest"] += math.prod(shape)
-    n = own["blocks"] + own["rest"]
+        row = layer in ("proj", "fc2")
+        if T > 1 and part == "blocks" and (layer in ("q", "k", "v", "fc1") or row and kind == "weight"):
+            shape[row] //= T                           # Colwise: rows (heads); Rowwise: columns
+        shape[0] = -(-shape[0] // S)                   # fully_shard: dim 0 in S pieces, padded
+        own[part == "blocks"] += math.prod(shape)
+    n, k = sum(own), 8 if args.optim == "adamw" else 4
     act = 4 * args.batch_size // (R * S) * model.embed.tokens * args.dim
-    dims = dict(tp=dict(all_reduce=6 * len(stage.blocks) * act) if T > 1 else {},
-                dp_shard=dict(all_gather=4 * S * (2 * own["blocks"] + own["rest"]), reduce_scatter=4 * S * n)
-                if S > 1 else {}, dp_replicate=dict(all_reduce=4 * n) if R > 1 else {},
-                pp=dict(send=act, recv=0) if P > 1 else {})
-    comm = {}
-    for kinds in dims.values():
-        for kind, b in kinds.items():
-            comm[kind] = comm.get(kind, 0) + b
-    return dict(param_bytes=4 * n, grad_bytes=4 * n, optim_bytes=k * n, comm=comm, dims=dims,
-                notes=dict(param_bytes="≈4Ψ/(P·T·S): stage 0's, split by T, sharded by S",
-                           grad_bytes="≈4Ψ/(P·T·S)", optim_bytes=f"≈{k}Ψ/(P·T·S)",
-                           all_reduce="tp: 6 per block (f: q, k, v, fc1; g: proj, fc2) of B/(R·S)·T·D; "
-                                      "dp_replicate: the shard's grads",
-                           all_gather="dp_shard: blocks for forward and backward, the rest once",
-                           reduce_scatter="dp_shard: the stage's TP-shard grads once a step",
-                           send="pp: m activations of B/(R·S·m)·T·D", recv="stage 0 receives none"))
+    gather = {} if P > 1 else dict(all_gather=4 * S * (2 * own[1] + own[0]))    # the schedule decides, with pp
+    dims = dict(tp=dict(all_reduce=6 * (args.depth // P) * act) if T > 1 else {},
+                dp_shard=dict(reduce_scatter=4 * S * n, **gather) if S > 1 else {},
+                dp_replicate=dict(all_reduce=4 * n) if R > 1 else {}, pp=dict(send=act, recv=act) if P > 1 else {})
+    comm = {kind: sum(d.get(kind, 0) for d in dims.values()) for d in dims.values() for kind in d}
+    return dict(param_bytes=4 * n, grad_bytes=4 * n, optim_bytes=k * n, comm=comm, dims=dims, notes=dict(
+        param_bytes="≈4Ψ/(P·T·S): stage 0's split by T, sharded by S", grad_bytes="≈4Ψ/(P·T·S)",
+        optim_bytes=f"≈{k}Ψ/(P·T·S)", all_gather="dp_shard: blocks for forward and backward, the rest once",
+        all_reduce="tp: 6 a block (f: q, k, v, fc1; g: proj, fc2) of act; dp_replicate: the shard's grads",
+        reduce_scatter="dp_shard: the stage's grads once a step", send="pp: m activations, act in all",
+        recv="pp: m gradients (step 1 adds a shape handshake and a no-grad forward: not in the formulas)"))
 
 
 def per_dimension(meter, mesh, args):
     """The Meter's traffic, keyed by the mesh dimension whose process group carried it."""
     names = {mesh.get_group(d).group_name: d for d in DIMS if mesh[d].size() > 1}
     dims = {names.get(g, f"group {g}"): kinds for g, kinds in meter.comm_by_group().items()}
-    common.log("\ncommunication per mesh dimension, per step (calls in the Meter's window)")
-    for d, kinds in sorted(dims.items()):
-        common.log(f"  {d:<14}" + ", ".join(f"{k} {common.fmt_bytes(b)} ({c})" for k, (c, b) in sorted(kinds.items())))
+    common.log("\ncommunication per mesh dimension, per step (calls in the Meter's window)\n" + "\n".join(
+        f"  {d:<14}" + ", ".join(f"{k} {common.fmt_bytes(b)} ({c})" for k, (c, b) in sorted(kinds.items()))
+        for d, kinds in sorted(dims.items())))
     return dict(mesh=dict(zip(DIMS, mesh.mesh.shape)), comm_by_dim=dims)
 
 
 def check_args(args, world):
     """Resolve the one -1 ("the rest") and refuse a layout that cannot work, before any group is formed."""
-    sizes = dict(dp_replicate=args.dp_replicate, dp_shard=args.dp_shard, tp=args.tp, pp=args.pp)
-    rest = [k for k, v in sizes.items() if v == -1]
-    common.check(len(rest) <= 1 and all(v == -1 or v >= 1 for v in sizes.values()),
-                 f"mesh sizes must be >= 1, at most one of them -1 (the rest): {sizes}")
-    known = math.prod(v for v in sizes.values() if v != -1)
-    if rest:
-        common.check(world % known == 0, f"world size {world} is not divisible by the product {known} of {sizes}")
-        sizes[rest[0]] = world // known
-        setattr(args, rest[0], world // known)
-    layout = " x ".join(f"--{k.replace('_', '-')} {v}" for k, v in sizes.items())
-    common.check(math.prod(sizes.values()) == world, f"{layout} = {math.prod(sizes.values())} ranks, but the world "
-                 f"size is {world}: the mesh must cover every rank once")
+    sizes = {d: getattr(args, d) for d in DIMS}
+    rest, known = [d for d, v in sizes.items() if v == -1], math.prod(v for v in sizes.values() if v != -1)
+    common.check(len(rest) <= 1 and all(v == -1 or v >= 1 for v in sizes.values()) and world % known == 0,
+                 f"mesh sizes {sizes}: each must be >= 1 (one may be -1, the rest) and divide world size {world}")
+    for d in rest:
+        setattr(args, d, world // known)
+    layout = " x ".join(f"--{d.replace('_', '-')} {getattr(args, d)}" for d in DIMS)
+    common.check(math.prod(getattr(args, d) for d in DIMS) == world,
+                 f"{layout} = {known} ranks, but the world size is {world}: the mesh must cover every rank once")
     common.check(args.heads % args.tp == 0, f"--heads {args.heads} is not divisible by --tp {args.tp}: tensor "
                  f"parallelism gives every rank whole heads")
     common.check(args.pp <= args.depth, f"--pp {args.pp} stages is more than --depth {args.depth} blocks")
     dp, m = args.dp_replicate * args.dp_shard, args.microbatches if args.pp > 1 else 1
-    common.check(args.microbatches >= 1, f"--microbatches must be >= 1, got {args.microbatches}")
-    common.check(args.batch_size % (dp * m) == 0, f"--batch-size {args.batch_size} is not divisible by the "
+    common.check(m >= 1 and args.batch_size % (dp * m) == 0, f"--batch-size {args.batch_size} is not divisible by the "
                  f"data-parallel size {dp} x {m} micro-batches: every micro-batch must have the same size")
-    common.check(args.pp == 1 or args.schedule != "1f1b" or args.microbatches >= args.pp,
-                 f"--schedule 1f1b needs at least as many micro-batches as stages: --microbatches "
-                 f"{args.microbatches} < --pp {args.pp} (or use gpipe)")
+    common.check(args.pp == 1 or args.schedule != "1f1b" or args.microbatches >= args.pp, f"--schedule 1f1b needs "
+                 f"--microbatches >= --pp: {args.microbatches} < {args.pp} (or use gpipe)")
 
 
 def setup(args):
@@ -294,8 +253,9 @@ def run(args):
     rank, world, device, backend = setup(args)
     try:
         train_set, test_set, source = common.load_data(args, device)
-        mesh = make_mesh(device, args.pp, args.dp_replicate, args.dp_shard, args.tp)
-        dp_rank, dp_world = data_rank(mesh)        # the mesh's (dp_replicate, dp_shard) coordinates
+        mesh = init_device_mesh(device.type, [getattr(args, d) for d in DIMS], mesh_dim_names=DIMS)
+        r, s = mesh["dp_replicate"], mesh["dp_shard"]    # the data rank: ranks that differ in tp, pp read the same
+        dp_rank, dp_world = r.get_local_rank() * s.size() + s.get_local_rank(), r.size() * s.size()
         sampler = DistributedSampler(train_set, num_replicas=dp_world, rank=dp_rank, shuffle=True,
                                      seed=args.seed, drop_last=True)
         loader = DataLoader(train_set, batch_size=args.batch_size // dp_world, sampler=sampler, drop_last=True,
@@ -326,11 +286,10 @@ def run(args):
 
 def main():
     parser = common.get_parser("N-D parallelism: HSDP x TP x PP on one DeviceMesh, on the common ViT")
-    for flag, default, what in (("dp-replicate", 1, "replicas (HSDP)"), ("dp-shard", -1, "FSDP shards"),
-                                ("tp", 1, "tensor-parallel ranks"), ("pp", 1, "pipeline stages")):
-        parser.add_argument(f"--{flag}", type=int, default=default, help=f"{what}; -1: the rest of the world")
+    for flag, default in (("dp-replicate", 1), ("dp-shard", -1), ("tp", 1), ("pp", 1)):   # torchtitan's names
+        parser.add_argument(f"--{flag}", type=int, default=default, help="mesh size; -1: the rest of the world")
     parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per batch with --pp > 1 (m)")
-    parser.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")
+    parser.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
     args = common.parse_args(parser)
     check_args(args, common.world_size(args))
     common.launch(run, args)
