@@ -162,21 +162,20 @@ def per_dimension(meter, mesh, args):
 
 def check_args(args, world):
     """Resolve the one -1 ("the rest") and refuse a layout that cannot work, before any group is formed."""
-    sizes = {d: getattr(args, d) for d in DIMS}
+    sizes, flag = {d: getattr(args, d) for d in DIMS}, lambda d: f"--{d.replace('_', '-')} {getattr(args, d)}"  # noqa
     rest, known = [d for d, v in sizes.items() if v == -1], math.prod(v for v in sizes.values() if v != -1)
-    common.check(len(rest) <= 1 and all(v == -1 or v >= 1 for v in sizes.values()) and world % known == 0,
-                 f"mesh sizes {sizes}: each must be >= 1 (one may be -1, the rest) and divide world size {world}")
+    common.check(len(rest) <= 1 and all(v == -1 or v >= 1 for v in sizes.values()),
+                 f"mesh sizes {sizes}: each must be >= 1, and at most one -1 (the rest of the world)")
+    common.check(world % known == 0 if rest else known == world, f"{' x '.join(flag(d) for d in DIMS if d not in rest)}"
+                 f" = {known} ranks, but the world size is {world}: the mesh must cover every rank once")
     for d in rest:
         setattr(args, d, world // known)
-    layout = " x ".join(f"--{d.replace('_', '-')} {getattr(args, d)}" for d in DIMS)
-    common.check(math.prod(getattr(args, d) for d in DIMS) == world,
-                 f"{layout} = {known} ranks, but the world size is {world}: the mesh must cover every rank once")
     common.check(args.heads % args.tp == 0, f"--heads {args.heads} is not divisible by --tp {args.tp}: tensor "
                  f"parallelism gives every rank whole heads")
     common.check(args.pp <= args.depth, f"--pp {args.pp} stages is more than --depth {args.depth} blocks")
     dp, m = args.dp_replicate * args.dp_shard, args.microbatches if args.pp > 1 else 1
     common.check(m >= 1 and args.batch_size % (dp * m) == 0, f"--batch-size {args.batch_size} is not divisible by the "
-                 f"data-parallel size {dp} x {m} micro-batches: every micro-batch must have the same size")
+                 f"data-parallel size {dp}" + f" x {m} micro-batches" * (args.pp > 1) + ": every share must be equal")
     common.check(args.pp == 1 or args.schedule != "1f1b" or args.microbatches >= args.pp, f"--schedule 1f1b needs "
                  f"--microbatches >= --pp: {args.microbatches} < {args.pp} (or use gpipe)")
 
