@@ -12,9 +12,9 @@ stage's blocks), then TP, then FSDP: fully_shard shards the DTensor TP shards ag
 the dp mesh; sharded first, TP would have to split flat FSDP shards that lost rows and columns.
 
 Memory per rank (fp32, AdamW): ≈16Ψ/(P·T·S) bytes (norms, biases, embedding, head: not split by T).
-Per step, per mesh dimension: tp: all-reduces of [B/(R·S), T, D] (f, g in each block); dp_shard:
-FSDP all-gathers, a reduce-scatter of the grads; dp_replicate: an all-reduce of the shard's grads
-(HSDP); pp: m activations forward, m gradients back.
+Per step, per mesh dimension: tp: 6 all-reduces of [B/(R·S), T, D] per block (DTensor's f for q,
+k, v, fc1 each, g for proj, fc2); dp_shard: FSDP all-gathers, a reduce-scatter of the grads;
+dp_replicate: an all-reduce of the shard's grads (HSDP); pp: m activations out, m gradients back.
 
     torchrun --standalone --nproc_per_node=4 nd_parallel.py --dp-shard 2 --tp 2
     torchrun --standalone --nproc_per_node=8 nd_parallel.py --pp 2 --dp-shard 2 --tp 2 --microbatches 4
