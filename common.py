@@ -647,6 +647,7 @@ class CollectiveCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.calls, self.bytes = {}, {}
+        self.groups = {}         # {process group name: {kind: [calls, bytes]}}: traffic per mesh dimension
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -655,9 +656,27 @@ class CollectiveCounter(TorchDispatchMode):
             if kind is not None:
                 ts = _tensors(out) if where == -1 else _tensors(args[where] if where < len(args) else [])
                 if ts and not all(t.dim() == 0 for t in ts):
+                    n = sum(_local(t).numel() * t.element_size() for t in ts)
                     self.calls[kind] = self.calls.get(kind, 0) + 1
-                    self.bytes[kind] = self.bytes.get(kind, 0) + sum(_local(t).numel() * t.element_size() for t in ts)
+                    self.bytes[kind] = self.bytes.get(kind, 0) + n
+                    seen = self.groups.setdefault(_group_name(args), {}).setdefault(kind, [0, 0])
+                    seen[0], seen[1] = seen[0] + 1, seen[1] + n
         return out
+
+
+def _group_name(args):
+    """The process group a c10d op runs on: a functional collective names it (its last str argument),
+    a c10d op passes the ProcessGroup as a script object."""
+    names = [a for a in args if isinstance(a, str)]
+    if names:
+        return names[-1]
+    for a in args:
+        if isinstance(a, torch.ScriptObject):
+            try:
+                return dist.ProcessGroup.unbox(a).group_name
+            except RuntimeError:         # a ReduceOp
+                pass
+    return None
 
 
 def _local(t):
@@ -784,6 +803,11 @@ class Meter:
         """({kind: bytes per optimizer step}, {kind: calls in the window}, optimizer steps in the window)."""
         n = max(min(self.seen, self.steps), 1)
         return {k: v // n for k, v in self.counter.bytes.items()}, dict(self.counter.calls), n
+
+    def comm_by_group(self):
+        """{process group name: {kind: [calls in the window, bytes per optimizer step]}}."""
+        n = max(min(self.seen, self.steps), 1)
+        return {g: {k: [c, b // n] for k, (c, b) in kinds.items()} for g, kinds in self.counter.groups.items()}
 
 
 # --------------------------------------------------------------------------- report

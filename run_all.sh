@@ -5,6 +5,7 @@
 #   ./run_all.sh            # quick: 2048 samples, 1 epoch each (about 3 minutes on 2 CPU cores)
 #   ./run_all.sh --full     # the default epochs on the whole data set
 #   NPROC=4 ./run_all.sh    # world size (default: 2, or the number of GPUs, at most 4)
+#   ONLY=nd ./run_all.sh    # only the rows whose name matches (a grep -E pattern), no collectives.py
 #
 # Each torchrun launch is --standalone, which rendezvouses on a free port of its own.
 # Exits non-zero if any script fails, naming it; its output is kept in $LOGS.
@@ -18,7 +19,7 @@ NPROC=${NPROC:-$(( GPUS >= 2 ? (GPUS < 4 ? GPUS : 4) : 2 ))}
 COMMON=(--no-progress "${QUICK[@]}")
 LOGS=${LOGS:-$(mktemp -d -t run_all.XXXXXX)}
 
-# name | launcher (python or torchrun) | script and its own flags
+# name | launcher (python, torchrun, or torchrun:W for a fixed world size) | script and its own flags
 RUNS=(
   "dp|python|dp.py"
   "ddp|torchrun|ddp.py"
@@ -35,6 +36,14 @@ RUNS=(
   "pipeline 1f1b|torchrun|pipeline.py --schedule 1f1b --microbatches 4"
   "context parallel ring|torchrun|context_parallel.py --method ring"
   "context parallel ulysses|torchrun|context_parallel.py --method ulysses"
+  # nd_parallel: one row per layout (R, S, T, P), at its own world size (torchrun:W)
+  "nd HSDP x TP (2,1,2,1)|torchrun:4|nd_parallel.py --dp-replicate 2 --dp-shard 1 --tp 2"
+  "nd FSDP x TP (1,2,2,1)|torchrun:4|nd_parallel.py --dp-shard 2 --tp 2"
+  "nd HSDP x PP (2,1,1,2)|torchrun:4|nd_parallel.py --dp-replicate 2 --dp-shard 1 --pp 2 --schedule gpipe"
+  "nd FSDP x PP (1,2,1,2)|torchrun:4|nd_parallel.py --dp-shard 2 --pp 2"
+  "nd TP x PP (1,1,2,2)|torchrun:4|nd_parallel.py --dp-shard 1 --tp 2 --pp 2"
+  "nd 3-D FSDP x TP x PP (1,2,2,2)|torchrun:8|nd_parallel.py --dp-shard 2 --tp 2 --pp 2"
+  "nd HSDP x TP (2,2,2,1)|torchrun:8|nd_parallel.py --dp-replicate 2 --dp-shard 2 --tp 2"
 )
 
 failed=()
@@ -42,11 +51,13 @@ failed=()
 start=$(date +%s)
 for entry in "${RUNS[@]}"; do
   IFS='|' read -r name launcher cmd <<< "$entry"
+  [ -n "${ONLY:-}" ] && ! grep -qE "$ONLY" <<< "$name" && continue
   log="$LOGS/$(echo "$name" | tr ' +' '__').log"
   if [ "$launcher" = python ]; then
     set -- python $cmd "${COMMON[@]}"
-  else
-    set -- torchrun --standalone --nproc_per_node="$NPROC" $cmd "${COMMON[@]}"
+  else   # torchrun:W: a layout that needs W ranks, whatever NPROC is
+    n=$NPROC; [ "$launcher" != torchrun ] && n=${launcher#torchrun:}
+    set -- torchrun --standalone --nproc_per_node="$n" $cmd "${COMMON[@]}"
   fi
   t0=$(date +%s)
   if "$@" > "$log" 2>&1 && grep -q '^RESULT ' "$log"; then
@@ -58,7 +69,9 @@ for entry in "${RUNS[@]}"; do
   fi
 done
 # collectives.py has no training; it must pass its own checks
-if torchrun --standalone --nproc_per_node="$NPROC" collectives.py > "$LOGS/collectives.log" 2>&1 \
+if [ -n "${ONLY:-}" ]; then
+  :
+elif torchrun --standalone --nproc_per_node="$NPROC" collectives.py > "$LOGS/collectives.log" 2>&1 \
    && grep -q '^RESULT ' "$LOGS/collectives.log"; then
   echo "ok    collectives" >&2
 else
