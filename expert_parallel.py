@@ -143,7 +143,7 @@ def formula(psi, world, args):
                 comm=dict(all_reduce=4 * (psi - psi_e), all_to_all=a2a),
                 notes=dict(param_bytes="4(Ψ_d + Ψ_e/W)", grad_bytes="4(Ψ_d + Ψ_e/W)",
                            optim_bytes=f"{k}(Ψ_d + Ψ_e/W)", all_reduce="Ψ_d dense fp32 gradients",
-                           all_to_all="rank 0's; formula: mean over ranks, layers · (4·k·b·T·D fp32 + E int64 counts)"))
+                           all_to_all="rank 0's; the mean over ranks: layers·(4·k·b·T·D fp32 + E counts)"))
 
 
 def check_args(args, world):
