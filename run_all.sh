@@ -18,6 +18,7 @@ NPROC=${NPROC:-$(( GPUS >= 2 ? (GPUS < 4 ? GPUS : 4) : 2 ))}
 COMMON=(--no-progress "${QUICK[@]}")
 LOGS=${LOGS:-$(mktemp -d -t run_all.XXXXXX)}
 
+EXPERTS=$(( NPROC == 3 ? 6 : 4 ))       # the MoE rows: E experts, a multiple of W for expert_parallel.py
 # name | launcher (python or torchrun) | script and its own flags
 RUNS=(
   "dp|python|dp.py"
@@ -33,6 +34,8 @@ RUNS=(
   "pipeline naive|torchrun|pipeline.py --schedule naive"
   "pipeline gpipe|torchrun|pipeline.py --schedule gpipe --microbatches 4"
   "pipeline 1f1b|torchrun|pipeline.py --schedule 1f1b --microbatches 4"
+  "ddp, MoE E=$EXPERTS k=2|torchrun|ddp.py --experts $EXPERTS --top-k 2"
+  "expert parallel E=$EXPERTS k=2|torchrun|expert_parallel.py --experts $EXPERTS --top-k 2"
 )
 
 failed=()
