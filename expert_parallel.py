@@ -15,8 +15,8 @@ Memory per rank (fp32, AdamW): 16 bytes for each parameter it holds: the dense p
 (attention, norms, routers, embed, head) replicated, the experts' Ψ_e / W: 16(Ψ_d + Ψ_e/W).
 Communication per step: per MoE layer, 2 all-to-alls of the routed tokens forward (dispatch,
 combine) and 2 backward (their reverses), each k·b·T·D fp32 elements on average over ranks for b =
-batch/W images of T tokens ((W-1)/W of them leave the rank), plus one all-to-all of E token counts
-(int64) forward; one all-reduce of the Ψ_d dense gradients.
+batch/W images of T tokens (routed evenly, (W-1)/W of them leave the rank), plus one all-to-all of
+the E token counts (int64) forward; one all-reduce of the Ψ_d dense gradients (instead of DDP's Ψ).
 
     torchrun --standalone --nproc_per_node=4 expert_parallel.py --experts 8 --top-k 2
     python expert_parallel.py --nproc 2 --experts 4 --top-k 2
