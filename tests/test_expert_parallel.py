@@ -7,6 +7,7 @@ Launches: 3 ddp.py W=1 references (sgd and adamw for E=4 K=2, sgd for E=8 K=1), 
 at W=2 and once at W=4, 3 other scripts at W=2, and one mp.spawn of 2 processes.
 """
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ import torch.multiprocessing as mp
 import common
 from helpers import SMALL, ddp_reference, max_diff, ok, torchrun
 
-CFG = SMALL + ["--experts", "4", "--top-k", "2"]               # the module's refs fixture: E=4, K=2
+CFG = SMALL + ["--experts", "4", "--top-k", "2"]               # E=4, K=2
 CFG8 = SMALL + ["--experts", "8", "--top-k", "1"]              # E=8, K=1
 TOL = {"sgd": 1e-6, "adamw": 5e-5}
 STEPS = 3                                                      # optimizer steps in the Meter's window
@@ -30,17 +31,21 @@ def sizes(cfg):
 
 
 @pytest.fixture(scope="module")
-def refs8(tmp_path_factory):
-    return {"sgd": ddp_reference(tmp_path_factory, CFG8, "sgd")}
+def refs(tmp_path_factory):
+    """ddp.py at W=1: sgd and adamw on CFG, sgd on CFG8 (as "sgd8"); one-process launches, two at a time."""
+    jobs = [(CFG, "sgd"), (CFG, "adamw"), (CFG8, "sgd")]
+    with ThreadPoolExecutor(2) as pool:
+        paths = list(pool.map(lambda job: ddp_reference(tmp_path_factory, *job), jobs))
+    return dict(zip(("sgd", "adamw", "sgd8"), paths))
 
 
 # SGD catches a missing 1/W on the expert gradients (AdamW would all but hide it), AdamW the optimizer state
 @pytest.mark.parametrize("world,cfg,optim", [(2, CFG, "sgd"), (2, CFG, "adamw"), (4, CFG8, "sgd")],
                          ids=["W2-E4-K2-sgd", "W2-E4-K2-adamw", "W4-E8-K1-sgd"])
-def test_equals_one_ddp_process(world, cfg, optim, refs, refs8, tmp_path):
+def test_equals_one_ddp_process(world, cfg, optim, refs, tmp_path):
     path = tmp_path / "ep.pt"
     res = ok(torchrun("expert_parallel.py", world, *cfg, "--optim", optim, "--save", path, timeout=300))
-    ref = (refs if cfg is CFG else refs8)[optim]
+    ref = refs[optim if cfg is CFG else optim + "8"]
     diff = max_diff(path, ref)
     print(f"W={world} {optim}: max |Δ| vs ddp.py W=1 = {diff:.2e}")
     assert diff <= TOL[optim]
