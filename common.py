@@ -106,6 +106,9 @@ def get_parser(description):
     g.add_argument("--depth", type=int, default=4)
     g.add_argument("--heads", type=int, default=4)
     g.add_argument("--patch", type=int, default=7, help="patch side, a divisor of 28: (28/patch)^2 tokens")
+    g.add_argument("--experts", type=int, default=0, help="E > 0: each block's MLP becomes a mixture of E expert MLPs")
+    g.add_argument("--top-k", type=int, default=1, help="with --experts: experts per token (K)")
+    g.add_argument("--aux-loss", type=float, default=0.01, help="with --experts: load-balancing loss coefficient")
     g.add_argument("--save", default=None, help="write the plain, unsharded state_dict here at the end")
     g.add_argument("--load", default=None, help="start from a state_dict written by any script's --save")
     g.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto")
@@ -130,11 +133,18 @@ def parse_args(parser, argv=None):
     check(args.dim % args.heads == 0, f"--dim {args.dim} is not divisible by --heads {args.heads}")
     check(IMAGE % args.patch == 0, f"--patch {args.patch} does not divide the 28-pixel image side")
     check(args.nproc is None or args.nproc >= 1, f"--nproc must be >= 1, got {args.nproc}")
+    check(args.experts >= 0, f"--experts must be >= 0 (0: the dense MLP), got {args.experts}")
+    check(not args.experts or 1 <= args.top_k <= args.experts,
+          f"--top-k {args.top_k} must be between 1 and --experts {args.experts}: each token picks K distinct experts")
+    check(args.aux_loss >= 0, f"--aux-loss must be >= 0, got {args.aux_loss}")
+    check(not args.experts or getattr(args, "amp", None) != "fp16", "--experts with --amp fp16: the load-balancing "
+          "gradient is added inside backward, where the GradScaler's loss scale does not reach it (use bf16)")
     if args.lr is None:
         args.lr = 2e-3 if args.optim == "adamw" else 0.05
     if args.load is not None:                  # a bad file fails now, before any process group or data
         check(os.path.isfile(args.load), f"--load {args.load}: no such file")
-        load_state_dict_file(args.load, ViT(args.dim, args.depth, args.heads, args.patch).state_dict())
+        load_state_dict_file(args.load, ViT(args.dim, args.depth, args.heads, args.patch, args.experts,
+                                            args.top_k).state_dict())
     return args
 
 
@@ -487,13 +497,82 @@ class MLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
+class Experts(nn.ModuleList):
+    """E expert MLPs, called with the routing: tokens [N, D], the experts each token picked [N, K] and
+    their weights [N, K] -> sum_k weights[:, k] * expert_idx[:, k](token), [N, D]. A loop over the
+    experts on this process; expert_parallel.py swaps in one with the same call that sends each token
+    to the rank that owns its expert. Every expert runs, also on no token, so each always has a
+    gradient (zero if it got no token), as DDP and ZeRO expect of every parameter."""
+
+    def forward(self, h, idx, weights):
+        N, K = idx.shape
+        flat, y = idx.reshape(-1), h.new_zeros(N * K, h.shape[1])       # one row per (token, slot)
+        for e, expert in enumerate(self):
+            rows = (flat == e).nonzero().squeeze(1)
+            y = y.index_copy(0, rows, expert(h[rows // K]))
+        return (weights.unsqueeze(-1) * y.view(N, K, -1)).sum(1)
+
+
+class AuxLossScaler(torch.autograd.Function):
+    """Returns x unchanged; in backward also gives `aux` the gradient `scale` (Megatron-LM's
+    MoEAuxLossAutoScaler), as if aux * scale had been added to the loss the script backpropagates."""
+
+    @staticmethod
+    def forward(ctx, x, aux, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad.new_full((), ctx.scale), None
+
+
+class MoE(nn.Module):
+    """Mixture of experts in place of the MLP: a linear router scores the E experts for each token;
+    each token goes to its top K, mixed by the softmax over the K chosen scores. No capacity limit,
+    no dropped token: the output does not depend on how tokens are grouped into batches or ranks.
+
+    Load balance: DeepSeek-V3's sequence-wise auxiliary loss, per image (T tokens):
+    f_i = E/(K*T) * (tokens of the image routed to expert i; no gradient), P_i = the mean over the
+    image's tokens of the router's full softmax for expert i; aux = coef * sum_i f_i * P_i, averaged
+    over the images. A per-sample mean is what makes it exact across ranks and micro-batches: a
+    batch-wise (Switch) loss over the whole batch would make DDP at W=2 differ from W=1.
+    The skeleton's loss stays the cross-entropy (and so does the printed train loss): the aux term's
+    gradient is added in backward by AuxLossScaler, attached to the routing weights, scaled by
+    1/forwards_per_step because the scripts divide each micro-batch's loss by the micro-batch count
+    (pipeline.py --microbatches, amp_checkpoint.py --grad-accum); DDP's average over W does the rest.
+    """
+
+    def __init__(self, dim, hidden, experts, top_k, aux_loss=0.0, forwards_per_step=1):
+        super().__init__()
+        self.top_k, self.aux_loss, self.forwards_per_step = top_k, aux_loss, forwards_per_step
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.experts = Experts(MLP(dim, hidden) for _ in range(experts))
+
+    def forward(self, x):
+        B, T, D = x.shape
+        h = x.reshape(B * T, D)
+        logits = self.router(h)                                          # [B*T, E]
+        top, idx = logits.topk(self.top_k, dim=-1)
+        weights = top.softmax(-1)
+        if self.training and self.aux_loss and torch.is_grad_enabled():
+            E = logits.shape[-1]
+            f = F.one_hot(idx, E).view(B, T * self.top_k, E).sum(1) * (E / (self.top_k * T))   # [B, E], no grad
+            P = logits.softmax(-1).view(B, T, E).mean(1)
+            aux = self.aux_loss * (f * P).sum(-1).mean()
+            weights = AuxLossScaler.apply(weights, aux, 1.0 / self.forwards_per_step)
+        return self.experts(h, idx, weights).view(B, T, D)
+
+
 class Block(nn.Module):
     """Pre-norm Transformer block: x + attn(norm1(x)), then x + mlp(norm2(x))."""
 
-    def __init__(self, dim, heads, mlp_ratio=4):
+    def __init__(self, dim, heads, mlp_ratio=4, experts=0, top_k=1, aux_loss=0.0, forwards_per_step=1):
         super().__init__()
         self.norm1, self.attn = nn.LayerNorm(dim), Attention(dim, heads)
-        self.norm2, self.mlp = nn.LayerNorm(dim), MLP(dim, mlp_ratio * dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = MoE(dim, mlp_ratio * dim, experts, top_k, aux_loss, forwards_per_step) if experts else \
+            MLP(dim, mlp_ratio * dim)
 
     def forward(self, x):
         x = x + self.attn(self.norm1(x))
@@ -514,10 +593,11 @@ class Head(nn.Module):
 class ViT(nn.Module):
     """embed -> blocks[0..depth-1] -> head: a plain sequence, so a pipeline can cut it anywhere."""
 
-    def __init__(self, dim=64, depth=4, heads=4, patch=7):
+    def __init__(self, dim=64, depth=4, heads=4, patch=7, experts=0, top_k=1, aux_loss=0.0, forwards_per_step=1):
         super().__init__()
         self.embed = PatchEmbed(dim, patch)
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(depth))
+        self.blocks = nn.ModuleList(Block(dim, heads, 4, experts, top_k, aux_loss, forwards_per_step)
+                                    for _ in range(depth))
         self.head = Head(dim)
 
     def forward(self, img):
@@ -530,7 +610,9 @@ class ViT(nn.Module):
 def build_model(args):
     """The common model with weights that depend only on --seed (built on CPU, same on every rank)."""
     torch.manual_seed(args.seed)
-    model = ViT(args.dim, args.depth, args.heads, args.patch)
+    # each micro-batch's loss is divided by their count (pipeline.py, amp_checkpoint.py): the aux term's too
+    forwards = getattr(args, "microbatches", 1) * getattr(args, "grad_accum", 1)
+    model = ViT(args.dim, args.depth, args.heads, args.patch, args.experts, args.top_k, args.aux_loss, forwards)
     for m in model.modules():
         if isinstance(m, nn.Linear):
             nn.init.trunc_normal_(m.weight, std=0.02)

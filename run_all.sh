@@ -20,6 +20,7 @@ COMMON=(--no-progress "${QUICK[@]}")
 LOGS=${LOGS:-$(mktemp -d -t run_all.XXXXXX)}
 
 # name | launcher (python, torchrun, or torchrun:W for a fixed world size) | script and its own flags
+EXPERTS=$(( NPROC == 3 ? 6 : 4 ))       # the MoE rows: E experts, a multiple of W for expert_parallel.py
 RUNS=(
   "dp|python|dp.py"
   "ddp|torchrun|ddp.py"
@@ -44,6 +45,8 @@ RUNS=(
   "nd TP x PP (1,1,2,2)|torchrun:4|nd_parallel.py --dp-shard 1 --tp 2 --pp 2"
   "nd 3-D FSDP x TP x PP (1,2,2,2)|torchrun:8|nd_parallel.py --dp-shard 2 --tp 2 --pp 2"
   "nd HSDP x TP (2,2,2,1)|torchrun:8|nd_parallel.py --dp-replicate 2 --dp-shard 2 --tp 2"
+  "ddp, MoE E=$EXPERTS k=2|torchrun|ddp.py --experts $EXPERTS --top-k 2"
+  "expert parallel E=$EXPERTS k=2|torchrun|expert_parallel.py --experts $EXPERTS --top-k 2"
 )
 
 failed=()

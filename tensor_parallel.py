@@ -180,10 +180,10 @@ def formula(psi, world, args):
 
 
 def check_args(args, world):
-    tokens = (common.IMAGE // args.patch) ** 2
+    common.check(not args.experts, "--experts: tensor_parallel.py splits MLPs by columns, not experts over ranks")
     common.check(args.heads % world == 0, f"--heads {args.heads} is not divisible by the {world} tensor-parallel "
                                           f"ranks: each rank must own whole attention heads")   # so D and 4D split too
-    common.check(not args.sequence_parallel or tokens % world == 0,
+    common.check((tokens := (common.IMAGE // args.patch) ** 2) % world == 0 or not args.sequence_parallel,
                  f"--sequence-parallel splits the {tokens} tokens over ranks: {world} does not divide them")
 
 

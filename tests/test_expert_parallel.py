@@ -1,0 +1,174 @@
+"""expert_parallel.py and the mixture of experts in common.py: experts spread over W ranks end with the
+parameters of one ddp.py process with the same --experts --top-k; the dispatch/combine equals a loop
+over experts (output and gradients, an expert that receives no token included); the all-to-all bytes
+the Meter counts add up to the formula; the scripts that take an MoE block unchanged stay exact.
+
+Launches: 3 ddp.py W=1 references (sgd and adamw for E=4 K=2, sgd for E=8 K=1), expert_parallel.py twice
+at W=2 and once at W=4, 3 other scripts at W=2, and one mp.spawn of 2 processes.
+"""
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import common
+from helpers import SMALL, ddp_reference, max_diff, ok, torchrun
+
+CFG = SMALL + ["--experts", "4", "--top-k", "2"]               # E=4, K=2
+CFG8 = SMALL + ["--experts", "8", "--top-k", "1"]              # E=8, K=1
+TOL = {"sgd": 1e-6, "adamw": 5e-5}
+STEPS = 3                                                      # optimizer steps in the Meter's window
+
+
+def sizes(cfg):
+    args = common.parse_args(common.get_parser("t"), cfg)
+    model = common.build_model(args)
+    experts = sum(p.numel() for b in model.blocks for p in b.mlp.experts.parameters())
+    return args, sum(p.numel() for p in model.parameters()), experts
+
+
+@pytest.fixture(scope="module")
+def refs(tmp_path_factory):
+    """ddp.py at W=1: sgd and adamw on CFG, sgd on CFG8 (as "sgd8"); one-process launches, two at a time."""
+    jobs = [(CFG, "sgd"), (CFG, "adamw"), (CFG8, "sgd")]
+    with ThreadPoolExecutor(2) as pool:
+        paths = list(pool.map(lambda job: ddp_reference(tmp_path_factory, *job), jobs))
+    return dict(zip(("sgd", "adamw", "sgd8"), paths))
+
+
+# SGD catches a missing 1/W on the expert gradients (AdamW would all but hide it), AdamW the optimizer state
+@pytest.mark.parametrize("world,cfg,optim", [(2, CFG, "sgd"), (2, CFG, "adamw"), (4, CFG8, "sgd")],
+                         ids=["W2-E4-K2-sgd", "W2-E4-K2-adamw", "W4-E8-K1-sgd"])
+def test_equals_one_ddp_process(world, cfg, optim, refs, tmp_path):
+    path = tmp_path / "ep.pt"
+    res = ok(torchrun("expert_parallel.py", world, *cfg, "--optim", optim, "--save", path, timeout=300))
+    ref = refs[optim if cfg is CFG else optim + "8"]
+    diff = max_diff(path, ref)
+    print(f"W={world} {optim}: max |Δ| vs ddp.py W=1 = {diff:.2e}")
+    assert diff <= TOL[optim]
+    assert res["steps"] == 6 and res["comm_steps"] == STEPS
+
+    # memory: the dense part whole, the experts / W (read off the storages by the Meter)
+    args, psi, psi_e = sizes(cfg)
+    held, k = psi - psi_e + psi_e // world, 8 if optim == "adamw" else 4
+    assert (res["param_bytes"], res["grad_bytes"], res["optim_bytes"]) == (4 * held, 4 * held, k * held)
+
+    # communication: one all-reduce of the dense gradients per step; per MoE layer per step 4 token
+    # all-to-alls (dispatch and combine, forward and backward) and one of the E int64 counts. A rank's own
+    # bytes depend on the routing; over all ranks they add up to 4·k·(B·T)·D fp32 per layer per step.
+    E, K, D, L = args.experts, args.top_k, args.dim, args.depth
+    tokens = args.batch_size * (common.IMAGE // args.patch) ** 2
+    assert res["comm"]["all_reduce"] == 4 * (psi - psi_e)
+    assert res["comm_calls"] == {"all_reduce": STEPS, "all_to_all": STEPS * L * 5}
+    assert sum(res["all_to_all_window"]) == STEPS * L * (4 * K * tokens * D * 4 + world * 8 * E)
+    assert res["formula"]["comm"]["all_to_all"] * world == L * (4 * K * tokens * D * 4 + world * 8 * E)
+    # the load: every (token, slot) of the batch reaches one expert, each step
+    for row in res["tokens_per_expert"]:
+        assert len(row) == E and abs(sum(row) - K * tokens) < 1e-6
+
+
+def _dispatch_worker(rank, world, port):
+    """Each rank routes its own random tokens (expert 1 never picked, so it gets none); the expert-parallel
+    layer's output and input gradients must equal the loop over all experts on this rank's tokens, and each
+    owned expert's gradient the sum over ranks of the loop's."""
+    import expert_parallel
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        E, K, N, D = 4, 2, 37 + 5 * rank, 8
+        torch.manual_seed(0)                                   # the same experts on every rank
+        experts = common.Experts(common.MLP(D, 16) for _ in range(E))
+        torch.manual_seed(1 + rank)                            # this rank's tokens and routing
+        h, out_grad = torch.randn(N, D), torch.randn(N, D)
+        idx = torch.tensor([0, 2, 3])[torch.rand(N, 3).argsort(1)[:, :K]]   # K distinct experts, never 1
+        weights = torch.rand(N, K).softmax(-1)
+
+        def run(layer):
+            x, w = h.clone().requires_grad_(), weights.clone().requires_grad_()
+            out = layer(x, idx, w)
+            out.backward(out_grad)
+            grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+            layer.zero_grad()
+            return out.detach(), x.grad, w.grad, grads
+
+        ref_out, ref_x, ref_w, ref_g = run(experts)
+        for g in ref_g.values():
+            dist.all_reduce(g)                                 # the owner's tokens come from every rank
+        layer = expert_parallel.ExpertParallel(experts, rank, world)
+        out, gx, gw, grads = run(layer)
+        assert torch.allclose(out, ref_out, atol=1e-6) and torch.allclose(gx, ref_x, atol=1e-6)
+        assert torch.allclose(gw, ref_w, atol=1e-6)
+        assert sorted(grads) == sorted(n for n in ref_g if int(n.split(".")[0]) // (E // world) == rank)
+        for n, g in grads.items():
+            assert torch.allclose(g, ref_g[n], atol=1e-5), n
+            if n.startswith("1."):
+                assert torch.count_nonzero(g) == 0             # no token: a zero gradient, not none
+        got = layer.received.sum(0)                            # tokens each owned expert received
+        want = torch.bincount(idx.reshape(-1), minlength=E)
+        dist.all_reduce(want)
+        assert torch.equal(got, want.view(world, -1)[rank])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dispatch_combine_equals_loop_over_experts():
+    mp.spawn(_dispatch_worker, args=(2, common.free_port()), nprocs=2)
+
+
+OTHERS = [("zero.py", ["--stage", "3"]), ("pipeline.py", ["--schedule", "1f1b", "--microbatches", "2"]), ("fsdp.py", [])]
+
+
+@pytest.mark.parametrize("script,extra", OTHERS, ids=[s for s, _ in OTHERS])
+def test_other_scripts_stay_exact_on_moe(script, extra, refs, tmp_path):
+    """The load-balancing gradient is added inside the MoE layer (scaled for pipeline.py's micro-batches):
+    these scripts take the MoE model unchanged and stay exact (SGD). amp_checkpoint.py's accumulation is
+    the next test's, in this process."""
+    path = tmp_path / "out.pt"
+    ok(torchrun(script, 2, *CFG, *extra, "--optim", "sgd", "--save", path, timeout=240))
+    assert max_diff(path, refs["sgd"]) <= TOL["sgd"]
+
+
+def test_aux_gradient_scaled_for_micro_batches():
+    """amp_checkpoint.py --grad-accum 2 (and pipeline.py --microbatches 2) run two halves, each loss / 2: the
+    model built for them must give the whole batch's gradients; one built for single forwards must not."""
+    args = common.parse_args(common.get_parser("t"), CFG + ["--aux-loss", "0.1"])
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
+
+    def grads(model, parts):
+        for xm, ym in zip(x.chunk(parts), y.chunk(parts)):
+            (torch.nn.functional.cross_entropy(model(xm), ym) / parts).backward()
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    whole = grads(common.build_model(args), 1)
+    args.grad_accum = 2
+    halves = grads(common.build_model(args), 2)
+    assert max((whole[n] - halves[n]).abs().max().item() for n in whole) < 1e-7
+    del args.grad_accum
+    unscaled = grads(common.build_model(args), 2)
+    assert (whole["blocks.0.mlp.router.weight"] - unscaled["blocks.0.mlp.router.weight"]).abs().max() > 1e-4
+
+
+def test_aux_loss_is_a_per_image_mean():
+    """What the layer adds in backward is the gradient of coef · mean over images of sum_i f_i P_i, f from the
+    counts of the image's tokens: computed here by hand, for a batch and for its halves (the mean of halves)."""
+    args = common.parse_args(common.get_parser("t"), CFG + ["--aux-loss", "0.5"])
+    torch.manual_seed(0)
+    moe = common.build_model(args).blocks[0].mlp
+    x = torch.randn(6, 16, args.dim)
+
+    def router_grad(batch, scale=1.0):
+        moe.zero_grad()
+        (moe(batch) * 0).sum().backward()                      # only the aux term's gradient reaches the router
+        return moe.router.weight.grad.clone() * scale
+
+    E, K, T = args.experts, args.top_k, 16
+    logits = moe.router(x.reshape(-1, args.dim)).view(6, T, E)
+    f = torch.nn.functional.one_hot(logits.topk(K, -1).indices, E).sum((1, 2)) * (E / (K * T))
+    aux = 0.5 * (f * logits.softmax(-1).mean(1)).sum(-1).mean()
+    want = torch.autograd.grad(aux, moe.router.weight)[0]
+    assert torch.allclose(router_grad(x), want, atol=1e-7)
+    assert torch.allclose((router_grad(x[:3]) + router_grad(x[3:])) / 2, want, atol=1e-7)
