@@ -172,8 +172,7 @@ def formula(psi, world, args):
     k, d, B, D, T = (8 if args.optim == "adamw" else 4), args.depth, args.batch_size, args.dim, (28 // args.patch) ** 2
     a, kv = (5 if args.method == "ring" else 6), 3 * (world - 1) * d * 8 * B * T * D // world   # K/V: [2, B, T/W, D]
     comm = dict(send=kv, recv=kv) if args.method == "ring" else dict(all_to_all=32 * d * B * T * D // world)
-    comm["all_reduce"] = 4 * (B * D + psi)
-    return dict(param_bytes=4 * psi, grad_bytes=4 * psi, optim_bytes=k * psi, comm=comm,
+    return dict(param_bytes=4 * psi, grad_bytes=4 * psi, optim_bytes=k * psi, comm={**comm, "all_reduce": 4 * (B * D + psi)},
                 act_bytes_attention=d * (4 * a * B * T * D + 4 * B * args.heads * T) // world,
                 notes=dict(param_bytes="4Ψ replicated", grad_bytes="4Ψ replicated", optim_bytes=f"{k}Ψ", recv="as sent",
                            act_bytes_attention=f"depth·({4 * a}·B·T·D + 4·B·H·T)/W", all_to_all="8·depth·B·T·D/W",
@@ -181,8 +180,9 @@ def formula(psi, world, args):
 
 
 def check_args(args, world):
-    tokens = (common.IMAGE // args.patch) ** 2
-    common.check(tokens % world == 0, f"--patch {args.patch} gives {tokens} tokens: not divisible by {world} ranks")
+    common.check(not args.experts, "--experts: the load-balancing loss of an MoE block needs all of an image's tokens")
+    common.check((tokens := (common.IMAGE // args.patch) ** 2) % world == 0,
+                 f"--patch {args.patch} gives {tokens} tokens: not divisible by {world} ranks")
     common.check(args.method == "ring" or args.heads % world == 0, f"--method ulysses: --heads {args.heads} is not "
                  f"divisible by {world} ranks (each attends with whole heads)")
 

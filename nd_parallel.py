@@ -162,6 +162,7 @@ def per_dimension(meter, mesh, args):
 
 def check_args(args, world):
     """Resolve the one -1 ("the rest") and refuse a layout that cannot work, before any group is formed."""
+    common.check(not args.experts, "--experts: nd_parallel.py's tensor-parallel plan splits dense MLPs, not experts")
     sizes, flag = {d: getattr(args, d) for d in DIMS}, lambda d: f"--{d.replace('_', '-')} {getattr(args, d)}"  # noqa
     rest, known = [d for d, v in sizes.items() if v == -1], math.prod(v for v in sizes.values() if v != -1)
     common.check(len(rest) <= 1 and all(v == -1 or v >= 1 for v in sizes.values()),

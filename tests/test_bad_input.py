@@ -88,6 +88,8 @@ CASES = [
     ("zero.py", ["--experts", "4", "--aux-loss", "-1"], None, "--aux-loss must be >= 0, got -1.0"),
     ("tensor_parallel.py", ["--experts", "4"], None, "--experts: tensor_parallel.py splits MLPs by columns"),
     ("amp_checkpoint.py", ["--experts", "4", "--amp", "fp16"], None, "--experts with --amp fp16"),
+    ("context_parallel.py", ["--experts", "4"], as_rank0_of(2), "--experts: the load-balancing loss"),
+    ("nd_parallel.py", ["--experts", "4"], as_rank0_of(2), "--experts: nd_parallel.py's tensor-parallel plan"),
     ("collectives.py", ["--root", "5"], as_rank0_of(2), "--root 5 is not a rank of this world"),
     ("collectives.py", ["--backend", "nccl"], None, "--backend nccl needs a CUDA GPU"),
 ]
