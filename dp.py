@@ -72,6 +72,8 @@ def check_args(args, gpus):
     common.check(args.backend == "auto", "dp.py makes no process group, so --backend does not apply (leave it at auto)")
     common.check(args.nproc is None, "dp.py is one process driving every GPU: --nproc does not apply (see ddp.py)")
     common.check(args.batch_size >= max(gpus, 1), f"--batch-size {args.batch_size} is smaller than the {gpus} GPUs")
+    common.check(not args.experts or gpus <= 1, f"--experts over {gpus} GPUs: each DataParallel replica would add the "
+                 f"load-balancing gradient again (use ddp.py or expert_parallel.py)")
 
 
 def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
