@@ -64,6 +64,10 @@ CASES = [
     ("pipeline.py", ["--schedule", "gpipe", "--microbatches", "3", "--batch-size", "32"], as_rank0_of(2),
      "--batch-size 32 is not divisible"),
     ("pipeline.py", ["--schedule", "1f1b", "--microbatches", "2"], as_rank0_of(4), "--microbatches"),
+    ("pipeline_schedules.py", ["--schedule", "interleaved", "--virtual-stages", "2"], as_rank0_of(4),
+     "--depth 4 blocks cannot fill 4 stages x 2 chunks"),
+    ("pipeline_schedules.py", ["--schedule", "zb-h1", "--microbatches", "2"], as_rank0_of(4),
+     "--schedule zb-h1 needs --microbatches >= 4 stages"),
     ("collectives.py", ["--root", "5"], as_rank0_of(2), "--root 5 is not a rank of this world"),
     ("collectives.py", ["--backend", "nccl"], None, "--backend nccl needs a CUDA GPU"),
 ]
