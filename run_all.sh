@@ -33,6 +33,8 @@ RUNS=(
   "pipeline naive|torchrun|pipeline.py --schedule naive"
   "pipeline gpipe|torchrun|pipeline.py --schedule gpipe --microbatches 4"
   "pipeline 1f1b|torchrun|pipeline.py --schedule 1f1b --microbatches 4"
+  "pipeline interleaved V=2|torchrun|pipeline_schedules.py --schedule interleaved --virtual-stages 2 --microbatches 4 --depth 8"
+  "pipeline zb-h1|torchrun|pipeline_schedules.py --schedule zb-h1 --microbatches 4"
 )
 
 failed=()
