@@ -10,11 +10,15 @@ import pytest
 from helpers import ROOT, SMALL, ok, torchrun
 
 SCRIPTS = ["ddp_torchrun.py", "amp_checkpoint.py", "fsdp.py", "zero.py", "tensor_parallel.py", "pipeline.py", "dp.py",
-           "pipeline_schedules.py"]
+           "pipeline_schedules.py", "pipeline_pipedream.py"]
 MAX_DIFF = {"ddp_torchrun.py": 95, "amp_checkpoint.py": 100, "fsdp.py": 130, "zero.py": 210,
             "tensor_parallel.py": 220, "pipeline.py": 210, "dp.py": 210,
-            "pipeline_schedules.py": 224}   # changed lines against ddp.py
-MAX_DIFF_VS_PIPELINE = 237                  # pipeline_schedules.py against pipeline.py
+            "pipeline_schedules.py": 224, "pipeline_pipedream.py": 188}   # changed lines against ddp.py
+# the scripts that are pipeline.py's text but one thing: changed lines against pipeline.py, functions kept verbatim
+VS_PIPELINE = {"pipeline_schedules.py": (237, ("def p2p(", "def full_state_dict(", "def train(", "def evaluate(",
+                                               "def setup(")),
+               "pipeline_pipedream.py": (147, ("def p2p(", "def infer(", "def full_state_dict(", "def evaluate(",
+                                               "def setup("))}
 
 
 def technique(text):
@@ -47,14 +51,15 @@ def test_diff_against_ddp_is_the_technique(script):
         assert any(line.startswith(shared) for line in other), f"{script} lacks the skeleton's line {shared.strip()!r}"
 
 
-def test_pipeline_schedules_is_pipeline_py_but_the_schedules():
-    """`diff -u pipeline.py pipeline_schedules.py` (the README's) stays within its budget, and what the
-    schedules do not touch (the point-to-point group, the state_dict gathering, the loop) is pipeline.py's."""
-    pipe, sched = (ROOT / "pipeline.py").read_text(), (ROOT / "pipeline_schedules.py").read_text()
+@pytest.mark.parametrize("script", VS_PIPELINE)
+def test_pipeline_variant_is_pipeline_py_but_its_technique(script):
+    """`diff -u pipeline.py X.py` (the README's) stays within its budget, and what the variant does not
+    touch (the point-to-point group, the state_dict gathering, evaluation, setup) is pipeline.py's."""
+    pipe, sched = (ROOT / "pipeline.py").read_text(), (ROOT / script).read_text()
     changed = sum(1 for line in difflib.unified_diff(pipe.splitlines(), sched.splitlines(), n=0, lineterm="")
                   if line[:1] in "+-" and not line.startswith(("+++", "---")))
-    assert changed <= MAX_DIFF_VS_PIPELINE, f"pipeline_schedules.py: {changed} changed lines against pipeline.py"
-    for name in ("def p2p(", "def full_state_dict(", "def train(", "def evaluate(", "def setup("):
+    assert changed <= VS_PIPELINE[script][0], f"{script}: {changed} changed lines against pipeline.py"
+    for name in VS_PIPELINE[script][1]:
         body = lambda text: re.search(rf"^{re.escape(name)}.*?(?=^\S)", text, re.M | re.S).group(0)
         assert body(pipe) == body(sched), name
 
