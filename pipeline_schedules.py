@@ -9,6 +9,7 @@ cost a V-th; zb-h1 (Zero Bubble, Qi et al. 2024): each backward split into B, th
 
 Idle: 1f1b (p-1)/(m+p-1) (pipeline.py's); interleaved (p-1)/(V·m+p-1); zb-h1 (p-1)/(3m+p-1): ZB's
 (p-1)(F+B-W) per rank next to 3m busy slots, a third of 1f1b's. All synchronous: exact.
+Here W goes back through the graph B kept (backward to the parameters): about a whole backward.
 Memory per rank (fp32, AdamW): 16Ψ_s bytes for its Ψ_s parameters plus the activations in flight: p-s
 micro-batches on stage s (1f1b); 2(p-s-1) + (V-1)·p + 1 chunks of 1/V stage (interleaved); p (zb-h1,
 1f1b's peak). Per step, m activations of B/m·T·D fp32 forward and m gradients back over each of the

@@ -35,6 +35,7 @@ RUNS=(
   "pipeline 1f1b|torchrun|pipeline.py --schedule 1f1b --microbatches 4"
   "pipeline interleaved V=2|torchrun|pipeline_schedules.py --schedule interleaved --virtual-stages 2 --microbatches 4 --depth 8"
   "pipeline zb-h1|torchrun|pipeline_schedules.py --schedule zb-h1 --microbatches 4"
+  "pipeline pipedream (async)|torchrun|pipeline_pipedream.py --microbatches 4"
 )
 
 failed=()

@@ -68,6 +68,7 @@ CASES = [
      "--depth 4 blocks cannot fill 4 stages x 2 chunks"),
     ("pipeline_schedules.py", ["--schedule", "zb-h1", "--microbatches", "2"], as_rank0_of(4),
      "--schedule zb-h1 needs --microbatches >= 4 stages"),
+    ("pipeline_pipedream.py", ["--depth", "2"], as_rank0_of(4), "--depth 2 blocks cannot fill 4 pipeline stages"),
     ("collectives.py", ["--root", "5"], as_rank0_of(2), "--root 5 is not a rank of this world"),
     ("collectives.py", ["--backend", "nccl"], None, "--backend nccl needs a CUDA GPU"),
 ]
