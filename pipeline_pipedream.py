@@ -246,7 +246,8 @@ def run(args):
             common.save_checkpoint(state, args.save)
             common.log(f"saved {args.save}")
         stages = [None] * world if rank == 0 else None      # each stage's measured bytes and order, on rank 0
-        dist.gather_object(dict(meter.mem, comm=meter.comm()[0], comm_calls=meter.comm()[1], versions=versions()), stages, dst=0)
+        dist.gather_object(dict(meter.mem, comm=meter.comm()[0], comm_calls=meter.comm()[1], versions=versions()),
+                           stages, dst=0)
         common.report(SCRIPT, args, world, backend, device, source, psi, out, acc, meter,
                       formula(sum(q.numel() for q in model.parameters()), world, args),
                       **(dict(microbatches=args.microbatches, stages=stages) if rank == 0 else {}))

@@ -5,6 +5,7 @@ simulation of the same staleness -- the forward of micro-batch j through each st
 max(0, j-w) updates, the backward through those same weights (the stash), the update on the current
 ones -- with SGD (momentum 0.9) and AdamW. A simulation without the staleness does not match (the test
 can fail). One launch at p=3 for both optimizers."""
+import functools
 import json
 
 import pytest
@@ -18,14 +19,15 @@ from helpers import SMALL, max_diff, torchrun
 
 P, M, STEPS = 3, 4, 3
 CFG = [*SMALL, "--dim", "16", "--depth", "3", "--heads", "2", "--max-steps", str(STEPS), "--lr-schedule", "constant",
-       "--warmup", "0", "--microbatches", str(M)]
+       "--warmup", "0"]
 TOL = {"sgd": 1e-6, "adamw": 5e-5}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("pd")
-    argv = [["pipeline_pipedream", [*CFG, "--optim", o, "--save", d / f"{o}.pt"]] for o in ("sgd", "adamw")]
+    argv = [["pipeline_pipedream", [*CFG, "--microbatches", M, "--optim", o, "--save", d / f"{o}.pt"]]
+            for o in ("sgd", "adamw")]
     run = torchrun("tests/pipeline_cases.py", P, json.dumps(argv, default=str), timeout=400)
     assert run.returncode == 0, run.output
     chunks = run.stdout.split("\nRESULT ")
@@ -33,24 +35,28 @@ def runs(tmp_path_factory):
     return {o: (json.loads(chunks[i + 1].splitlines()[0]), d / f"{o}.pt") for i, o in enumerate(("sgd", "adamw"))}
 
 
+@functools.lru_cache(maxsize=1)
+def micro_batches():
+    """The micro-batches the script trained on, in order: its DistributedSampler of one, epoch 0."""
+    args = common.parse_args(common.get_parser("test"), CFG)
+    train_set = common.load_data(args)[0]
+    sampler = DistributedSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=args.seed, drop_last=True)
+    sampler.set_epoch(0)                          # the script's first epoch: its shuffle and its augmentation
+    train_set.set_epoch(0)
+    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+    return [mb for (x, y), _ in zip(loader, range(STEPS)) for mb in zip(x.chunk(M), y.chunk(M))]
+
+
 def simulate(optim, stale=True):
     """One process: every micro-batch in turn through p stages, stage s's weights those after max(0, j-w)
     of its updates (all of them if not stale), the gradient on them, then the stage's update of its
     current weights. Returns the final state_dict."""
-    parser = common.get_parser("test")
-    parser.add_argument("--microbatches", type=int)
-    args = common.parse_args(parser, [*CFG, "--optim", optim])
+    args = common.parse_args(common.get_parser("test"), [*CFG, "--optim", optim])
     model = common.build_model(args)
     stages = [pipeline_pipedream.Stage(model, s, P) for s in range(P)]
     opts = [common.make_optimizer(st.parameters(), args) for st in stages]
     versions = [[{n: q.detach().clone() for n, q in st.named_parameters()}] for st in stages]
-    train_set = common.load_data(args)[0]
-    sampler = DistributedSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=args.seed, drop_last=True)
-    sampler.set_epoch(0)
-    train_set.set_epoch(0)
-    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True)
-    micro = [mb for (x, y), _ in zip(loader, range(STEPS)) for mb in zip(x.chunk(M), y.chunk(M))]
-    for j, (x, y) in enumerate(micro):
+    for j, (x, y) in enumerate(micro_batches()):
         used = []
         for s, st in enumerate(stages):
             v = max(0, j - (P - s - 1)) if stale else j
@@ -78,7 +84,7 @@ def test_every_backward_uses_its_forwards_weights_w_steps_stale(runs):
 
 
 @pytest.mark.parametrize("optim", ["sgd", "adamw"])
-def test_same_parameters_as_the_one_process_simulation(optim, runs, tmp_path):
+def test_same_parameters_as_the_one_process_simulation(optim, runs, tmp_path, one_thread):
     torch.save(simulate(optim), tmp_path / "sim.pt")
     torch.save(simulate(optim, stale=False), tmp_path / "fresh.pt")
     diff, fresh = max_diff(runs[optim][1], tmp_path / "sim.pt"), max_diff(runs[optim][1], tmp_path / "fresh.pt")

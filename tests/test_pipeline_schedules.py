@@ -140,12 +140,14 @@ def test_p2p_order_is_nccl_safe(p, monkeypatch, one_thread):
             assert replay(train) is None and replay(test) is None, (name, V, p, m)
             assert replay([a + b for a, b in zip(train, test)]) is None, (name, V, p, m)
             steps = [[a for step in ps.schedule(name, m, p, s, V) for a in step] for s in range(p)]
-            for q in range(p):                    # chunk c's F output feeds F on c+1, its B's gradient B on c-1
+            to = lambda a, c: c + 1 if a == "F" else c - 1      # F's output feeds F on c+1, B's gradient B on c-1
+            frm = lambda a, c: c - 1 if a == "F" else c + 1     # where an action's input comes from
+            for q in range(p):
                 for r in range(p):
-                    sent = [(a, i, (v * p + q + (1 if a == "F" else -1)) // p) for a, i, v in steps[q] if a != "W"
-                            and 0 <= v * p + q + (1 if a == "F" else -1) < V * p and (v * p + q + (1 if a == "F" else -1)) % p == r]
-                    wanted = [(a, i, v) for a, i, v in steps[r] if a != "W" and 0 <= v * p + r + (-1 if a == "F" else 1) < V * p
-                              and (v * p + r + (-1 if a == "F" else 1)) % p == q]
+                    sent = [(a, i, to(a, v * p + q) // p) for a, i, v in steps[q]
+                            if a != "W" and 0 <= to(a, v * p + q) < V * p and to(a, v * p + q) % p == r]
+                    wanted = [(a, i, v) for a, i, v in steps[r]
+                              if a != "W" and 0 <= frm(a, v * p + r) < V * p and frm(a, v * p + r) % p == q]
                     assert sent == wanted, (name, V, p, m, q, r)
 
 
