@@ -136,17 +136,30 @@ def check_args(args, world):
 
 def record_versions(stage, optimizer, n):
     """Per micro-batch j < n on this stage, measured from outside: how many optimizer steps the stage had
-    taken when j's forward ran (the version stashed) and when j's backward began."""
-    steps, fwd, bwd = [0], {}, {}
+    taken when j's forward ran (the version stashed) and when j's backward began; and their order."""
+    steps, fwd, bwd, ran = [0], {}, {}, []
     optimizer.register_step_post_hook(lambda *_: steps.__setitem__(0, steps[0] + 1))
 
     def hook(module, inputs, out):
         j = len(fwd)
         if out.requires_grad and j < n:
             fwd[j] = steps[0]
-            out.register_hook(lambda grad: bwd.__setitem__(j, steps[0]))
+            ran.append(("F", j, 0))
+            out.register_hook(lambda grad: bwd.__setitem__(j, steps[0]) or ran.append(("B", j, 0)))
     stage.register_forward_hook(hook)
-    return lambda: dict(fwd=[fwd[j] for j in sorted(fwd)], bwd=[bwd[j] for j in sorted(bwd)])
+    return lambda: dict(fwd=[fwd[j] for j in sorted(fwd)], bwd=[bwd[j] for j in sorted(bwd)], order=ran)
+
+
+def show_schedule(stages, args):
+    """Rank 0: the first two batches' forwards and backwards as run, replayed one slot per F, two per B (as
+    if training stopped there): no flush between them, so the idle fraction is one 1F1B's over 2m."""
+    p, m = len(stages), args.microbatches
+    picture, bubble, peaks = common.pipeline_timeline([[tuple(a) for a in st["versions"]["order"]] for st in stages],
+                                                      dict(F=1, B=2))
+    common.log(f"\nPipeDream, {p} stages, the first two batches of {m} micro-batches as run (one slot per F, two "
+               f"per B):\n{picture}\n  bubble {bubble:.3f} of the slots (formula (p-1)/(2m+p-1) = "
+               f"{(p - 1) / (2 * m + p - 1):.3f}), peak micro-batches in flight {peaks}")
+    return dict(microbatches=m, bubble=bubble, peak_inflight=peaks, stages=stages)
 
 
 def setup(args):
@@ -250,7 +263,7 @@ def run(args):
                            stages, dst=0)
         common.report(SCRIPT, args, world, backend, device, source, psi, out, acc, meter,
                       formula(sum(q.numel() for q in model.parameters()), world, args),
-                      **(dict(microbatches=args.microbatches, stages=stages) if rank == 0 else {}))
+                      **(show_schedule(stages, args) if rank == 0 else {}))
     finally:
         cleanup()
 

@@ -83,6 +83,18 @@ def test_every_backward_uses_its_forwards_weights_w_steps_stale(runs):
     assert r["steps"] == STEPS and r["world_size"] == P
 
 
+def test_no_flush_between_batches(runs):
+    """The first two batches as each stage ran them are one 1F1B stream, F j then B j-w, through the batch
+    boundary; replayed one slot per F, two per B, they idle (p-1)/(2m+p-1) of the slots (one 1F1B over
+    2m micro-batches, not two over m) with p-s micro-batches in flight on stage s."""
+    r = runs["sgd"][0]
+    for s, st in enumerate(r["stages"]):
+        stream = [a for j in range(STEPS * M) for a in (("F", j, 0), ("B", j - (P - s - 1), 0)) if 0 <= a[1] < 2 * M]
+        assert [tuple(a) for a in st["versions"]["order"]] == stream, s
+    assert r["bubble"] == pytest.approx((P - 1) / (2 * M + P - 1))
+    assert r["peak_inflight"] == [P - s for s in range(P)]
+
+
 @pytest.mark.parametrize("optim", ["sgd", "adamw"])
 def test_same_parameters_as_the_one_process_simulation(optim, runs, tmp_path, one_thread):
     torch.save(simulate(optim), tmp_path / "sim.pt")

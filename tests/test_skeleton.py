@@ -13,11 +13,11 @@ SCRIPTS = ["ddp_torchrun.py", "amp_checkpoint.py", "fsdp.py", "zero.py", "tensor
            "pipeline_schedules.py", "pipeline_pipedream.py"]
 MAX_DIFF = {"ddp_torchrun.py": 95, "amp_checkpoint.py": 100, "fsdp.py": 130, "zero.py": 210,
             "tensor_parallel.py": 220, "pipeline.py": 210, "dp.py": 210,
-            "pipeline_schedules.py": 225, "pipeline_pipedream.py": 189}   # changed lines against ddp.py
+            "pipeline_schedules.py": 225, "pipeline_pipedream.py": 202}   # changed lines against ddp.py
 # the scripts that are pipeline.py's text but one thing: changed lines against pipeline.py, functions kept verbatim
 VS_PIPELINE = {"pipeline_schedules.py": (238, ("def p2p(", "def full_state_dict(", "def train(", "def evaluate(",
                                                "def setup(")),
-               "pipeline_pipedream.py": (148, ("def p2p(", "def infer(", "def full_state_dict(", "def evaluate(",
+               "pipeline_pipedream.py": (153, ("def p2p(", "def infer(", "def full_state_dict(", "def evaluate(",
                                                "def setup("))}
 
 
