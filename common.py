@@ -955,3 +955,40 @@ def report(script, args, world, backend, device, source, model_params, out, acc,
 def result(**fields):
     """The machine-readable last line that run_all.sh and the tests read (rank 0 only)."""
     log("RESULT " + json.dumps(fields))
+
+
+def record_pipeline_order(stage, m, weights=False):
+    """A pipeline stage's first-step actions, (F | B | W, micro-batch, chunk), in the order they ran, seen
+    from outside: a forward hook (the chunk is the forward's second argument, 0 without one), a gradient
+    hook on each output (B) and, where W is a pass of its own (weights), on the stage's first parameter."""
+    ran, count = [], lambda a, v: sum(r[0] == a and r[2] == v for r in ran)
+
+    def hook(module, inputs, out):
+        v = inputs[1] if len(inputs) > 1 else 0
+        if out.requires_grad and count("F", v) < m:
+            ran.append(("F", count("F", v), v))
+            out.register_hook(lambda grad, b=("B", count("F", v) - 1, v): None if b in ran else ran.append(b))
+    stage.register_forward_hook(hook)
+    if weights:                                  # W goes back through the output too: its B counts once
+        next(stage.parameters()).register_hook(lambda grad: ran.extend([("W", count("W", 0), 0)][:count("W", 0) < m]))
+    return ran
+
+
+def pipeline_timeline(orders, cost, V=1):
+    """Each rank's recorded actions replayed in slots, `cost` slots each, an action starting after the rank's
+    last and after its input (F of global chunk c = v·p + s after F of c-1, B of c after B of c+1). Returns
+    the picture (F3' is micro-batch 3 in the rank's chunk v=1), the idle fraction of the slots, and each
+    rank's peak of micro-batch chunks in flight (F run, its last backward action not)."""
+    end, p, last = {}, len(orders), "W" if any(a == "W" for o in orders for a, _, _ in o) else "B"
+    for _ in range(sum(map(len, orders))):       # relax until every action ends at its longest path
+        for s, o in enumerate(orders):
+            for k, (a, i, v) in enumerate(o):
+                c = v * p + s + (-1 if a == "F" else 1)
+                dep = end.get((c % p, a, i, c // p), 0) if a != "W" and 0 <= c < V * p else 0
+                end[s, a, i, v] = max(dep, end.get((s, *o[k - 1]), 0) if k else 0) + cost[a]
+    total, width = max(end.values()), max(len(str(i)) for o in orders for _, i, _ in o) + V + 1
+    cells = {(s, t): f"{a}{i}" + "'" * v for (s, a, i, v), e in end.items() for t in range(e - cost[a], e)}
+    picture = "\n".join(f"  rank {s}:  " + "".join(cells.get((s, t), ".").ljust(width) for t in range(total)).rstrip()
+                        for s in range(p))
+    peaks = [max(sum({"F": 1, last: -1}.get(a, 0) for a, _, _ in o[:k + 1]) for k in range(len(o))) for o in orders]
+    return picture, 1 - sum(cost[a] for o in orders for a, _, _ in o) / (p * total), peaks

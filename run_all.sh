@@ -47,6 +47,9 @@ RUNS=(
   "nd HSDP x TP (2,2,2,1)|torchrun:8|nd_parallel.py --dp-replicate 2 --dp-shard 2 --tp 2"
   "ddp, MoE E=$EXPERTS k=2|torchrun|ddp.py --experts $EXPERTS --top-k 2"
   "expert parallel E=$EXPERTS k=2|torchrun|expert_parallel.py --experts $EXPERTS --top-k 2"
+  "pipeline interleaved V=2|torchrun|pipeline_schedules.py --schedule interleaved --virtual-stages 2 --microbatches 4 --depth 8"
+  "pipeline zb-h1|torchrun|pipeline_schedules.py --schedule zb-h1 --microbatches 4"
+  "pipeline pipedream (async)|torchrun|pipeline_pipedream.py --microbatches 4"
 )
 
 failed=()

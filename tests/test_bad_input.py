@@ -90,6 +90,11 @@ CASES = [
     ("amp_checkpoint.py", ["--experts", "4", "--amp", "fp16"], None, "--experts with --amp fp16"),
     ("context_parallel.py", ["--experts", "4"], as_rank0_of(2), "--experts: the load-balancing loss"),
     ("nd_parallel.py", ["--experts", "4"], as_rank0_of(2), "--experts: nd_parallel.py's tensor-parallel plan"),
+    ("pipeline_schedules.py", ["--schedule", "interleaved", "--virtual-stages", "2"], as_rank0_of(4),
+     "--depth 4 blocks cannot fill 4 stages x 2 chunks"),
+    ("pipeline_schedules.py", ["--schedule", "zb-h1", "--microbatches", "2"], as_rank0_of(4),
+     "--schedule zb-h1 needs --microbatches >= 4 stages"),
+    ("pipeline_pipedream.py", ["--depth", "2"], as_rank0_of(4), "--depth 2 blocks cannot fill 4 pipeline stages"),
     ("collectives.py", ["--root", "5"], as_rank0_of(2), "--root 5 is not a rank of this world"),
     ("collectives.py", ["--backend", "nccl"], None, "--backend nccl needs a CUDA GPU"),
 ]

@@ -10,10 +10,17 @@ import pytest
 from helpers import ROOT, SMALL, ok, torchrun
 
 SCRIPTS = ["ddp_torchrun.py", "amp_checkpoint.py", "fsdp.py", "zero.py", "tensor_parallel.py", "pipeline.py", "dp.py",
-           "context_parallel.py", "nd_parallel.py", "expert_parallel.py"]
+           "context_parallel.py", "nd_parallel.py", "expert_parallel.py", "pipeline_schedules.py",
+           "pipeline_pipedream.py"]
 MAX_DIFF = {"ddp_torchrun.py": 95, "amp_checkpoint.py": 100, "fsdp.py": 130, "zero.py": 210,
             "tensor_parallel.py": 220, "pipeline.py": 210, "dp.py": 210,
-            "context_parallel.py": 208, "nd_parallel.py": 232, "expert_parallel.py": 202}   # changed lines against ddp.py
+            "context_parallel.py": 208, "nd_parallel.py": 232, "expert_parallel.py": 202,
+            "pipeline_schedules.py": 225, "pipeline_pipedream.py": 202}   # changed lines against ddp.py
+# the scripts that are pipeline.py's text but one thing: changed lines against pipeline.py, functions kept verbatim
+VS_PIPELINE = {"pipeline_schedules.py": (238, ("def p2p(", "def full_state_dict(", "def train(", "def evaluate(",
+                                               "def setup(")),
+               "pipeline_pipedream.py": (153, ("def p2p(", "def infer(", "def full_state_dict(", "def evaluate(",
+                                               "def setup("))}
 
 
 def technique(text):
@@ -44,6 +51,19 @@ def test_diff_against_ddp_is_the_technique(script):
     for shared in ("def cleanup():" if script != "dp.py" else "def evaluate(", "        sampler.set_epoch(epoch)",
                    "            scheduler.step()"):
         assert any(line.startswith(shared) for line in other), f"{script} lacks the skeleton's line {shared.strip()!r}"
+
+
+@pytest.mark.parametrize("script", VS_PIPELINE)
+def test_pipeline_variant_is_pipeline_py_but_its_technique(script):
+    """`diff -u pipeline.py X.py` (the README's) stays within its budget, and what the variant does not
+    touch (the point-to-point group, the state_dict gathering, evaluation, setup) is pipeline.py's."""
+    pipe, sched = (ROOT / "pipeline.py").read_text(), (ROOT / script).read_text()
+    changed = sum(1 for line in difflib.unified_diff(pipe.splitlines(), sched.splitlines(), n=0, lineterm="")
+                  if line[:1] in "+-" and not line.startswith(("+++", "---")))
+    assert changed <= VS_PIPELINE[script][0], f"{script}: {changed} changed lines against pipeline.py"
+    for name in VS_PIPELINE[script][1]:
+        body = lambda text: re.search(rf"^{re.escape(name)}.*?(?=^\S)", text, re.M | re.S).group(0)
+        assert body(pipe) == body(sched), name
 
 
 def test_profile_writes_a_trace_per_rank_with_compute_and_collectives(tmp_path):
