@@ -540,6 +540,14 @@ def build_model(args):
     return model
 
 
+def saved_outside_blocks(args, batch):
+    """E: the bytes autograd keeps for backward outside the blocks in one fp32 forward and loss of the common ViT on
+    `batch` samples: the embedding's patches; the head's norm input, its mean and rstd, the pooled tokens; the
+    log-probabilities, the int64 labels and the loss's 4-byte total weight. A checkpointed model keeps E + L·B·T·D·4."""
+    tokens = (IMAGE // args.patch) ** 2
+    return 4 * batch * (tokens * args.patch ** 2 + tokens * args.dim + 2 * tokens + args.dim + CLASSES) + 8 * batch + 4
+
+
 def make_optimizer(params, args):
     if args.optim == "sgd":
         return torch.optim.SGD(params, lr=args.lr, momentum=0.9)

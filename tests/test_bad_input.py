@@ -60,6 +60,8 @@ CASES = [
     ("tensor_parallel.py", ["--heads", "4"], as_rank0_of(3), "--heads 4 is not divisible by the 3 tensor-parallel"),
     ("tensor_parallel.py", ["--sequence-parallel", "--heads", "6", "--dim", "48"], as_rank0_of(3),
      "--sequence-parallel splits the 16 tokens over ranks: 3 does not divide them"),
+    ("tensor_parallel.py", ["--partition-activations", "--heads", "6", "--dim", "48"], as_rank0_of(3),
+     "--partition-activations splits the 16 tokens over ranks: 3 does not divide them"),
     ("pipeline.py", ["--depth", "2"], as_rank0_of(4), "--depth 2 blocks cannot fill 4 pipeline stages"),
     ("pipeline.py", ["--schedule", "gpipe", "--microbatches", "3", "--batch-size", "32"], as_rank0_of(2),
      "--batch-size 32 is not divisible"),
