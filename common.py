@@ -654,10 +654,12 @@ class CollectiveCounter(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.calls, self.bytes = {}, {}
+        self.calls, self.bytes, self.sample = {}, {}, None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if self.sample is not None:          # the Meter's reading after every op (the optimizer state's peak)
+            self.sample()
         if func.namespace in ("c10d", "_c10d_functional"):
             kind, where = COLLECTIVES.get(func._opname, (None, None))
             if kind is not None:
@@ -724,15 +726,22 @@ class Meter:
     It counts the collectives of the first `steps` optimizer steps (forward, backward and step:
     a window closed by the optimizer's post-step hook, so the rest of training runs at full speed),
     reads per-rank memory off the storages right after the first step (activations: what the first
-    forward saved for backward), and with --profile records
+    forward saved for backward; optimizer state also at its peak during that step), and with --profile records
     those steps with torch.profiler, one Chrome/Perfetto trace per rank. Deleting it from a
     script changes nothing the technique does."""
 
     def __init__(self, model, optimizer, args, steps=3):
         self.params, self.optimizer, self.steps, self.profile_dir = list(model.parameters()), optimizer, steps, args.profile
         self.counter, self.profiler, self.seen, self.mem, self.open = CollectiveCounter(), None, 0, {}, False
-        self.saved, self.packing = SavedActivations(), None
+        self.saved, self.packing, self.optim_peak = SavedActivations(), None, 0
+        self.counter.sample = self._sample_optimizer_state
         self.hook = optimizer.register_step_post_hook(lambda *_: self._after_step())
+
+    def _sample_optimizer_state(self):
+        """The optimizer state's bytes after every op until the first step ends: its peak, also where a technique
+        brings the state in and out during the step (zero.py --offload disk, one unit at a time)."""
+        state = [v for st in self.optimizer.state.values() for k, v in st.items() if torch.is_tensor(v) and k != "step"]
+        self.optim_peak = max(self.optim_peak, storage_bytes(state))
 
     def __enter__(self):
         self.counter.__enter__()
@@ -749,7 +758,8 @@ class Meter:
     def _after_step(self):
         self.seen += 1
         if self.seen == 1:
-            self.mem = memory(self.params, self.optimizer)
+            self.mem, self.counter.sample = memory(self.params, self.optimizer), None
+            self.mem["optim_peak_bytes"] = max(self.optim_peak, self.mem["optim_bytes"])
             self._stop_packing()
             self.mem["act_bytes"] = self.saved.bytes(self.params)
         if self.seen == self.steps:
@@ -818,6 +828,9 @@ def report(script, args, world, backend, device, source, model_params, out, acc,
     rows = [(what, meter.mem.get(k, 0), formula.get(k), notes.get(k, ""))
             for what, k in (("parameters", "param_bytes"), ("gradients", "grad_bytes"),
                             ("optimizer state", "optim_bytes"), ("activations (1st forward)", "act_bytes"))]
+    if formula.get("optim_peak_bytes") is not None:
+        rows.insert(3, ("optimizer state, peak", meter.mem.get("optim_peak_bytes", 0), formula["optim_peak_bytes"],
+                        notes.get("optim_peak_bytes", "")))
     for kind in sorted(set(comm) | set(formula.get("comm", {}))):
         rows.append((f"{kind.replace('_', '-')} per step", comm.get(kind, 0), formula.get("comm", {}).get(kind),
                      notes.get(kind, "") + f" ({calls.get(kind, 0)} calls in {counted} steps)"))
