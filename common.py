@@ -622,6 +622,14 @@ def build_model(args):
     return model
 
 
+def saved_outside_blocks(args, batch):
+    """E: the bytes autograd keeps for backward outside the blocks in one fp32 forward and loss of the common ViT on
+    `batch` samples: the embedding's patches; the head's norm input, its mean and rstd, the pooled tokens; the
+    log-probabilities, the int64 labels and the loss's 4-byte total weight. A checkpointed model keeps E + L·B·T·D·4."""
+    tokens = (IMAGE // args.patch) ** 2
+    return 4 * batch * (tokens * args.patch ** 2 + tokens * args.dim + 2 * tokens + args.dim + CLASSES) + 8 * batch + 4
+
+
 def make_optimizer(params, args):
     if args.optim == "sgd":
         return torch.optim.SGD(params, lr=args.lr, momentum=0.9)
@@ -728,11 +736,13 @@ class CollectiveCounter(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.calls, self.bytes = {}, {}
+        self.calls, self.bytes, self.sample = {}, {}, None
         self.groups = {}         # {process group name: {kind: [calls, bytes]}}: traffic per mesh dimension
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if self.sample is not None:          # the Meter's reading after every op (the optimizer state's peak)
+            self.sample()
         if func.namespace in ("c10d", "_c10d_functional"):
             kind, where = COLLECTIVES.get(func._opname, (None, None))
             if kind is not None:
@@ -819,7 +829,7 @@ class Meter:
     It counts the collectives of the first `steps` optimizer steps (forward, backward and step:
     a window closed by the optimizer's post-step hook, so the rest of training runs at full speed),
     reads per-rank memory off the storages right after the first step (activations: what the first
-    forward saved for backward), and with --profile records
+    forward saved for backward; optimizer state also at its peak during that step), and with --profile records
     those steps with torch.profiler, one Chrome/Perfetto trace per rank. Deleting it from a
     script changes nothing the technique does. `parts={"attention": [modules]}` adds a row
     act_bytes_attention: what those modules' forwards saved for backward in the first forward."""
@@ -827,13 +837,20 @@ class Meter:
     def __init__(self, model, optimizer, args, steps=3, parts=None):
         self.params, self.optimizer, self.steps, self.profile_dir = list(model.parameters()), optimizer, steps, args.profile
         self.counter, self.profiler, self.seen, self.mem, self.open = CollectiveCounter(), None, 0, {}, False
-        self.saved, self.packing = SavedActivations(), None
+        self.saved, self.packing, self.optim_peak = SavedActivations(), None, 0
+        self.counter.sample = self._sample_optimizer_state
         self.hook = optimizer.register_step_post_hook(lambda *_: self._after_step())
         self.parts, self.part_hooks = parts or {}, []
         for name, modules in self.parts.items():
             for m in modules:
                 self.part_hooks += [m.register_forward_pre_hook(lambda *_, n=name: setattr(self.saved, "part", n)),
                                     m.register_forward_hook(lambda *_: setattr(self.saved, "part", None))]
+
+    def _sample_optimizer_state(self):
+        """The optimizer state's bytes after every op until the first step ends: its peak, also where a technique
+        brings the state in and out during the step (zero.py --offload disk, one unit at a time)."""
+        state = [v for st in self.optimizer.state.values() for k, v in st.items() if torch.is_tensor(v) and k != "step"]
+        self.optim_peak = max(self.optim_peak, storage_bytes(state))
 
     def __enter__(self):
         self.counter.__enter__()
@@ -850,7 +867,8 @@ class Meter:
     def _after_step(self):
         self.seen += 1
         if self.seen == 1:
-            self.mem = memory(self.params, self.optimizer)
+            self.mem, self.counter.sample = memory(self.params, self.optimizer), None
+            self.mem["optim_peak_bytes"] = max(self.optim_peak, self.mem["optim_bytes"])
             self._stop_packing()
             self.mem["act_bytes"] = self.saved.bytes(self.params)
             for name in self.parts:
@@ -931,6 +949,9 @@ def report(script, args, world, backend, device, source, model_params, out, acc,
                             ("optimizer state", "optim_bytes"), ("activations (1st forward)", "act_bytes"))]
     rows += [(f"  of which {k[10:]}", meter.mem[k], formula.get(k), notes.get(k, ""))
              for k in sorted(meter.mem) if k.startswith("act_bytes_")]
+    if formula.get("optim_peak_bytes") is not None:
+        rows.insert(3, ("optimizer state, peak", meter.mem.get("optim_peak_bytes", 0), formula["optim_peak_bytes"],
+                        notes.get("optim_peak_bytes", "")))
     for kind in sorted(set(comm) | set(formula.get("comm", {}))):
         rows.append((f"{kind.replace('_', '-')} per step", comm.get(kind, 0), formula.get("comm", {}).get(kind),
                      notes.get(kind, "") + f" ({calls.get(kind, 0)} calls in {counted} steps)"))

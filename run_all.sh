@@ -18,6 +18,7 @@ GPUS=$(python -c "import torch; print(torch.cuda.device_count() if torch.cuda.is
 NPROC=${NPROC:-$(( GPUS >= 2 ? (GPUS < 4 ? GPUS : 4) : 2 ))}
 COMMON=(--no-progress "${QUICK[@]}")
 LOGS=${LOGS:-$(mktemp -d -t run_all.XXXXXX)}
+mkdir -p "$LOGS/offload"                     # zero.py --offload disk: each rank's optimizer state files
 
 # name | launcher (python, torchrun, or torchrun:W for a fixed world size) | script and its own flags
 EXPERTS=$(( NPROC == 3 ? 6 : 4 ))       # the MoE rows: E experts, a multiple of W for expert_parallel.py
@@ -29,9 +30,11 @@ RUNS=(
   "zero-1|torchrun|zero.py --stage 1"
   "zero-2|torchrun|zero.py --stage 2"
   "zero-3|torchrun|zero.py --stage 3"
+  "zero-3 + offload disk|torchrun|zero.py --stage 3 --offload disk --offload-dir $LOGS/offload"
   "fsdp|torchrun|fsdp.py"
   "tensor parallel|torchrun|tensor_parallel.py"
   "tensor + sequence parallel|torchrun|tensor_parallel.py --sequence-parallel"
+  "tensor parallel + partitioned checkpoints|torchrun|tensor_parallel.py --partition-activations"
   "pipeline naive|torchrun|pipeline.py --schedule naive"
   "pipeline gpipe|torchrun|pipeline.py --schedule gpipe --microbatches 4"
   "pipeline 1f1b|torchrun|pipeline.py --schedule 1f1b --microbatches 4"

@@ -1,28 +1,23 @@
-"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019): each of W ranks holds 1/W of every
-block's weight matrices and sees the whole batch. Attention splits by heads (q, k, v by columns:
-rank r owns H/W whole heads; the output projection by rows), the MLP column-then-row, so each
-half-block needs one all-reduce forward (g) and one backward (f). Embedding, norms, head replicated.
-
-    column split  A = [A1 … Ap]:   Y = X·A = [X·A1 … X·Ap]       rank r computes Yr, no communication
-    row split     B = [B1; …; Bp]:  Z = [Y1 … Yp]·B = Σr Yr·Br    rank r a partial sum, added up by g
+"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019): each of W ranks holds 1/W of every block's weight matrices
+and sees the whole batch. Attention splits by heads (q, k, v by columns: rank r owns H/W whole heads; the output
+projection by rows), the MLP column-then-row, so each half-block needs one all-reduce forward (g) and one backward (f).
 
             ┌─ X·[Q1 K1 V1] → heads 1 .. H/W  ─ ·[P1] ─┐
-    X ─ f ──┤                 ...                      ├─ g ─ + bias → + X
-            └─ X·[Qp Kp Vp] → last H/W heads  ─ ·[Pp] ─┘
+    X ─ f ──┤                 ...                      ├─ g ─ + bias → + X          embedding, norms, head:
+            └─ X·[Qp Kp Vp] → last H/W heads  ─ ·[Pp] ─┘                            replicated
     MLP:    X ─ f ─ X·[A1 … Ap] ─ gelu ─ ·[B1; …; Bp] ─ g ─ + bias → + X
     f: identity forward, all-reduce backward;   g: all-reduce forward, identity backward
 
---sequence-parallel (Korthikanti et al. 2022): norms and residuals run on T/W tokens; f becomes an
-all-gather of the tokens (reduce-scatter backward), g a reduce-scatter (all-gather backward): the
-all-reduce's bytes, activations outside the split layers / W. Norm and row-bias grads are summed.
+--sequence-parallel (Korthikanti et al. 2022): norms and residuals on T/W tokens; f becomes an all-gather of the tokens
+(reduce-scatter backward), g a reduce-scatter (all-gather backward): activations outside the split layers / W.
+--checkpoint: autograd keeps each block's input x only (E + L·B·T·D·4 bytes, E: embedding, head, loss). With
+--partition-activations (ZeRO-R's Pa, Rajbhandari et al. 2020) x, the same on every rank, is kept as each rank's T/W
+tokens (E + L·B·T·D·4/W) and all-gathered just before the recompute. Under SP, x already is split: no change.
+Memory per rank (fp32, Ψ = Ψs split + Ψr replicated, Ψs = depth·(12D² + 6D) here): 4(Ψr + Ψs/W) params + as much grads +
+8(Ψr + Ψs/W) AdamW. Communication per step, in B·T·D fp32 activations (B the whole batch): 4·depth all-reduces; SP:
+4·depth reduce-scatters, 4·depth + 2 all-gathers + an all-reduce of 6·D·depth grads; checkpointing adds the recompute's.
 
-Memory per rank (fp32, Ψ = Ψs split + Ψr replicated, Ψs = depth·(12D² + 6D) here): 4(Ψr + Ψs/W)
-params + as much grads + 8(Ψr + Ψs/W) AdamW. Communication per step, in B·T·D fp32 activations (B the
-whole batch): 4·depth all-reduces (a ring sends 2(W-1)/W of each); with SP 4·depth reduce-scatters and
-4·depth + 2 all-gathers (SP's entry and exit), each sending (W-1)/W, + an all-reduce of 6·D·depth grads.
-
-    torchrun --standalone --nproc_per_node=2 tensor_parallel.py
-    python tensor_parallel.py --nproc 4 --sequence-parallel     # through mp.spawn on a free port
+    torchrun --standalone --nproc_per_node=2 tensor_parallel.py [--sequence-parallel] [--partition-activations]
 """
 import datetime
 import os
@@ -32,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, DistributedSampler
 
 import common
@@ -45,28 +41,25 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 # `mlp.fc1/fc2`, heads contiguous in q, k, v's outputs, attention reading its head count off q's.
 
 def all_reduce(x):
-    x = x.contiguous()
-    dist.all_reduce(x)                           # in place, as Megatron does: x is a fresh partial sum
+    dist.all_reduce(x := x.contiguous())         # in place, as Megatron does: x is a fresh partial sum
     return x
 
 
 # The collectives concatenate along dim 0, so tokens go first (Megatron keeps [T, B, D] throughout).
 def all_gather_tokens(x):                        # [B, T/W, D] -> [B, T, D]
-    x = x.transpose(0, 1).contiguous()
-    out = x.new_empty((x.shape[0] * dist.get_world_size(), *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x)
+    out = x.new_empty((x.shape[1] * dist.get_world_size(), x.shape[0], *x.shape[2:]))
+    dist.all_gather_into_tensor(out, x.transpose(0, 1).contiguous())
     return out.transpose(0, 1).contiguous()
 
 
 def reduce_scatter_tokens(x):                    # [B, T, D] partial sums -> this rank's [B, T/W, D] of the sum
-    x = x.transpose(0, 1).contiguous()
-    out = x.new_empty((x.shape[0] // dist.get_world_size(), *x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x)
+    out = x.new_empty((x.shape[1] // dist.get_world_size(), x.shape[0], *x.shape[2:]))
+    dist.reduce_scatter_tensor(out, x.transpose(0, 1).contiguous())
     return out.transpose(0, 1).contiguous()
 
 
-def my_tokens(x):
-    return x.chunk(dist.get_world_size(), 1)[dist.get_rank()].contiguous()
+def my_tokens(x):                                # a copy (a view would keep all of x alive)
+    return x.chunk(dist.get_world_size(), 1)[dist.get_rank()].clone(memory_format=torch.contiguous_format)
 
 
 def conjugate(name, forward, backward):
@@ -87,23 +80,19 @@ class ColumnParallelLinear(nn.Module):
     """Y_r = X·A_r: rows r·out/W .. of nn.Linear's [out, in] weight and bias; its input is f(X)."""
     split = dict(weight=0, bias=0)               # the dim full_state_dict concatenates along
 
-    def __init__(self, linear, rank, world):
+    def __init__(self, linear, rank, world, reduce=None):
         super().__init__()
-        self.weight = nn.Parameter(linear.weight.detach().chunk(world, 0)[rank].clone())
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().chunk(world, 0)[rank].clone())
+        cut, b, self.reduce = lambda t, d: t.detach().chunk(world, d)[rank].contiguous().clone(), linear.bias, reduce
+        self.weight = nn.Parameter(cut(linear.weight, self.split["weight"]))
+        self.bias = None if b is None else nn.Parameter(cut(b, 0) if "bias" in self.split else b.detach().clone())
 
     def forward(self, x):
         return F.linear(x, self.weight, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(ColumnParallelLinear):
     """Z = g(Σ_r Y_r·B_r) + b: columns r·in/W .. of the weight; the whole bias, added once after g."""
     split = dict(weight=1)
-
-    def __init__(self, linear, rank, world, reduce):
-        super().__init__()
-        self.weight = nn.Parameter(linear.weight.detach().chunk(world, 1)[rank].contiguous())
-        self.bias, self.reduce = nn.Parameter(linear.bias.detach().clone()), reduce
 
     def forward(self, x):
         return self.reduce(F.linear(x, self.weight)) + self.bias
@@ -112,25 +101,31 @@ class RowParallelLinear(nn.Module):
 class ParallelBlock(nn.Module):
     """The block with its linears split; the same attribute names, so the same state_dict keys."""
 
-    def __init__(self, block, rank, world, sp):
+    def __init__(self, block, rank, world, sp, checkpointing=False, partition=False):
         super().__init__()
         self.enter, exit_ = (GatherTokens.apply, ReduceScatterTokens.apply) if sp else (Copy.apply, Reduce.apply)
-        self.norm1, self.attn, self.norm2, self.mlp = block.norm1, block.attn, block.norm2, block.mlp
-        a, m = self.attn, self.mlp
+        self.checkpointing, self.partition = checkpointing or partition, partition and not sp   # SP: x is split
+        self.norm1, self.attn, self.norm2, self.mlp = block.norm1, (a := block.attn), block.norm2, (m := block.mlp)
         a.q, a.k, a.v = (ColumnParallelLinear(lin, rank, world) for lin in (a.q, a.k, a.v))
         a.proj = RowParallelLinear(a.proj, rank, world, exit_)
         m.fc1, m.fc2 = ColumnParallelLinear(m.fc1, rank, world), RowParallelLinear(m.fc2, rank, world, exit_)
 
-    def forward(self, x):                        # x: [B, T, D], or this rank's [B, T/W, D] under SP
+    def body(self, x):                           # x: [B, T, D], or this rank's [B, T/W, D] under SP
         x = x + self.attn(self.enter(self.norm1(x)))
         return x + self.mlp(self.enter(self.norm2(x)))
 
+    def forward(self, x):
+        if not self.partition:                   # checkpoint() keeps x only and runs the block again in backward
+            return checkpoint(self.body, x, use_reentrant=False) if self.checkpointing else self.body(x)
+        # Pa: keep this rank's tokens; run on x (in a list it empties: nothing keeps x), recompute on all tokens
+        run = lambda mine, box: self.body(box.pop() if box else all_gather_tokens(mine).requires_grad_())  # noqa: E731
+        return checkpoint(run, my_tokens(x.detach()), [x], use_reentrant=False)
 
-def parallelize(model, device, sp=False):
+
+def parallelize(model, device, sp=False, checkpointing=False, partition=False):
     """Split every block's linears in place; embedding and head stay replicated (same grads everywhere)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    for i, block in enumerate(model.blocks):
-        model.blocks[i] = ParallelBlock(block, rank, world, sp)
+    model.blocks = nn.ModuleList(ParallelBlock(block, dist.get_rank(), dist.get_world_size(), sp, checkpointing,
+                                               partition) for block in model.blocks)
     if sp:                                       # the blocks run on this rank's tokens, embed and head on all
         model.embed.register_forward_hook(lambda module, args, out: ScatterTokens.apply(out))
         model.head.register_forward_pre_hook(lambda module, args: UnscatterTokens.apply(*args))
@@ -167,24 +162,27 @@ def full_state_dict(model):
 
 def formula(psi, world, args):
     """The paper's per-rank bytes, which the report sets next to what the Meter measured."""
-    k, d = (8 if args.optim == "adamw" else 4), args.depth
-    split = d * (12 * args.dim ** 2 + 6 * args.dim)    # Ψs: q, k, v, proj, fc1, fc2 weights; q, v, fc1 biases
-    own = psi - split + split // world                 # Ψr + Ψs/W
-    n = 4 * args.batch_size * (common.IMAGE // args.patch) ** 2 * args.dim    # one [B, T, D] fp32 activation
-    comm = dict(all_gather=(4 * d + 2) * n, reduce_scatter=4 * d * n, all_reduce=4 * 6 * args.dim * d) \
-        if args.sequence_parallel else dict(all_reduce=4 * d * n)
+    k, d, D, B = 8 if args.optim == "adamw" else 4, args.depth, args.dim, args.batch_size
+    T, sp, pa = (common.IMAGE // args.patch) ** 2, args.sequence_parallel, args.partition_activations
+    own = psi - (split := d * (12 * D ** 2 + 6 * D)) + split // world   # Ψr + Ψs/W (Ψs: q, k, v, proj, fc1, fc2)
+    n, c = 4 * B * T * D, int(args.checkpoint or pa)   # n: one [B, T, D] fp32 activation; c: blocks recomputed
+    comm = dict(all_gather=(4 * d + 2 + 2 * c * d) * n, reduce_scatter=(4 + c) * d * n, all_reduce=4 * 6 * D * d) \
+        if sp else dict(all_reduce=(4 + c) * d * n, **(dict(all_gather=d * n) if pa else {}))
     return dict(param_bytes=4 * own, grad_bytes=4 * own, optim_bytes=k * own, comm=comm,
+                act_bytes=common.saved_outside_blocks(args, B) + d * n // (world if sp or pa else 1) if c else None,
                 notes=dict(param_bytes="4(Ψr + Ψs/W)", grad_bytes="4(Ψr + Ψs/W)", optim_bytes=f"{k}(Ψr + Ψs/W)",
-                           all_reduce="6·D·depth norm/bias grads" if args.sequence_parallel else "4·depth x B·T·D",
-                           all_gather="(4·depth + 2) x B·T·D", reduce_scatter="4·depth x B·T·D"))
+                           all_reduce="6·D·depth norm/bias grads" if sp else f"{4 + c}·depth x B·T·D",
+                           all_gather=f"{f'{4 + 2 * c}·depth + 2' if sp else 'depth'} x B·T·D",
+                           reduce_scatter=f"{4 + c}·depth x B·T·D", act_bytes=("E + L·B·T·D·4" + "/W" * (sp | pa)) * c))
 
 
 def check_args(args, world):
     common.check(not args.experts, "--experts: tensor_parallel.py splits MLPs by columns, not experts over ranks")
     common.check(args.heads % world == 0, f"--heads {args.heads} is not divisible by the {world} tensor-parallel "
                                           f"ranks: each rank must own whole attention heads")   # so D and 4D split too
-    common.check((tokens := (common.IMAGE // args.patch) ** 2) % world == 0 or not args.sequence_parallel,
-                 f"--sequence-parallel splits the {tokens} tokens over ranks: {world} does not divide them")
+    flag, tokens = "--sequence-parallel" if args.sequence_parallel else "--partition-activations", common.IMAGE ** 2 // args.patch ** 2
+    common.check(not (args.sequence_parallel or args.partition_activations) or tokens % world == 0,
+                 f"{flag} splits the {tokens} tokens over ranks: {world} does not divide them")
 
 
 def setup(args):
@@ -269,7 +267,8 @@ def run(args):
         if args.load:
             model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
         psi = sum(p.numel() for p in model.parameters())
-        model = parallelize(model.to(device), device, args.sequence_parallel)
+        model = parallelize(model.to(device), device, args.sequence_parallel, args.checkpoint,
+                            args.partition_activations)
         optimizer = common.make_optimizer(model.parameters(), args)
         scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
         common.log(f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data ({len(train_set)} train / "
@@ -289,8 +288,9 @@ def run(args):
 
 def main():
     parser = common.get_parser("Tensor parallelism (Megatron) on the common ViT, written out")
-    parser.add_argument("--sequence-parallel", action="store_true",
-                        help="norms and residuals on T/W tokens: all-gather / reduce-scatter instead of all-reduce")
+    parser.add_argument("--sequence-parallel", action="store_true", help="norms and residuals on T/W tokens")
+    parser.add_argument("--checkpoint", action="store_true", help="keep only each block's input for backward")
+    parser.add_argument("--partition-activations", action="store_true", help="ZeRO-R Pa: --checkpoint, T/W tokens kept")
     args = common.parse_args(parser)
     check_args(args, common.world_size(args))
     common.launch(run, args)

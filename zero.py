@@ -1,34 +1,26 @@
-"""ZeRO-1/2/3 written out with torch.distributed collectives: like DDP, every rank trains on its slice
-of each global batch, but the optimizer state (stage 1), the gradients (stage 2) and the parameters
-(stage 3) are split across the W ranks instead of replicated. Each unit (embed, every block, head) is
-one flat fp32 buffer, padded to a multiple of W; rank r owns the contiguous shard [r·S, (r+1)·S):
+"""ZeRO-1/2/3 written out with torch.distributed: like DDP, every rank trains on its slice of each global batch, but the
+optimizer state (stage 1), the gradients (stage 2) and the parameters (stage 3) are split across the W ranks. Each unit
+(embed, every block, head) is one flat fp32 buffer, padded to a multiple of W; rank r owns the shard [r·S, (r+1)·S):
 
-    unit buffer:  [ shard 0 | shard 1 | ... | shard W-1 ]
-                   rank 0     rank 1          rank W-1
+    unit buffer:  [ shard 0 | shard 1 | ... | shard W-1 ]     (shard r: rank r's)
                  stage 1        stage 2        stage 3
-    params       full           full           own shard; a unit is all-gathered just before
-                                               its forward and again before its backward
-    grads        full           own shard      own shard  (stages 2-3: each unit's full gradient
-                                               is reduce-scattered and freed during backward)
-    optimizer    own shard      own shard      own shard  (m, v only for the elements it owns)
-
+    params       full           full           own shard; a unit all-gathered before its forward and its backward
+    grads        full           own shard      own shard; stages 2-3 reduce-scatter and free them during backward
+    optimizer    own shard      own shard      own shard (m, v only for the elements it owns)
 Memory per rank (fp32, AdamW, Ψ' = Ψ padded per unit to a multiple of W; ZeRO's P_os, P_os+g, P_os+g+p):
     stage 1: 4Ψ' + 4Ψ' + 8Ψ'/W    stage 2: 4Ψ' + 12Ψ'/W    stage 3: 16Ψ'/W    (DDP: 16Ψ)
-Communication per step, in elements each rank puts through collectives:
-    stages 1-2: Ψ' reduce-scattered + Ψ' all-gathered = 2Ψ' (the same as DDP's all-reduce)
-    stage 3:    Ψ' gathered for forward + Ψ' for backward + Ψ' reduce-scattered = 3Ψ'
-and a ring sends (W-1)/W of that per rank, 4 bytes an element. The Meter reads memory off storages: the
-shards (the optimizer's parameters) view the unit's whole flat buffer at stages 1-2 (4Ψ'), and stage 1 keeps
-the whole flat gradient, which a shard's gradient views (4Ψ'). --offload cpu (ZeRO-Offload, on a GPU): fp32
-master shard, its gradient and optimizer state in pinned CPU memory, the step there; the Meter counts those.
-
-    torchrun --standalone --nproc_per_node=4 zero.py --stage 1
-    torchrun --standalone --nproc_per_node=4 zero.py --stage 3 --dim 256 --depth 8
-    torchrun --standalone --nproc_per_node=2 zero.py --stage 2 --offload cpu   # ZeRO-Offload (on a GPU)
+Per step each rank reduce-scatters Ψ' and all-gathers Ψ' (DDP's all-reduce), stage 3 Ψ' more for the backward; a ring
+sends (W-1)/W of it. --offload cpu (ZeRO-Offload, on a GPU): fp32 master shard, its gradient and optimizer state in
+pinned CPU memory, the step there. --offload disk (ZeRO-Infinity): each unit's master shard and state in DIR/zero-rank
+<r>-unit<i>.pt (atomic writes, left there); the step reads a unit in, steps it, writes it back while a thread reads the
+next: the optimizer holds 8S, one unit's (the Meter's peak), not 8Ψ'/W. DeepSpeed swaps through pinned buffers with
+async O_DIRECT reads and writes (libaio), the next read overlapping this step.
+    torchrun --standalone --nproc_per_node=4 zero.py --stage 1|2|3 [--offload cpu | --offload disk --offload-dir DIR]
 """
 import datetime
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -42,45 +34,45 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 
 ### begin: ZeRO
-# Model contract: model.embed, model.blocks (a sequence) and model.head hold every parameter (the units ZeRO
-# flattens); each unit returns one tensor; every parameter gets a gradient in every backward; the same weights
-# on every rank, on its device.
+# Model contract: model.embed, model.blocks (a sequence) and model.head hold every parameter (the units ZeRO flattens);
+# each returns one tensor; every parameter gets a gradient in every backward; the same weights on every rank's device.
 
 class Unit:
-    """A module's parameters as views into one flat buffer of N = W·S elements (zero padding at the end). `local`
-    is this rank's shard flat[r·S:(r+1)·S] (a copy at stage 3, where `flat` exists only while gathered); `shard`,
-    now the module's only nn.Parameter, is what the optimizer steps: `local`, or with offload its pinned CPU copy."""
+    """A module's parameters as views into one flat, zero-padded buffer of N = W·S elements. `local`: this rank's shard
+    flat[r·S:(r+1)·S] (a copy at stage 3); `shard`, the module's only nn.Parameter: `local` or its pinned CPU copy."""
 
+    @torch.no_grad()
     def __init__(self, prefix, module, rank, world, stage, offload):
         named, self.params, self.ready, self.grad = list(module.named_parameters()), [], 0, None
         self.S = -(-sum(p.numel() for _, p in named) // world)
         self.N, offset, self.flat = self.S * world, 0, named[0][1].new_zeros(self.S * world)
-        with torch.no_grad():
-            for name, p in named:          # each parameter becomes a plain tensor viewing into `flat`
-                # `.data = view`, not the view: the tensor keeps its own version counter, so autograd does
-                # not reject what it saved when stage 3 re-gathers `flat` before the backward
-                tensor = p.detach().requires_grad_()
-                tensor.data = self.flat[offset:offset + p.numel()].view_as(p).copy_(p)
-                owner, _, attr = name.rpartition(".")
-                delattr(module.get_submodule(owner), attr)
-                setattr(module.get_submodule(owner), attr, tensor)
-                self.params.append((f"{prefix}.{name}", tensor, offset))
-                offset += p.numel()
+        for name, p in named:              # each parameter becomes a plain tensor viewing into `flat`
+            # `.data = view`, not the view: the tensor keeps its own version counter, so autograd does
+            # not reject what it saved when stage 3 re-gathers `flat` before the backward
+            tensor = p.detach().requires_grad_()
+            tensor.data = self.flat[offset:offset + p.numel()].view_as(p).copy_(p)
+            owner, _, attr = name.rpartition(".")
+            delattr(module.get_submodule(owner), attr)
+            setattr(module.get_submodule(owner), attr, tensor)
+            self.params.append((f"{prefix}.{name}", tensor, offset))
+            offset += p.numel()
         self.local = self.flat[rank * self.S:(rank + 1) * self.S]
         self.local = self.local.clone() if stage == 3 else self.local
-        module.shard = self.shard = nn.Parameter(self.local.cpu().pin_memory() if offload else self.local)
+        module.shard = self.shard = nn.Parameter(self.local.cpu().pin_memory() if offload == "cpu" else self.local)
         self.gbuf = torch.zeros_like(self.flat) if stage == 1 else None   # the flat gradient: stage 1 keeps it
 
 
 class ZeRO:
-    """The engine (model.zero): hooks that reduce-scatter each unit's gradients as backward produces them
-    and, at stage 3, gather and free each unit around its forward and backward; and the step's work."""
+    """The engine (model.zero): gradient hooks (reduce-scatter), stage 3's gather and free; the step's work."""
 
-    def __init__(self, model, stage, offload):
-        self.stage, self.offload, self.pending = stage, offload, None
+    def __init__(self, model, stage, offload, directory=None):
+        self.stage, self.offload, self.pending, self.pool = stage, offload, None, ThreadPoolExecutor(1)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         units = [(name, m) for name, m in model.named_modules() if m in (model.embed, *model.blocks, model.head)]
         self.units = [Unit(prefix, m, self.rank, self.world, stage, offload) for prefix, m in units]
+        for i, u in enumerate(self.units if offload == "disk" else []):     # each rank its own files, written anew
+            u.path = os.path.join(directory, f"zero-rank{self.rank}-unit{i}.pt")
+            torch.save(dict(master=u.local.to("cpu", copy=True), state={}), u.path)
         for (_, m), u in zip(units, self.units):
             for _, p, offset in u.params:
                 p.register_post_accumulate_grad_hook(lambda p, u=u, offset=offset: self.on_grad(u, p, offset))
@@ -89,7 +81,6 @@ class ZeRO:
                 m.register_forward_pre_hook(lambda m, args, u=u: self.gather(u))
                 m.register_forward_hook(lambda m, args, out, u=u: self.after_forward(u, out))
 
-    @torch.no_grad()
     def gather(self, u):                   # stage 3: a unit is whole only around its forward and backward
         u.flat.untyped_storage().resize_(u.N * u.flat.element_size())
         dist.all_gather_into_tensor(u.flat, u.local)
@@ -120,62 +111,70 @@ class ZeRO:
             work.wait()
             self.pending, u.gbuf = None, u.gbuf if self.stage == 1 else None   # stages 2-3 free it now
 
-    @torch.no_grad()
     def before_step(self):
         self.wait()
-        for u in self.units:               # offload: .cpu() blocks until the device is done (see after_step)
-            u.shard.grad, u.grad = u.grad.cpu() if self.offload else u.grad, None
+        for u in self.units if self.offload != "disk" else []:   # disk: the optimizer's own step sees no gradient
+            u.shard.grad, u.grad = u.grad.cpu() if self.offload == "cpu" else u.grad, None   # cpu: see after_step
 
     @torch.no_grad()
-    def after_step(self):
-        for u in self.units:
-            if self.offload:               # non_blocking from pinned memory returns before the copy has read
-                # the master: safe only because before_step's copy to the CPU blocks until this stream is
-                # done, so the next step cannot write the master while this copy still reads it
+    def after_step(self, optimizer):
+        group, read = optimizer.param_groups[0], lambda u: self.pool.submit(torch.load, u.path, weights_only=True)
+        load = self.offload == "disk" and read(self.units[0])
+        for u, after in zip(self.units, self.units[1:] + [None]):
+            if load:   # ZeRO-Infinity (see the top); the optimizer's own step, hooks left out (they would call this)
+                file, load, params = load.result(), after and read(after), group["params"]
+                u.shard.data, u.shard.grad, group["params"] = file["master"], u.grad.cpu(), [u.shard]
+                optimizer.state[u.shard] = file["state"]
+                type(optimizer).step.__wrapped__(optimizer)
+                with open(f"{u.path}.tmp", "wb") as f:
+                    torch.save(dict(master=u.shard.data, state=optimizer.state.pop(u.shard)), f)
+                    f.flush(), os.fsync(f.fileno())
+                os.replace(f"{u.path}.tmp", u.path)
+                u.shard.data, u.shard.grad, u.grad, group["params"] = u.local.copy_(u.shard), u.grad, None, params
+            if self.offload == "cpu":      # non_blocking, safe: the next before_step's .cpu() waits for this copy
                 u.local.copy_(u.shard, non_blocking=True)
             if self.stage < 3:             # every rank needs the whole updated unit for the next forward
                 dist.all_gather_into_tensor(u.flat, u.local)
 
 
-def parallelize(model, device, stage, offload):
-    """ZeRO stage 1, 2 or 3, in place: model.parameters() become the shards. Offload only on a GPU."""
-    model.zero = ZeRO(model, stage, offload)
+def parallelize(model, device, stage, offload=None, directory=None):
+    """ZeRO stage 1, 2 or 3, in place: model.parameters() become the shards. Offload "cpu" (on a GPU) or "disk"."""
+    model.zero = ZeRO(model, stage, offload, directory)
     return model
 
 
 def hook_optimizer(model, optimizer):
     optimizer.register_step_pre_hook(lambda *_: model.zero.before_step())
-    optimizer.register_step_post_hook(lambda *_: model.zero.after_step())
+    optimizer.register_step_post_hook(lambda optimizer, *_: model.zero.after_step(optimizer))
 
 
 @torch.no_grad()
 def full_state_dict(model):
-    """The plain state_dict of the common model, on rank 0: every unit's shards gathered to rank 0."""
-    sd, zero = {}, model.zero
-    for u in zero.units:
-        parts = [torch.empty_like(u.local) for _ in range(zero.world)] if zero.rank == 0 else None
-        dist.gather(u.local, parts, dst=0)
-        if zero.rank == 0:
-            flat = torch.cat(parts).cpu()
-            sd.update({key: flat[offset:offset + t.numel()].view_as(t).clone() for key, t, offset in u.params})
+    """The plain state_dict of the common model, on every rank: every unit's shards all-gathered."""
+    sd = {}
+    for u in model.zero.units:
+        dist.all_gather_into_tensor(flat := u.local.new_empty(u.N), u.local)
+        sd.update({key: flat[offset:offset + t.numel()].view_as(t).cpu().clone() for key, t, offset in u.params})
     return sd
 ### end: ZeRO
 
 
-def formula(psi, world, args):
-    """The paper's per-rank bytes for Ψ' = psi (padded), which the report sets next to what the Meter
-    measured. With offload it counts the optimizer's side: CPU master shard, its gradient, its state."""
-    k, s, cpu = 8 if args.optim == "adamw" else 4, args.stage, args.offload == "cpu"
+def formula(psi, world, args, largest=0):
+    """The papers' per-rank bytes for Ψ' = psi (padded), S = largest, next to the Meter's; offload: the optimizer's."""
+    k, s, cpu, disk = 8 if args.optim == "adamw" else 4, args.stage, args.offload == "cpu", args.offload == "disk"
     p, g, note = s == 3 or cpu, s >= 2 or cpu, {True: "4Ψ'/W sharded" + " (CPU)" * cpu, False: "4Ψ' replicated"}
     return dict(param_bytes=4 * psi // (world if p else 1), grad_bytes=4 * psi // (world if g else 1),
-                optim_bytes=k * psi // world, comm=dict(reduce_scatter=4 * psi, all_gather=(8 if s == 3 else 4) * psi),
+                optim_bytes=0 if disk else k * psi // world, optim_peak_bytes=k * largest if disk else None,
+                comm=dict(reduce_scatter=4 * psi, all_gather=(8 if s == 3 else 4) * psi),
                 notes=dict(param_bytes=note[p], grad_bytes=note[g], reduce_scatter="Ψ' fp32 gradients",
-                           optim_bytes=f"{k}Ψ'/W sharded " + ("AdamW m, v" if k == 8 else "SGD momentum"),
+                           optim_bytes=f"{k}Ψ'/W sharded " + ("in files" if disk else "m, v" if k == 8 else "momentum"),
                            all_gather="2Ψ': before forward and backward" if s == 3 else "Ψ' updated parameters"))
 
 
 def check_args(args, world):
     common.check(args.stage in (1, 2, 3), f"--stage must be 1, 2 or 3, got {args.stage}")
+    common.check(args.offload != "disk" or os.path.isdir(d := args.offload_dir or "") and os.access(d, os.W_OK),
+                 f"--offload disk needs --offload-dir DIR, an existing writable directory (got {args.offload_dir})")
     common.check(args.batch_size % world == 0,
                  f"--batch-size {args.batch_size} is not divisible by world size {world}: every rank must get "
                  f"the same whole number of samples per step")
@@ -266,7 +265,7 @@ def run(args):
         if args.offload == "cpu" and device.type != "cuda":
             common.log("--offload cpu: the device is the CPU, where the optimizer state lives anyway: no change")
             args.offload = "none"
-        model = parallelize(model.to(device), device, args.stage, args.offload == "cpu")
+        model = parallelize(model.to(device), device, args.stage, args.offload, args.offload_dir)
         padded = world * sum(p.numel() for p in model.parameters())    # Ψ': every unit padded to a multiple of W
         optimizer = common.make_optimizer(model.parameters(), args)
         hook_optimizer(model, optimizer)           # before the Meter's hook: its window sees the all-gather
@@ -281,8 +280,8 @@ def run(args):
         if rank == 0 and args.save:
             common.save_checkpoint(state, args.save)
             common.log(f"saved {args.save}")
-        common.report(SCRIPT, args, world, backend, device, source, psi, out, acc, meter, formula(padded, world, args),
-                      stage=args.stage, offload=args.offload, params_padded=padded)
+        common.report(SCRIPT, args, world, backend, device, source, psi, out, acc, meter, formula(padded, world, args,
+                      max(p.numel() for p in model.parameters())), offload=args.offload, params_padded=padded)
     finally:
         cleanup()
 
@@ -290,7 +289,8 @@ def run(args):
 def main():
     parser = common.get_parser("ZeRO stages 1-3 written out with torch.distributed, on the common ViT")
     parser.add_argument("--stage", type=int, default=1, help="1: shard optimizer state, 2: + grads, 3: + params")
-    parser.add_argument("--offload", choices=["none", "cpu"], default="none", help="cpu: ZeRO-Offload (on a GPU)")
+    parser.add_argument("--offload", choices=["none", "cpu", "disk"], default="none", help="ZeRO-Offload / -Infinity")
+    parser.add_argument("--offload-dir", default=None, help="--offload disk: where each rank's unit files go")
     args = common.parse_args(parser)
     check_args(args, common.world_size(args))
     common.launch(run, args)

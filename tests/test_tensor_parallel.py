@@ -2,8 +2,12 @@
 parameters as the one-process ddp.py run (SGD and AdamW, W=2, and W=3 with 6 heads); the
 collectives the Meter measures from outside equal what this test works out from B, T, D and
 depth; each rank holds Ψr + Ψs/W parameters counted here off the model; the dense file it saves
-loads in ddp.py with the same test accuracy; SP refuses a W that does not divide the tokens."""
+loads in ddp.py with the same test accuracy; SP refuses a W that does not divide the tokens. With --checkpoint
+and ZeRO-R's --partition-activations (W=2 and 4, and under SP) it still ends with ddp.py's parameters, autograd
+keeps E + L·B·T·D·4 bytes (÷W partitioned) and the recompute's collectives are the ones the formula counts."""
 import pytest
+import torch
+import torch.nn.functional as F
 
 import common
 from helpers import SMALL, ddp_reference, max_diff, ok, python, torchrun
@@ -115,3 +119,75 @@ def test_refuses_before_any_process_group(world, argv, message):
     r = python("tensor_parallel.py", "--nproc", world, *CFG3, *argv, timeout=60)
     assert r.returncode == 2, r.output
     assert message in r.stderr and r.stderr.count("error:") == 1 and "Traceback" not in r.stderr, r.output
+
+
+# --checkpoint and ZeRO-R's --partition-activations: four launches on CFG (the W=1 references are shared)
+CKPT = {"ckpt-W2-sgd": (2, ["--checkpoint"], "sgd"), "pa-W2-sgd": (2, ["--partition-activations"], "sgd"),
+        "pa-W4-adamw": (4, ["--partition-activations"], "adamw"),
+        "pa-sp-W2-adamw": (2, ["--partition-activations", "--sequence-parallel"], "adamw")}
+
+
+@pytest.fixture(scope="module")
+def ckpt_runs(tmp_path_factory):
+    done = {}
+
+    def get(name):
+        if name not in done:
+            world, flags, optim = CKPT[name]
+            path = tmp_path_factory.mktemp("ckpt") / "tp.pt"
+            done[name] = ok(torchrun("tensor_parallel.py", world, *CFG, "--optim", optim, *flags, "--save", path,
+                                     timeout=300)), path
+        return done[name]
+    return get
+
+
+def saved_outside_blocks(batch):
+    """E, measured here as the Meter measures (distinct storages autograd keeps, parameters left out): one
+    forward and loss of the model without blocks."""
+    args, _ = model_of(CFG)
+    model, kept = common.ViT(args.dim, 0, args.heads, args.patch), {}
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(t):
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        F.cross_entropy(model(torch.randn(batch, 1, 28, 28)), torch.randint(0, 10, (batch,)))
+    return sum(n for ptr, n in kept.items() if ptr not in params)
+
+
+@pytest.mark.parametrize("name", CKPT)
+def test_checkpointed_same_parameters_and_saved_bytes(name, ckpt_runs, refs):
+    """The parameters of ddp.py at W=1; autograd keeps E + L·B·T·D·4 bytes, and with Pa (or SP) only each
+    rank's T/W tokens of every block's input: the Meter sees the slice, not the whole input."""
+    world, flags, optim = CKPT[name]
+    r, path = ckpt_runs(name)
+    diff = max_diff(refs[optim], path)
+    print(f"{name}: max |Δparam| vs ddp.py W=1 = {diff:.3g}, saved {r['act_bytes']} bytes")
+    assert r["world_size"] == world and r["steps"] == 6 and diff < TOL[optim]
+    args, model = model_of(CFG)
+    B, T, D, L = args.batch_size, model.embed.tokens, args.dim, len(model.blocks)
+    E = saved_outside_blocks(B)
+    assert E == common.saved_outside_blocks(args, B)
+    assert r["act_bytes"] == r["formula"]["act_bytes"] == E + L * B * T * D * 4 // (1 if flags == ["--checkpoint"]
+                                                                                 else world)
+
+
+@pytest.mark.parametrize("name", CKPT)
+def test_recompute_collectives(name, ckpt_runs):
+    """Backward reruns each block's forward up to its last saved tensor (fc2's input), so the attention half's g
+    runs again (SP: its all-gather f, reduce-scatter g and the MLP's all-gather f); Pa adds one all-gather of x per
+    block, in the recompute only (none in the forward). Under SP, Pa adds nothing: x already is T/W tokens."""
+    world, flags, _ = CKPT[name]
+    r, _ = ckpt_runs(name)
+    _, model = model_of(CFG)
+    L, act = len(model.blocks), 4 * 32 * model.embed.tokens * 32          # SMALL: batch 32, dim 32
+    if "--sequence-parallel" in flags:
+        calls = dict(all_gather=4 * L + 2 + 2 * L, reduce_scatter=5 * L, all_reduce=1)
+        assert {k: v for k, v in r["comm"].items() if k != "all_reduce"} == dict(
+            all_gather=(6 * L + 2) * act, reduce_scatter=5 * L * act)
+    else:
+        calls = dict(all_reduce=5 * L, **({"all_gather": L} if "--partition-activations" in flags else {}))
+        assert r["comm"] == {k: n * act for k, n in calls.items()}, r["comm"]
+    assert r["comm_calls"] == {k: WINDOW * n for k, n in calls.items()}, r["comm_calls"]
+    assert r["comm"] == r["formula"]["comm"]

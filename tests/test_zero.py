@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import common
 import zero
-from helpers import SMALL, max_diff, ok, torchrun
+from helpers import ROOT, SMALL, max_diff, ok, torchrun
 
 CFG = SMALL + ["--limit", "1025", "--batch-size", "24", "--dim", "33", "--heads", "3", "--patch", "14"]  # later flags win
 TOL = {"sgd": 1e-6, "adamw": 5e-5}   # round-off; AdamW turns it into steps on ~0 gradients: up to 1.9e-5 seen
@@ -129,3 +129,47 @@ def test_full_buffers_live_only_while_needed(stage):
             assert peak["params"] == 1 and sum(u.flat.untyped_storage().nbytes() for u in units) == 0
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("stage,optim", [(stage, optim) for stage in (1, 2, 3) for optim in ("sgd", "adamw")])
+def test_offload_to_disk_equals_one_ddp_process(stage, optim, refs, setting, tmp_path):
+    """ZeRO-Infinity (--offload disk) at W=2: the parameters of ddp.py at W=1. The optimizer holds one unit's state
+    at a time: its peak during the first step (the Meter samples it after every op) is the largest unit's k·S and
+    nothing stays between steps, while each rank's files hold its master shards (4Ψ'/W) and their state (kΨ'/W)."""
+    sizes, _ = setting
+    world, k, path = 2, 8 if optim == "adamw" else 4, tmp_path / "out.pt"
+    res = ok(torchrun("zero.py", world, *CFG, "--stage", stage, "--optim", optim, "--save", path,
+                      "--offload", "disk", "--offload-dir", tmp_path, timeout=240))
+    diff = max_diff(path, refs[optim])
+    print(f"stage {stage} --offload disk W={world} {optim}: max |Δ| vs ddp.py W=1 = {diff:.2e}")
+    assert res["steps"] == 6 and diff <= TOL[optim]
+    shards = [-(-n // world) for n in sizes]
+    assert (res["optim_bytes"], res["optim_peak_bytes"]) == (0, k * max(shards)) and len(set(shards)) > 1
+    assert res["formula"]["optim_peak_bytes"] == k * max(shards)
+    saved = torch.load(path, weights_only=True)
+    for rank in range(world):
+        files = [torch.load(tmp_path / f"zero-rank{rank}-unit{i}.pt", weights_only=True) for i in range(len(sizes))]
+        assert [f["master"].numel() for f in files] == shards
+        state = [v for f in files for key, v in f["state"].items() if key != "step"]
+        assert sum(t.numel() * t.element_size() for t in state) == k * sum(shards) == k * padded(sizes, world) // world
+        assert optim == "sgd" or all(f["state"]["step"].item() == 6 for f in files)
+    flat = torch.cat([saved[key].flatten() for key in saved])             # the units' order is the state_dict's
+    first = files[0]["master"]                                          # rank 1's shard of the embed unit
+    assert torch.equal(first[:sizes[0] - shards[0]], flat[shards[0]:sizes[0]])
+
+
+def test_killed_mid_write_leaves_every_state_file_whole(tmp_path):
+    """Rank 1 dies half-way through writing unit 1's file in step 3 (tests/faults: its torch.save number
+    U + 2U + 2, U units, the first U the initial files): that file is still step 2's and whole, unit 0's is step
+    3's, and every file of both ranks loads (written to a temporary file, fsynced, renamed over the old one)."""
+    units = len(build().blocks) + 2
+    env = {"PYTHONPATH": str(ROOT / "tests" / "faults"), "FAULT": "exit-in-save", "FAULT_RANK": "1",
+           "FAULT_STEP": str(3 * units + 2)}
+    r = torchrun("zero.py", 2, *CFG, "--stage", "2", "--optim", "adamw", "--offload", "disk", "--offload-dir", tmp_path,
+                 env=env, timeout=240)
+    assert r.returncode != 0 and "RESULT" not in r.stdout, r.output
+    assert (tmp_path / "zero-rank1-unit1.pt.tmp").exists()           # the half-written file, never renamed
+    for rank, expected in ((0, None), (1, [3, 2, 2, 2])):
+        steps = [torch.load(tmp_path / f"zero-rank{rank}-unit{i}.pt", weights_only=True)["state"]["step"].item()
+                 for i in range(units)]
+        assert steps == expected if expected else set(steps) <= {2.0, 3.0}, (rank, steps)

@@ -1,7 +1,8 @@
 """Fault injection for the reliability tests, loaded into every worker through PYTHONPATH.
 
 FAULT=raise|hang|exit  FAULT_RANK=r  FAULT_STEP=k: on global rank r, just before its k-th
-optimizer step (1-based), raise an exception, sleep forever, or exit(3). Only on the first
+optimizer step (1-based), raise an exception, sleep forever, or exit(3). FAULT=exit-in-save: in the
+k-th torch.save of rank r (to an open file), write half of its bytes, then exit(3). Only on the first
 attempt of a torchrun job (TORCHELASTIC_RESTART_COUNT 0), so a restarted group runs clean.
 OFFLINE=1: no connection to any host but this one (MNIST cannot be downloaded).
 HIDE=PATH FAULT_RANK=r: on rank r that file does not exist (a node without the shared file system).
@@ -36,6 +37,26 @@ if os.environ.get("FAULT") and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
                 os._exit(3)
 
     _opt.register_optimizer_step_pre_hook(_inject)
+
+    if os.environ["FAULT"] == "exit-in-save" and os.environ.get("RANK", "0") == os.environ.get("FAULT_RANK", "0"):
+        # the FAULT_STEP-th torch.save of that rank writes half of its bytes, then the process dies (killed mid-write)
+        import io
+
+        import torch
+
+        _save, _saves = torch.save, {"n": 0}
+
+        def _dying_save(obj, f, *args, **kwargs):
+            _saves["n"] += 1
+            if _saves["n"] != int(os.environ.get("FAULT_STEP", "1")):
+                return _save(obj, f, *args, **kwargs)
+            buffer = io.BytesIO()
+            _save(obj, buffer, *args, **kwargs)
+            f.write(buffer.getvalue()[:len(buffer.getvalue()) // 2])
+            f.flush()
+            os._exit(3)
+
+        torch.save = _dying_save
 
 if os.environ.get("OFFLINE"):
     # No connection leaves this machine: what a laptop without network (or CI) sees.
