@@ -4,6 +4,8 @@ World-size checks run before any process group exists, so they are exercised her
 torchrun would trigger them, by giving one process torchrun's environment (RANK=0,
 WORLD_SIZE=W); test_world_size_error_under_real_torchrun shows the real launcher too.
 """
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -105,12 +107,26 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("script,argv,env,message", CASES, ids=[f"{c[0]}:{' '.join(c[1])}" for c in CASES])
-def test_bad_input(files, script, argv, env, message):
+IDS = [f"{c[0]}:{' '.join(c[1])}" for c in CASES]
+
+
+@pytest.fixture(scope="module")
+def outcomes(request, files):
+    """The selected cases, launched two at a time (each is mostly one process importing torch)."""
+    cases = {item.callspec.id: item.callspec.params for item in request.session.items
+             if item.module is request.module and item.originalname == "test_bad_input"}
+
+    def launch(case):
+        return python(case["script"], *[a.format(d=files) for a in case["argv"]], env=case["env"], timeout=60)
+    with ThreadPoolExecutor(2) as pool:
+        return dict(zip(cases, pool.map(launch, cases.values())))
+
+
+@pytest.mark.parametrize("script,argv,env,message", CASES, ids=IDS)
+def test_bad_input(files, outcomes, request, script, argv, env, message):
     if "nccl" in argv and torch.cuda.is_available():
         pytest.fail("this case assumes a machine without GPUs")
-    argv = [a.format(d=files) for a in argv]
-    r = python(script, *argv, env=env, timeout=60)
+    r = outcomes[request.node.callspec.id]
     err = r.stderr
     assert r.returncode == 2, r.output
     assert message.format(d=files) in err, r.output
