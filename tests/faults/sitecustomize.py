@@ -7,10 +7,9 @@ attempt of a torchrun job (TORCHELASTIC_RESTART_COUNT 0), so a restarted group r
 OFFLINE=1: no connection to any host but this one (MNIST cannot be downloaded).
 HIDE=PATH FAULT_RANK=r: on rank r that file does not exist (a node without the shared file system).
 PROBE=DIR: what the first optimizer step of training did, seen from outside the script and written
-to DIR/rank<r>.json at that step: `saved_bytes`, what autograd kept for backward in the first
-forward (distinct storages, parameters left out: a checkpointed block keeps only its input), and
-`attention`, the attention calls made with grad enabled, by the dtype of their queries (a
-checkpointed block runs its forward again during backward; autocast makes the queries 16-bit).
+to DIR/rank<r>.json at that step: `attention`, the attention calls made with grad enabled, by the
+dtype of their queries (a checkpointed block runs its forward again during backward; autocast makes
+the queries 16-bit). What autograd saved for backward is the Meter's `act_bytes`, in every RESULT.
 MUTANT=name: a deliberate bug that breaks one promise, applied from outside (tests/test_mutants.py
 lists them with the test that must fail under each). The scripts themselves carry no test hooks.
 """
@@ -96,17 +95,7 @@ if os.environ.get("PROBE"):
     import torch.nn.functional as F
     import torch.optim.optimizer as _opt
 
-    _probe = {"saved": {}, "counting": True, "attention": {}}
-
-    def _pack(t):
-        if _probe["counting"]:
-            _probe["saved"][t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    def _unpack(t):
-        _probe["counting"] = False              # the first backward has begun: the first forward is whole
-        return t
-
+    _probe = {"attention": {}}
     _sdpa = F.scaled_dot_product_attention
 
     def _attention(q, *args, **kwargs):
@@ -115,18 +104,13 @@ if os.environ.get("PROBE"):
         return _sdpa(q, *args, **kwargs)
 
     def _first_step(optimizer, args, kwargs):
-        _probe_hooks.__exit__()
         _probe_step.remove()
         F.scaled_dot_product_attention = _sdpa
-        params = {p.untyped_storage().data_ptr() for g in optimizer.param_groups for p in g["params"]}
         os.makedirs(os.environ["PROBE"], exist_ok=True)
         with open(os.path.join(os.environ["PROBE"], f"rank{os.environ.get('RANK', '0')}.json"), "w") as f:
-            json.dump(dict(saved_bytes=sum(n for ptr, n in _probe["saved"].items() if ptr not in params),
-                           attention=_probe["attention"]), f)
+            json.dump(dict(attention=_probe["attention"]), f)
 
     F.scaled_dot_product_attention = _attention
-    _probe_hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
-    _probe_hooks.__enter__()
     _probe_step = _opt.register_optimizer_step_pre_hook(_first_step)
 
 if os.environ.get("MUTANT"):
