@@ -34,6 +34,7 @@ def sizes(cfg):
 def refs(tmp_path_factory):
     """ddp.py at W=1: sgd and adamw on CFG, sgd on CFG8 (as "sgd8"); one-process launches, two at a time."""
     jobs = [(CFG, "sgd"), (CFG, "adamw"), (CFG8, "sgd")]
+    tmp_path_factory.getbasetemp()                # made here, not by two threads at once
     with ThreadPoolExecutor(2) as pool:
         paths = list(pool.map(lambda job: ddp_reference(tmp_path_factory, *job), jobs))
     return dict(zip(("sgd", "adamw", "sgd8"), paths))

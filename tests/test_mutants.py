@@ -22,6 +22,10 @@ MUTANTS = {   # mutant -> the test that must fail under it (the promise in the R
     "fsdp-sum": "tests/test_fsdp.py::test_equals_ddp_one_process[W2-sgd]",                          # FSDP exactness
     "tp-f-identity": "tests/test_tensor_parallel.py::test_same_parameters_as_ddp_one_process[W2-tp-sgd]",  # TP
     "pipeline-unpaired": "tests/test_pipeline.py::test_p2p_order_is_nccl_safe",                     # NCCL order
+    "schedules-unpaired": "tests/test_pipeline_schedules.py::test_p2p_order_is_nccl_safe[2]",     # NCCL order
+    "cp-head-not-summed": "tests/test_context_parallel.py::test_same_parameters_as_ddp_one_process[ring-W2-sgd]",
+    "ep-dense-sum": "tests/test_expert_parallel.py::test_equals_one_ddp_process[W2-E4-K2-sgd]",     # EP exactness
+    "nd-fsdp-sum": "tests/test_nd_parallel.py::test_same_parameters_as_ddp_one_process[R1S2T1P2-sgd]",  # N-D
 }
 
 
@@ -41,7 +45,7 @@ def outcomes(request, tmp_path_factory):
     wanted = [item.callspec.params["mutant"] for item in request.session.items
               if item.module is request.module and hasattr(item, "callspec")]
     with ThreadPoolExecutor(2) as pool:
-        runs = pool.map(lambda m: under(m, tmp_path_factory.mktemp(m)), wanted)
+        runs = pool.map(lambda m: under(m, tmp_path_factory.mktemp(m) / "t"), wanted)
         return dict(zip(wanted, runs))
 
 

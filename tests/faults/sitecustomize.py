@@ -175,7 +175,7 @@ if os.environ.get("MUTANT"):
             input.mul_(dist.get_world_size())
             return _rs(output, input, *a, **k)
         dist.reduce_scatter_tensor = _sum_scatter
-    elif _mutant == "fsdp-sum":              # FSDP sums the gradients instead of averaging them
+    elif _mutant in ("fsdp-sum", "nd-fsdp-sum"):    # FSDP sums the gradients instead of averaging them
         import torch.distributed.fsdp as _fsdp
         _fully_shard = _fsdp.fully_shard
 
@@ -192,5 +192,22 @@ if os.environ.get("MUTANT"):
             p2p = pipeline.p2p
             pipeline.p2p = lambda ops: [p2p([op]) for op in ops]
         _after_import["pipeline"] = _unpair
+    elif _mutant == "schedules-unpaired":    # pipeline_schedules.py sends and receives one op per group
+        def _unpair_schedules(schedules):
+            p2p = schedules.p2p
+            schedules.p2p = lambda ops: [p2p([op]) for op in ops]
+        _after_import["pipeline_schedules"] = _unpair_schedules
+    elif _mutant == "cp-head-not-summed":    # context parallelism: the head averages this rank's tokens only
+        _ar2 = dist.all_reduce
+        dist.all_reduce = lambda t, *a, **k: None if t.dim() == 2 and t.is_floating_point() else _ar2(t, *a, **k)
+    elif _mutant == "ep-dense-sum":          # expert parallelism: the dense gradients summed, not averaged
+        _ar1 = dist.all_reduce
+
+        def _summed(t, *a, **k):
+            out = _ar1(t, *a, **k)
+            if t.dim() == 1 and t.is_floating_point():
+                t.mul_(dist.get_world_size())
+            return out
+        dist.all_reduce = _summed
     else:
         raise SystemExit(f"tests/faults: unknown MUTANT={_mutant}")
