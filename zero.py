@@ -148,7 +148,6 @@ def hook_optimizer(model, optimizer):
     optimizer.register_step_post_hook(lambda optimizer, *_: model.zero.after_step(optimizer))
 
 
-@torch.no_grad()
 def full_state_dict(model):
     """The plain state_dict of the common model, on every rank: every unit's shards all-gathered."""
     sd = {}
@@ -172,7 +171,6 @@ def formula(psi, world, args, largest=0):
 
 
 def check_args(args, world):
-    common.check(args.stage in (1, 2, 3), f"--stage must be 1, 2 or 3, got {args.stage}")
     common.check(args.offload != "disk" or os.path.isdir(d := args.offload_dir or "") and os.access(d, os.W_OK),
                  f"--offload disk needs --offload-dir DIR, an existing writable directory (got {args.offload_dir})")
     common.check(args.batch_size % world == 0,
@@ -288,7 +286,7 @@ def run(args):
 
 def main():
     parser = common.get_parser("ZeRO stages 1-3 written out with torch.distributed, on the common ViT")
-    parser.add_argument("--stage", type=int, default=1, help="1: shard optimizer state, 2: + grads, 3: + params")
+    parser.add_argument("--stage", type=int, choices=[1, 2, 3], default=1, help="1: shard optimizer state, 2: + grads, 3: + params")
     parser.add_argument("--offload", choices=["none", "cpu", "disk"], default="none", help="ZeRO-Offload / -Infinity")
     parser.add_argument("--offload-dir", default=None, help="--offload disk: where each rank's unit files go")
     args = common.parse_args(parser)
