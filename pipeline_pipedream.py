@@ -45,6 +45,7 @@ class Stage(torch.nn.Module):
         self.head = model.head if s == p - 1 else None
         self.act_shape = tuple(model.embed.pos.shape[1:])      # (T, D): what crosses a stage boundary
         self.seen = 0                                           # micro-batches fed to the stream so far
+        self.pending = []      # the last backward's gradient send, which stage s-1 takes in its next step
 
     def forward(self, x):
         for layer in [self.embed, *self.blocks.values(), self.head]:
@@ -71,7 +72,7 @@ def train_step(stage, x, y, m, optimizer, final=False):
     B j's gradient, taken on that copy, goes into .grad and the optimizer steps: one update per micro-batch.
     Returns the sum of this batch's micro-batch mean losses / m on the last stage (0 elsewhere)."""
     s, p, xs, ys, w = stage.s, stage.p, x.chunk(m), y.chunk(m), stage.p - stage.s - 1
-    held, loss, sends, j0 = stage.__dict__.setdefault("held", {}), torch.zeros((), device=x.device), [], stage.seen
+    held, loss, sends, j0 = stage.__dict__.setdefault("held", {}), torch.zeros((), device=x.device), stage.pending, stage.seen
     order = [a for j in range(j0, j0 + m) for a in (("F", j), ("B", j - w)) if a[1] >= 0]
     stage.seen += m
     for a, j in order + ([("B", j) for j in range(max(j0 + m - w, 0), j0 + m)] if final else []):
@@ -95,7 +96,11 @@ def train_step(stage, x, y, m, optimizer, final=False):
             optimizer.step()                     # this stage's weights move on; the stash stays as it was
             optimizer.zero_grad(set_to_none=True)
             sends = [(dist.isend, inp.grad, s - 1)] if s > 0 else []
-    p2p(sends)
+    # Stage s-1 takes the last backward's gradient only in its next step, after its next forward: post
+    # that send with this stage's first receive of the next step, so that no send is left waiting while
+    # the loop runs a collective between steps (NCCL and Gloo would both hang there).
+    stage.pending = sends if a == "B" and not final else []
+    p2p([] if stage.pending else sends)
     return loss
 
 

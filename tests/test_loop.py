@@ -1,0 +1,44 @@
+"""Every script's training loop past two logging steps and an epoch boundary.
+
+A logging step all-reduces the windowed loss and an epoch boundary starts a new shuffle: a send left
+open across either (a pipeline whose last backward's gradient is received in the next step) hangs
+there on NCCL as on Gloo. Three batches an epoch, five steps, a loss line every two steps."""
+
+import re
+
+import pytest
+
+from helpers import ok, torchrun
+
+LOOP = [
+    *("--data synthetic --limit 96 --batch-size 32 --epochs 2 --max-steps 5 --log-every 2").split(),
+    *("--dim 16 --depth 4 --heads 2 --no-progress --timeout 30").split(),
+]
+LAUNCHES = {
+    "ddp": ("ddp.py",),
+    "ddp_torchrun": ("ddp_torchrun.py",),
+    "amp_checkpoint": ("amp_checkpoint.py", "--checkpoint"),
+    "zero-3": ("zero.py", "--stage", "3"),
+    "fsdp": ("fsdp.py",),
+    "tensor_parallel": ("tensor_parallel.py", "--sequence-parallel"),
+    "context_parallel": ("context_parallel.py",),
+    "expert_parallel": ("expert_parallel.py", "--experts", "2"),
+    "pipeline-1f1b": ("pipeline.py", "--schedule", "1f1b"),
+    "pipeline_schedules-interleaved": (
+        "pipeline_schedules.py",
+        *("--schedule interleaved --virtual-stages 2").split(),
+    ),
+    "pipeline_schedules-zb-h1": ("pipeline_schedules.py", "--schedule", "zb-h1"),
+    "pipeline_pipedream": ("pipeline_pipedream.py",),
+    "nd_parallel-pp": ("nd_parallel.py", "--dp-shard", "1", "--pp", "2"),
+}
+
+
+@pytest.mark.parametrize("name", LAUNCHES)
+def test_the_loop_runs_past_logging_steps_and_an_epoch_boundary(name):
+    script, *flags = LAUNCHES[name]
+    run = torchrun(script, 2, *LOOP, *flags, timeout=120)
+    result = ok(run)
+    assert result["steps"] == 5
+    logged = re.findall(r"^epoch (\d) step (\d+): train loss", run.stdout, re.M)
+    assert logged == [("0", "2"), ("1", "4")], run.output
