@@ -17,6 +17,7 @@ This model has no BatchNorm. A model that does would need
 `model = nn.SyncBatchNorm.convert_sync_batchnorm(model)` before wrapping, or each rank
 normalises with the statistics of its own batch/W samples only.
 """
+
 import datetime
 import os
 import time
@@ -36,39 +37,57 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 # Model contract: any nn.Module, built with the same weights on every rank (DDP also broadcasts
 # rank 0's parameters when it wraps), on this rank's device.
 
+
 def parallelize(model, device):
     """DDP hooks every parameter: as backward produces gradients it all-reduces them in ~25 MB
     buckets, overlapped with the rest of backward, and divides by W. Each rank's loss is the mean
     over its batch/W samples, so every rank then holds the gradient of the global batch's mean."""
-    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-               gradient_as_bucket_view=True)    # grads live in DDP's buckets: no second copy
+    return DDP(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        gradient_as_bucket_view=True,
+    )  # grads live in DDP's buckets: no second copy
 
 
 def full_state_dict(model):
     """The plain state_dict of the common model: every rank holds it whole."""
     return {k: v.detach().cpu() for k, v in model.module.state_dict().items()}
+
+
 ### end: DDP
 
 
 def formula(psi, world, args):
     """The paper's per-rank bytes, which the report sets next to what the Meter measured."""
     k = 8 if args.optim == "adamw" else 4
-    return dict(param_bytes=4 * psi, grad_bytes=4 * psi, optim_bytes=k * psi, comm=dict(all_reduce=4 * psi),
-                notes=dict(param_bytes="4Ψ replicated", grad_bytes="4Ψ replicated",
-                           optim_bytes=f"{k}Ψ " + ("AdamW m, v" if k == 8 else "SGD momentum"),
-                           all_reduce="Ψ fp32 gradients; a ring sends 2(W-1)/W of it"))
+    return dict(
+        param_bytes=4 * psi,
+        grad_bytes=4 * psi,
+        optim_bytes=k * psi,
+        comm=dict(all_reduce=4 * psi),
+        notes=dict(
+            param_bytes="4Ψ replicated",
+            grad_bytes="4Ψ replicated",
+            optim_bytes=f"{k}Ψ " + ("AdamW m, v" if k == 8 else "SGD momentum"),
+            all_reduce="Ψ fp32 gradients; a ring sends 2(W-1)/W of it",
+        ),
+    )
 
 
 def check_args(args, world):
-    common.check(args.batch_size % world == 0,
-                 f"--batch-size {args.batch_size} is not divisible by world size {world}: every rank must get "
-                 f"the same whole number of samples per step")
+    common.check(
+        args.batch_size % world == 0,
+        f"--batch-size {args.batch_size} is not divisible by world size {world}: every rank must get "
+        f"the same whole number of samples per step",
+    )
 
 
 def setup(args):
     """Join the process group. torchrun (or common.launch) put RANK, WORLD_SIZE, MASTER_ADDR and
     MASTER_PORT in the environment; LOCAL_RANK picks this process's GPU."""
-    backend, device = common.pick_backend(args.backend)    # NCCL and a GPU per rank, else Gloo on the CPU
+    backend, device = common.pick_backend(
+        args.backend
+    )  # NCCL and a GPU per rank, else Gloo on the CPU
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=args.timeout)
@@ -88,12 +107,18 @@ def cleanup():
 def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
     """The loop every script shares: forward, loss, backward, step, schedule, log."""
     stop, world = args.max_steps or float("inf"), dist.get_world_size()
-    loss_sum, loss_n, last_loss, steps_run, t_train = torch.zeros((), device=device), 0, float("nan"), 0, 0.0
+    loss_sum, loss_n, last_loss, steps_run, t_train = (
+        torch.zeros((), device=device),
+        0,
+        float("nan"),
+        0,
+        0.0,
+    )
     for epoch in range(step // len(loader), args.epochs):
         if step >= stop:
             break
-        sampler.set_epoch(epoch)                   # a new shuffle each epoch, the same on every rank
-        loader.dataset.set_epoch(epoch)            # and new augmentations (--shift), the same everywhere
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        loader.dataset.set_epoch(epoch)  # and new augmentations (--shift), the same everywhere
         model.train()
         t0 = time.perf_counter()
         bar = common.progress(loader, args, epoch)
@@ -104,9 +129,14 @@ def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            loss_sum, loss_n, step, steps_run = loss_sum + loss.detach(), loss_n + 1, step + 1, steps_run + 1
+            loss_sum, loss_n, step, steps_run = (
+                loss_sum + loss.detach(),
+                loss_n + 1,
+                step + 1,
+                steps_run + 1,
+            )
             if step % args.log_every == 0 or step >= stop or i + 1 == len(loader):
-                dist.all_reduce(loss_sum)          # each rank's loss is its slice's: average them
+                dist.all_reduce(loss_sum)  # each rank's loss is its slice's: average them
                 last_loss, loss_sum, loss_n = loss_sum.item() / world / loss_n, loss_sum * 0, 0
                 common.log_loss(bar, args, epoch, step, last_loss)
             if step >= stop:
@@ -137,30 +167,61 @@ def run(args):
     rank, world, device, backend = setup(args)
     try:
         train_set, test_set, source = common.load_data(args, device)
-        dp_rank, dp_world = rank, world            # every rank is a data-parallel rank
-        sampler = DistributedSampler(train_set, num_replicas=dp_world, rank=dp_rank, shuffle=True,
-                                     seed=args.seed, drop_last=True)
-        loader = DataLoader(train_set, batch_size=args.batch_size // dp_world, sampler=sampler, drop_last=True,
-                            pin_memory=device.type == "cuda")
-        common.check(len(loader) > 0, f"{len(train_set)} training samples make no full batch of {args.batch_size}")
-        model = common.build_model(args)           # the same seeded weights on every rank
+        dp_rank, dp_world = rank, world  # every rank is a data-parallel rank
+        sampler = DistributedSampler(
+            train_set,
+            num_replicas=dp_world,
+            rank=dp_rank,
+            shuffle=True,
+            seed=args.seed,
+            drop_last=True,
+        )
+        loader = DataLoader(
+            train_set,
+            batch_size=args.batch_size // dp_world,
+            sampler=sampler,
+            drop_last=True,
+            pin_memory=device.type == "cuda",
+        )
+        common.check(
+            len(loader) > 0,
+            f"{len(train_set)} training samples make no full batch of {args.batch_size}",
+        )
+        model = common.build_model(args)  # the same seeded weights on every rank
         if args.load:
             model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
         psi = sum(p.numel() for p in model.parameters())
         model = parallelize(model.to(device), device)
         optimizer = common.make_optimizer(model.parameters(), args)
         scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
-        common.log(f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data ({len(train_set)} train / "
-                   f"{len(test_set)} test), batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}")
+        common.log(
+            f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data ({len(train_set)} train / "
+            f"{len(test_set)} test), batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
+        )
         with common.Meter(model, optimizer, args) as meter:
             out = train(model, optimizer, scheduler, loader, sampler, args, device)
-        acc = evaluate(model, common.test_loader(test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"),
-                       device)
-        state = full_state_dict(model)             # every rank takes part; rank 0 holds the whole
+        acc = evaluate(
+            model,
+            common.test_loader(test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"),
+            device,
+        )
+        state = full_state_dict(model)  # every rank takes part; rank 0 holds the whole
         if rank == 0 and args.save:
             common.save_checkpoint(state, args.save)
             common.log(f"saved {args.save}")
-        common.report(SCRIPT, args, world, backend, device, source, psi, out, acc, meter, formula(psi, world, args))
+        common.report(
+            SCRIPT,
+            args,
+            world,
+            backend,
+            device,
+            source,
+            psi,
+            out,
+            acc,
+            meter,
+            formula(psi, world, args),
+        )
     finally:
         cleanup()
 

@@ -19,6 +19,7 @@ One Python process and GIL for all GPUs is why DistributedDataParallel (ddp.py) 
 Without GPUs it trains on the CPU as one device, and says so. There is no process group, so
 this file's skeleton has no setup(), sampler ranks or all-reduces: compare it with ddp.py.
 """
+
 import os
 import time
 
@@ -36,6 +37,7 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 ### begin: DataParallel
 # Model contract: any nn.Module whose parameters are on device_ids[0].
 
+
 class ManualDataParallel(nn.Module):
     """What nn.DataParallel.forward does, one primitive at a time (all differentiable)."""
 
@@ -44,58 +46,98 @@ class ManualDataParallel(nn.Module):
         self.module, self.device_ids = module, device_ids
 
     def forward(self, x):
-        replicas = replicate(self.module, self.device_ids)          # broadcast the parameters to every GPU
-        inputs = scatter(x, self.device_ids)                        # split the batch along dim 0
-        outputs = parallel_apply(replicas[:len(inputs)], [(i,) for i in inputs])   # one thread per GPU
-        return gather(outputs, self.device_ids[0])                  # concatenate the outputs on GPU 0
+        replicas = replicate(self.module, self.device_ids)  # broadcast the parameters to every GPU
+        inputs = scatter(x, self.device_ids)  # split the batch along dim 0
+        outputs = parallel_apply(
+            replicas[: len(inputs)], [(i,) for i in inputs]
+        )  # one thread per GPU
+        return gather(outputs, self.device_ids[0])  # concatenate the outputs on GPU 0
 
 
 def parallelize(model, device_ids, manual):
     if not device_ids:
         return model
-    return ManualDataParallel(model, device_ids) if manual else nn.DataParallel(model, device_ids=device_ids)
+    return (
+        ManualDataParallel(model, device_ids)
+        if manual
+        else nn.DataParallel(model, device_ids=device_ids)
+    )
 
 
 def full_state_dict(model):
     return {k: v.detach().cpu() for k, v in getattr(model, "module", model).state_dict().items()}
+
+
 ### end: DataParallel
 
 
 def formula(psi, gpus, args):
     k = 8 if args.optim == "adamw" else 4
-    return dict(param_bytes=4 * psi, grad_bytes=4 * psi, optim_bytes=k * psi,
-                notes=dict(param_bytes="4Ψ on GPU 0 (+ a 4Ψ replica per other GPU, each step)",
-                           grad_bytes="4Ψ on GPU 0", optim_bytes=f"{k}Ψ " + ("AdamW m, v" if k == 8 else "SGD momentum")))
+    return dict(
+        param_bytes=4 * psi,
+        grad_bytes=4 * psi,
+        optim_bytes=k * psi,
+        notes=dict(
+            param_bytes="4Ψ on GPU 0 (+ a 4Ψ replica per other GPU, each step)",
+            grad_bytes="4Ψ on GPU 0",
+            optim_bytes=f"{k}Ψ " + ("AdamW m, v" if k == 8 else "SGD momentum"),
+        ),
+    )
 
 
 def check_args(args, gpus):
-    common.check(args.backend == "auto", "dp.py makes no process group, so --backend does not apply (leave it at auto)")
-    common.check(args.nproc is None, "dp.py is one process driving every GPU: --nproc does not apply (see ddp.py)")
-    common.check(args.batch_size >= max(gpus, 1), f"--batch-size {args.batch_size} is smaller than the {gpus} GPUs")
-    common.check(not args.experts or gpus <= 1, f"--experts over {gpus} GPUs: each DataParallel replica would add the "
-                 f"load-balancing gradient again (use ddp.py or expert_parallel.py)")
+    common.check(
+        args.backend == "auto",
+        "dp.py makes no process group, so --backend does not apply (leave it at auto)",
+    )
+    common.check(
+        args.nproc is None,
+        "dp.py is one process driving every GPU: --nproc does not apply (see ddp.py)",
+    )
+    common.check(
+        args.batch_size >= max(gpus, 1),
+        f"--batch-size {args.batch_size} is smaller than the {gpus} GPUs",
+    )
+    common.check(
+        not args.experts or gpus <= 1,
+        f"--experts over {gpus} GPUs: each DataParallel replica would add the "
+        f"load-balancing gradient again (use ddp.py or expert_parallel.py)",
+    )
 
 
 def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
     """The loop every script shares: forward, loss, backward, step, schedule, log."""
     stop = args.max_steps or float("inf")
-    loss_sum, loss_n, last_loss, steps_run, t_train = torch.zeros((), device=device), 0, float("nan"), 0, 0.0
+    loss_sum, loss_n, last_loss, steps_run, t_train = (
+        torch.zeros((), device=device),
+        0,
+        float("nan"),
+        0,
+        0.0,
+    )
     for epoch in range(step // len(loader), args.epochs):
         if step >= stop:
             break
-        sampler.set_epoch(epoch)                   # a new shuffle each epoch
-        loader.dataset.set_epoch(epoch)            # and new augmentations (--shift), the same everywhere
+        sampler.set_epoch(epoch)  # a new shuffle each epoch
+        loader.dataset.set_epoch(epoch)  # and new augmentations (--shift), the same everywhere
         model.train()
         t0 = time.perf_counter()
         bar = common.progress(loader, args, epoch)
         for i, (x, y) in enumerate(bar):
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            loss = F.cross_entropy(model(x), y)    # outputs are gathered on GPU 0: one loss, one backward
+            loss = F.cross_entropy(
+                model(x), y
+            )  # outputs are gathered on GPU 0: one loss, one backward
             loss.backward()
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            loss_sum, loss_n, step, steps_run = loss_sum + loss.detach(), loss_n + 1, step + 1, steps_run + 1
+            loss_sum, loss_n, step, steps_run = (
+                loss_sum + loss.detach(),
+                loss_n + 1,
+                step + 1,
+                steps_run + 1,
+            )
             if step % args.log_every == 0 or step >= stop or i + 1 == len(loader):
                 last_loss, loss_sum, loss_n = loss_sum.item() / loss_n, loss_sum * 0, 0
                 common.log_loss(bar, args, epoch, step, last_loss)
@@ -120,39 +162,79 @@ def evaluate(model, loader, device):
 
 def run(args, gpus):
     """One process, in the seeds' order: the data, the model, the wrap, train, evaluate, save."""
-    device, device_ids = (torch.device("cuda", 0), list(range(gpus))) if gpus else (torch.device("cpu"), [])
+    device, device_ids = (
+        (torch.device("cuda", 0), list(range(gpus))) if gpus else (torch.device("cpu"), [])
+    )
     train_set, test_set, source = common.load_data(args, device)
     # One process sees every sample. A sampler for a world of one shuffles exactly as ddp.py's do
     # at any W, so dp.py trains on the same global batches (and, on one device, to the same weights).
-    sampler = DistributedSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=args.seed, drop_last=True)
-    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True,
-                        pin_memory=device.type == "cuda")
-    common.check(len(loader) > 0, f"{len(train_set)} training samples make no full batch of {args.batch_size}")
+    sampler = DistributedSampler(
+        train_set, num_replicas=1, rank=0, shuffle=True, seed=args.seed, drop_last=True
+    )
+    loader = DataLoader(
+        train_set,
+        batch_size=args.batch_size,
+        sampler=sampler,
+        drop_last=True,
+        pin_memory=device.type == "cuda",
+    )
+    common.check(
+        len(loader) > 0,
+        f"{len(train_set)} training samples make no full batch of {args.batch_size}",
+    )
     model = common.build_model(args)
     if args.load:
         model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
     psi = sum(p.numel() for p in model.parameters())
-    model = parallelize(model.to(device), device_ids, args.manual)   # DataParallel needs them on device_ids[0]
+    model = parallelize(
+        model.to(device), device_ids, args.manual
+    )  # DataParallel needs them on device_ids[0]
     optimizer = common.make_optimizer(model.parameters(), args)
     scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
-    common.log(f"{SCRIPT}: " + (f"{'replicate/scatter/parallel_apply/gather' if args.manual else 'nn.DataParallel'} "
-                                f"over {gpus} GPU{'s' * (gpus > 1)}" if gpus else
-                                "no GPUs visible, training on the CPU as a single device (nothing is parallel here)"))
-    common.log(f"{SCRIPT}: Ψ = {psi:,} parameters, {source} data ({len(train_set)} train / {len(test_set)} test), "
-               f"batch {args.batch_size} split over {max(gpus, 1)} device{'s' * (gpus > 1)}")
+    common.log(
+        f"{SCRIPT}: "
+        + (
+            f"{'replicate/scatter/parallel_apply/gather' if args.manual else 'nn.DataParallel'} "
+            f"over {gpus} GPU{'s' * (gpus > 1)}"
+            if gpus
+            else "no GPUs visible, training on the CPU as a single device (nothing is parallel here)"
+        )
+    )
+    common.log(
+        f"{SCRIPT}: Ψ = {psi:,} parameters, {source} data ({len(train_set)} train / {len(test_set)} test), "
+        f"batch {args.batch_size} split over {max(gpus, 1)} device{'s' * (gpus > 1)}"
+    )
     with common.Meter(model, optimizer, args) as meter:
         out = train(model, optimizer, scheduler, loader, sampler, args, device)
     acc = evaluate(model, common.test_loader(test_set, pin_memory=device.type == "cuda"), device)
     if args.save:
         common.save_checkpoint(full_state_dict(model), args.save)
         common.log(f"saved {args.save}")
-    common.report(SCRIPT, args, max(gpus, 1), "none", device, source, psi, out, acc, meter, formula(psi, gpus, args),
-                  manual=args.manual)
+    common.report(
+        SCRIPT,
+        args,
+        max(gpus, 1),
+        "none",
+        device,
+        source,
+        psi,
+        out,
+        acc,
+        meter,
+        formula(psi, gpus, args),
+        manual=args.manual,
+    )
 
 
 def main():
-    parser = common.get_parser("DP: nn.DataParallel (one process, all visible GPUs) on the common ViT")
-    parser.add_argument("--manual", action="store_true", help="write the step out: replicate, scatter, parallel_apply, gather")
+    parser = common.get_parser(
+        "DP: nn.DataParallel (one process, all visible GPUs) on the common ViT"
+    )
+    parser.add_argument(
+        "--manual",
+        action="store_true",
+        help="write the step out: replicate, scatter, parallel_apply, gather",
+    )
     args = common.parse_args(parser)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     check_args(args, gpus)

@@ -22,6 +22,7 @@ the E token counts (int64) forward; one all-reduce of the Ψ_d dense gradients (
     python expert_parallel.py --nproc 2 --experts 4 --top-k 2
     python expert_parallel.py --experts 4                       # a world of one: every expert here
 """
+
 import datetime
 import os
 import time
@@ -40,6 +41,7 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 # Model contract: model.blocks[i].mlp.experts is a list of E expert modules, called with the routing
 # as experts(tokens [N, D], expert of each (token, slot) [N, K], weights [N, K]) -> [N, D]
 # (the sum over slots of weight * expert(token)); every other parameter is dense.
+
 
 class AllToAll(torch.autograd.Function):
     """all_to_all_single with uneven splits: `send[r]` rows of x go to rank r, `recv[r]` rows come
@@ -73,26 +75,30 @@ class ExpertParallel(torch.nn.Module):
     def forward(self, h, idx, weights):
         (N, K), W, n = idx.shape, self.world, self.n
         flat = idx.reshape(-1)
-        order = flat.argsort(stable=True)         # (token, slot) pairs grouped by expert, so by owner
-        counts = torch.bincount(flat, minlength=self.E)                     # what this rank sends each expert
-        received = torch.empty_like(counts)       # [W, n]: from rank s, for my expert j
+        order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert, so by owner
+        counts = torch.bincount(flat, minlength=self.E)  # what this rank sends each expert
+        received = torch.empty_like(counts)  # [W, n]: from rank s, for my expert j
         dist.all_to_all_single(received, counts)
         self.received = received.view(W, n)
         # split sizes are host integers: one device sync per layer, which every uneven all-to-all needs
         send, recv = counts.view(W, n).sum(1).tolist(), self.received.sum(1).tolist()
-        x = AllToAll.apply(h[order // K], send, recv)                        # dispatch
-        mine = torch.arange(n, device=h.device).repeat(W).repeat_interleave(received)   # my expert of each row
+        x = AllToAll.apply(h[order // K], send, recv)  # dispatch
+        mine = (
+            torch.arange(n, device=h.device).repeat(W).repeat_interleave(received)
+        )  # my expert of each row
         group = mine.argsort(stable=True)
         chunks = x[group].split(self.received.sum(0).tolist())
         y = torch.cat([expert(c) for expert, c in zip(self.children(), chunks)])[group.argsort()]
-        y = AllToAll.apply(y, recv, send)                                    # combine: back to the token's rank
+        y = AllToAll.apply(y, recv, send)  # combine: back to the token's rank
         return (weights.unsqueeze(-1) * y[order.argsort()].view(N, K, -1)).sum(1)
 
 
 def parallelize(model, device):
     """Keep this rank's experts of every block, drop the others; move to the device."""
     for block in model.blocks:
-        block.mlp.experts = ExpertParallel(block.mlp.experts, dist.get_rank(), dist.get_world_size())
+        block.mlp.experts = ExpertParallel(
+            block.mlp.experts, dist.get_rank(), dist.get_world_size()
+        )
     return model.to(device)
 
 
@@ -118,6 +124,7 @@ def hook_optimizer(model, optimizer):
         for p in expert_params(model):
             if p.grad is not None:
                 p.grad.div_(world)
+
     optimizer.register_step_pre_hook(hook)
 
 
@@ -126,6 +133,8 @@ def full_state_dict(model):
     parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object({k: v.detach().cpu() for k, v in model.state_dict().items()}, parts, dst=0)
     return {k: v for part in parts for k, v in part.items()} if parts else None
+
+
 ### end: Expert parallel
 
 
@@ -135,24 +144,40 @@ def formula(psi, world, args):
     routing decides; the sum over ranks is exact): per MoE layer, 4 token all-to-alls of k·b·T·D fp32
     elements (2 forward, 2 backward), plus E int64 counts."""
     k, D, E = 8 if args.optim == "adamw" else 4, args.dim, args.experts
-    psi_e = args.depth * E * (8 * D * D + 5 * D)         # per expert: fc1 D·4D + 4D, fc2 4D·D + D
+    psi_e = args.depth * E * (8 * D * D + 5 * D)  # per expert: fc1 D·4D + 4D, fc2 4D·D + D
     held = psi - psi_e + psi_e // world
     tokens = args.batch_size // world * (common.IMAGE // args.patch) ** 2
     a2a = args.depth * (4 * args.top_k * tokens * D * 4 + 8 * E)
-    return dict(param_bytes=4 * held, grad_bytes=4 * held, optim_bytes=k * held,
-                comm=dict(all_reduce=4 * (psi - psi_e), all_to_all=a2a),
-                notes=dict(param_bytes="4(Ψ_d + Ψ_e/W)", grad_bytes="4(Ψ_d + Ψ_e/W)",
-                           optim_bytes=f"{k}(Ψ_d + Ψ_e/W)", all_reduce="Ψ_d dense fp32 gradients",
-                           all_to_all="rank 0's; the mean over ranks: layers·(4·k·b·T·D fp32 + E counts)"))
+    return dict(
+        param_bytes=4 * held,
+        grad_bytes=4 * held,
+        optim_bytes=k * held,
+        comm=dict(all_reduce=4 * (psi - psi_e), all_to_all=a2a),
+        notes=dict(
+            param_bytes="4(Ψ_d + Ψ_e/W)",
+            grad_bytes="4(Ψ_d + Ψ_e/W)",
+            optim_bytes=f"{k}(Ψ_d + Ψ_e/W)",
+            all_reduce="Ψ_d dense fp32 gradients",
+            all_to_all="rank 0's; the mean over ranks: layers·(4·k·b·T·D fp32 + E counts)",
+        ),
+    )
 
 
 def check_args(args, world):
-    common.check(args.experts > 0, "expert_parallel.py needs a mixture of experts: give --experts E (and --top-k K)")
-    common.check(args.experts % world == 0, f"--experts {args.experts} is not divisible by world size {world}: "
-                                            f"every rank must own the same number of whole experts")
-    common.check(args.batch_size % world == 0,
-                 f"--batch-size {args.batch_size} is not divisible by world size {world}: every rank must get "
-                 f"the same whole number of samples per step")
+    common.check(
+        args.experts > 0,
+        "expert_parallel.py needs a mixture of experts: give --experts E (and --top-k K)",
+    )
+    common.check(
+        args.experts % world == 0,
+        f"--experts {args.experts} is not divisible by world size {world}: "
+        f"every rank must own the same number of whole experts",
+    )
+    common.check(
+        args.batch_size % world == 0,
+        f"--batch-size {args.batch_size} is not divisible by world size {world}: every rank must get "
+        f"the same whole number of samples per step",
+    )
 
 
 def record_load(model):
@@ -164,7 +189,9 @@ def record_load(model):
             if module.training:
                 got = module.received.sum(0).cpu()
                 load[i] = got if load[i] is None else load[i] + got
+
         return add
+
     for i, block in enumerate(model.blocks):
         block.mlp.experts.register_forward_hook(hook(i))
     return load
@@ -173,22 +200,28 @@ def record_load(model):
 def show_load(load, steps, meter, world):
     """Rank 0: tokens received per expert per step (every layer), all ranks' all-to-all bytes."""
     per_rank = [None] * world
-    window = meter.counter.bytes.get("all_to_all", 0)      # this rank's bytes in the Meter's window of steps
+    window = meter.counter.bytes.get(
+        "all_to_all", 0
+    )  # this rank's bytes in the Meter's window of steps
     dist.all_gather_object(per_rank, dict(load=[x.tolist() for x in load], a2a=window))
     table = [[v / max(steps, 1) for r in per_rank for v in r["load"][i]] for i in range(len(load))]
     common.log("\ntokens received per expert per step (mean over the run's steps):")
     for i, row in enumerate(table):
         common.log(f"  block {i}: " + " ".join(f"{v:7.1f}" for v in row))
     a2a, n = [r["a2a"] for r in per_rank], meter.comm()[2]
-    common.log(f"all-to-all per step on each rank: {', '.join(common.fmt_bytes(b / n) for b in a2a)}; "
-               f"mean over ranks {common.fmt_bytes(sum(a2a) / n / world)} (the formula's)")
+    common.log(
+        f"all-to-all per step on each rank: {', '.join(common.fmt_bytes(b / n) for b in a2a)}; "
+        f"mean over ranks {common.fmt_bytes(sum(a2a) / n / world)} (the formula's)"
+    )
     return dict(tokens_per_expert=table, all_to_all_window=a2a)
 
 
 def setup(args):
     """Join the process group. torchrun (or common.launch) put RANK, WORLD_SIZE, MASTER_ADDR and
     MASTER_PORT in the environment; LOCAL_RANK picks this process's GPU."""
-    backend, device = common.pick_backend(args.backend)    # NCCL and a GPU per rank, else Gloo on the CPU
+    backend, device = common.pick_backend(
+        args.backend
+    )  # NCCL and a GPU per rank, else Gloo on the CPU
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=args.timeout)
@@ -208,12 +241,18 @@ def cleanup():
 def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
     """The loop every script shares: forward, loss, backward, step, schedule, log."""
     stop, world = args.max_steps or float("inf"), dist.get_world_size()
-    loss_sum, loss_n, last_loss, steps_run, t_train = torch.zeros((), device=device), 0, float("nan"), 0, 0.0
+    loss_sum, loss_n, last_loss, steps_run, t_train = (
+        torch.zeros((), device=device),
+        0,
+        float("nan"),
+        0,
+        0.0,
+    )
     for epoch in range(step // len(loader), args.epochs):
         if step >= stop:
             break
-        sampler.set_epoch(epoch)                   # a new shuffle each epoch, the same on every rank
-        loader.dataset.set_epoch(epoch)            # and new augmentations (--shift), the same everywhere
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        loader.dataset.set_epoch(epoch)  # and new augmentations (--shift), the same everywhere
         model.train()
         t0 = time.perf_counter()
         bar = common.progress(loader, args, epoch)
@@ -224,9 +263,14 @@ def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            loss_sum, loss_n, step, steps_run = loss_sum + loss.detach(), loss_n + 1, step + 1, steps_run + 1
+            loss_sum, loss_n, step, steps_run = (
+                loss_sum + loss.detach(),
+                loss_n + 1,
+                step + 1,
+                steps_run + 1,
+            )
             if step % args.log_every == 0 or step >= stop or i + 1 == len(loader):
-                dist.all_reduce(loss_sum)          # each rank's loss is its slice's: average them
+                dist.all_reduce(loss_sum)  # each rank's loss is its slice's: average them
                 last_loss, loss_sum, loss_n = loss_sum.item() / world / loss_n, loss_sum * 0, 0
                 common.log_loss(bar, args, epoch, step, last_loss)
             if step >= stop:
@@ -257,40 +301,73 @@ def run(args):
     rank, world, device, backend = setup(args)
     try:
         train_set, test_set, source = common.load_data(args, device)
-        dp_rank, dp_world = rank, world            # every rank is a data-parallel rank
-        sampler = DistributedSampler(train_set, num_replicas=dp_world, rank=dp_rank, shuffle=True,
-                                     seed=args.seed, drop_last=True)
-        loader = DataLoader(train_set, batch_size=args.batch_size // dp_world, sampler=sampler, drop_last=True,
-                            pin_memory=device.type == "cuda")
-        common.check(len(loader) > 0, f"{len(train_set)} training samples make no full batch of {args.batch_size}")
-        model = common.build_model(args)           # the same seeded weights on every rank
+        dp_rank, dp_world = rank, world  # every rank is a data-parallel rank
+        sampler = DistributedSampler(
+            train_set,
+            num_replicas=dp_world,
+            rank=dp_rank,
+            shuffle=True,
+            seed=args.seed,
+            drop_last=True,
+        )
+        loader = DataLoader(
+            train_set,
+            batch_size=args.batch_size // dp_world,
+            sampler=sampler,
+            drop_last=True,
+            pin_memory=device.type == "cuda",
+        )
+        common.check(
+            len(loader) > 0,
+            f"{len(train_set)} training samples make no full batch of {args.batch_size}",
+        )
+        model = common.build_model(args)  # the same seeded weights on every rank
         if args.load:
             model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
         psi = sum(p.numel() for p in model.parameters())
-        model = parallelize(model, device)         # this rank's experts only, moved to its device
+        model = parallelize(model, device)  # this rank's experts only, moved to its device
         optimizer = common.make_optimizer(model.parameters(), args)
-        hook_optimizer(model, optimizer)           # dense gradients averaged, expert gradients / W
+        hook_optimizer(model, optimizer)  # dense gradients averaged, expert gradients / W
         scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
-        common.log(f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data ({len(train_set)} train / "
-                   f"{len(test_set)} test), batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}")
+        common.log(
+            f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data ({len(train_set)} train / "
+            f"{len(test_set)} test), batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
+        )
         load = record_load(model)
         with common.Meter(model, optimizer, args) as meter:
             out = train(model, optimizer, scheduler, loader, sampler, args, device)
-        acc = evaluate(model, common.test_loader(test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"),
-                       device)
-        state = full_state_dict(model)             # every rank takes part; rank 0 holds the whole
+        acc = evaluate(
+            model,
+            common.test_loader(test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"),
+            device,
+        )
+        state = full_state_dict(model)  # every rank takes part; rank 0 holds the whole
         if rank == 0 and args.save:
             common.save_checkpoint(state, args.save)
             common.log(f"saved {args.save}")
         extra = show_load(load, out["steps_run"], meter, world)
-        common.report(SCRIPT, args, world, backend, device, source, psi, out, acc, meter, formula(psi, world, args),
-                      **extra)
+        common.report(
+            SCRIPT,
+            args,
+            world,
+            backend,
+            device,
+            source,
+            psi,
+            out,
+            acc,
+            meter,
+            formula(psi, world, args),
+            **extra,
+        )
     finally:
         cleanup()
 
 
 def main():
-    parser = common.get_parser("Expert parallelism: a mixture-of-experts ViT, experts spread over ranks")
+    parser = common.get_parser(
+        "Expert parallelism: a mixture-of-experts ViT, experts spread over ranks"
+    )
     args = common.parse_args(parser)
     check_args(args, common.world_size(args))
     common.launch(run, args)

@@ -20,6 +20,7 @@ This model has no BatchNorm. A model that does would need
 `model = nn.SyncBatchNorm.convert_sync_batchnorm(model)` before wrapping, or each rank
 normalises with the statistics of its own batch/W samples only.
 """
+
 import datetime
 import os
 import time
@@ -28,10 +29,20 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.utils.data import DataLoader, DistributedSampler
 
 import common
@@ -43,27 +54,44 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 # Model contract: `model.blocks` (a unit each; the rest, embed and head, is the root unit), the same
 # weights on every rank, on this rank's device. Build the optimizer after sharding: on the shards.
 
+
 def parallelize(model, device, mixed_precision=False, offload=False, reshard_after_forward=True):
     """fully_shard each block, then the root, which stays gathered from its forward to its backward (used
     last, then first). Parameters become DTensor shards; hooks gather units and reduce-scatter their grads."""
-    kw = dict(mesh=init_device_mesh(device.type, (dist.get_world_size(),)),
-              offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy())
+    kw = dict(
+        mesh=init_device_mesh(device.type, (dist.get_world_size(),)),
+        offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda")
+        if offload
+        else OffloadPolicy(),
+    )
     mp = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else {}
     for block in model.blocks:
-        fully_shard(block, reshard_after_forward=reshard_after_forward, mp_policy=MixedPrecisionPolicy(**mp), **kw)
-    root = MixedPrecisionPolicy(**mp, output_dtype=torch.float32)    # fp32 logits: the loss runs in fp32
+        fully_shard(
+            block,
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=MixedPrecisionPolicy(**mp),
+            **kw,
+        )
+    root = MixedPrecisionPolicy(
+        **mp, output_dtype=torch.float32
+    )  # fp32 logits: the loss runs in fp32
     return fully_shard(model, reshard_after_forward=False, mp_policy=root, **kw)
 
 
 def full_state_dict(model):
     """The plain state_dict of the common model on rank 0's CPU, gathered tensor by tensor; {} elsewhere."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
 
 
 def dcp_state(model, optimizer, scheduler):
     """A sharded checkpoint: this rank's shards of the model and of the optimizer state, and the schedule."""
-    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer),
-            "scheduler": scheduler.state_dict()}
+    return {
+        "model": get_model_state_dict(model),
+        "optim": get_optimizer_state_dict(model, optimizer),
+        "scheduler": scheduler.state_dict(),
+    }
 
 
 def load_dcp(path, model, optimizer, scheduler):
@@ -73,45 +101,81 @@ def load_dcp(path, model, optimizer, scheduler):
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optim"])
     scheduler.load_state_dict(state["scheduler"])
+
+
 ### end: FSDP
 
 
 def formula(psi, world, args):
     """The paper's per-rank bytes, which the report sets next to what the Meter measured."""
     k = 8 if args.optim == "adamw" else 4
-    shard, gathers = -(-psi // world), 2 if args.reshard else 1    # the paper's; FSDP2 pads each dim 0 (a bit more)
-    return dict(param_bytes=4 * shard, grad_bytes=4 * shard, optim_bytes=k * shard, comm=dict(
-        all_gather=gathers * (2 if args.mixed_precision else 4) * psi, reduce_scatter=4 * psi), notes=dict(
-        param_bytes="4Ψ/W", grad_bytes="4Ψ/W", optim_bytes=f"{k}Ψ/W", all_gather=f"{gathers}Ψ", reduce_scatter="Ψ"))
+    shard, gathers = (
+        -(-psi // world),
+        2 if args.reshard else 1,
+    )  # the paper's; FSDP2 pads each dim 0 (a bit more)
+    return dict(
+        param_bytes=4 * shard,
+        grad_bytes=4 * shard,
+        optim_bytes=k * shard,
+        comm=dict(
+            all_gather=gathers * (2 if args.mixed_precision else 4) * psi, reduce_scatter=4 * psi
+        ),
+        notes=dict(
+            param_bytes="4Ψ/W",
+            grad_bytes="4Ψ/W",
+            optim_bytes=f"{k}Ψ/W",
+            all_gather=f"{gathers}Ψ",
+            reduce_scatter="Ψ",
+        ),
+    )
 
 
 def check_args(args, world):
-    common.check(args.batch_size % world == 0,
-                 f"--batch-size {args.batch_size} is not divisible by world size {world}: every rank must get "
-                 f"the same whole number of samples per step")
+    common.check(
+        args.batch_size % world == 0,
+        f"--batch-size {args.batch_size} is not divisible by world size {world}: every rank must get "
+        f"the same whole number of samples per step",
+    )
 
 
 def check_dcp(args):
     """Rank 0 only: (why --dcp cannot be resumed, or None; the step of its newest complete checkpoint, or 0)."""
     if not os.path.exists(path := args.dcp) or (os.path.isdir(path) and not os.listdir(path)):
-        return None, 0                             # a new or empty directory: start fresh
-    done = [int(n[5:]) for n in (os.listdir(path) if os.path.isdir(path) else []) if n[:5] == "step-"
-            and n[5:].isdigit() and os.path.isfile(os.path.join(path, n, ".metadata"))]    # .metadata comes last
+        return None, 0  # a new or empty directory: start fresh
+    done = [
+        int(n[5:])
+        for n in (os.listdir(path) if os.path.isdir(path) else [])
+        if n[:5] == "step-"
+        and n[5:].isdigit()
+        and os.path.isfile(os.path.join(path, n, ".metadata"))
+    ]  # .metadata comes last
     if not done:
-        return f"--dcp {path}: not a torch.distributed.checkpoint directory (no step-N/.metadata in it)", 0
-    meta = dcp.FileSystemReader(os.path.join(path, f"step-{max(done)}")).read_metadata().state_dict_metadata
+        return (
+            f"--dcp {path}: not a torch.distributed.checkpoint directory (no step-N/.metadata in it)",
+            0,
+        )
+    meta = (
+        dcp.FileSystemReader(os.path.join(path, f"step-{max(done)}"))
+        .read_metadata()
+        .state_dict_metadata
+    )
     state = "exp_avg" if args.optim == "adamw" else "momentum_buffer"
     for k, v in common.build_model(args).state_dict().items():
         for key in (f"model.{k}", f"optim.state.{k}.{state}"):
             if (saved := tuple(meta[key].size) if key in meta else "missing") != tuple(v.shape):
-                return f"--dcp {path}: '{key}' is {saved}, this run needs {tuple(v.shape)} (other --dim/--optim?)", 0
+                return (
+                    f"--dcp {path}: '{key}' is {saved}, this run needs {tuple(v.shape)} (other --dim/--optim?)",
+                    0,
+                )
     return None, max(done)
 
 
 def setup(args):
     """Join the process group. torchrun (or common.launch) put RANK, WORLD_SIZE, MASTER_ADDR and
     MASTER_PORT in the environment; LOCAL_RANK picks this process's GPU."""
-    backend, device = common.pick_backend(args.backend)    # NCCL and a GPU per rank, else Gloo on the CPU
+    backend, device = common.pick_backend(
+        args.backend
+    )  # NCCL and a GPU per rank, else Gloo on the CPU
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=args.timeout)
@@ -131,17 +195,23 @@ def cleanup():
 def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
     """The loop every script shares: forward, loss, backward, step, schedule, log."""
     stop, world = args.max_steps or float("inf"), dist.get_world_size()
-    loss_sum, loss_n, last_loss, steps_run, t_train = torch.zeros((), device=device), 0, float("nan"), 0, 0.0
+    loss_sum, loss_n, last_loss, steps_run, t_train = (
+        torch.zeros((), device=device),
+        0,
+        float("nan"),
+        0,
+        0.0,
+    )
     for epoch in range(step // len(loader), args.epochs):
         if step >= stop:
             break
-        sampler.set_epoch(epoch)                   # a new shuffle each epoch, the same on every rank
-        loader.dataset.set_epoch(epoch)            # and new augmentations (--shift), the same everywhere
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        loader.dataset.set_epoch(epoch)  # and new augmentations (--shift), the same everywhere
         model.train()
         t0 = time.perf_counter()
         bar = common.progress(loader, args, epoch)
         for i, (x, y) in enumerate(bar):
-            if epoch * len(loader) + i < step:     # resumed mid-epoch: this batch was trained on
+            if epoch * len(loader) + i < step:  # resumed mid-epoch: this batch was trained on
                 continue
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             loss = F.cross_entropy(model(x), y)
@@ -149,9 +219,14 @@ def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            loss_sum, loss_n, step, steps_run = loss_sum + loss.detach(), loss_n + 1, step + 1, steps_run + 1
+            loss_sum, loss_n, step, steps_run = (
+                loss_sum + loss.detach(),
+                loss_n + 1,
+                step + 1,
+                steps_run + 1,
+            )
             if step % args.log_every == 0 or step >= stop or i + 1 == len(loader):
-                dist.all_reduce(loss_sum)          # each rank's loss is its slice's: average them
+                dist.all_reduce(loss_sum)  # each rank's loss is its slice's: average them
                 last_loss, loss_sum, loss_n = loss_sum.item() / world / loss_n, loss_sum * 0, 0
                 common.log_loss(bar, args, epoch, step, last_loss)
             if step >= stop:
@@ -181,51 +256,99 @@ def run(args):
     train, evaluate, save on rank 0, leave the group."""
     rank, world, device, backend = setup(args)
     try:
-        decision = list(check_dcp(args) if args.dcp and rank == 0 else (None, 0))   # rank 0 decides for all
+        decision = list(
+            check_dcp(args) if args.dcp and rank == 0 else (None, 0)
+        )  # rank 0 decides for all
         dist.broadcast_object_list(decision, src=0)
         common.check(decision[0] is None, decision[0])
         train_set, test_set, source = common.load_data(args, device)
-        dp_rank, dp_world = rank, world            # every rank is a data-parallel rank
-        sampler = DistributedSampler(train_set, num_replicas=dp_world, rank=dp_rank, shuffle=True,
-                                     seed=args.seed, drop_last=True)
-        loader = DataLoader(train_set, batch_size=args.batch_size // dp_world, sampler=sampler, drop_last=True,
-                            pin_memory=device.type == "cuda")
-        common.check(len(loader) > 0, f"{len(train_set)} training samples make no full batch of {args.batch_size}")
-        model = common.build_model(args)           # the same seeded weights on every rank
+        dp_rank, dp_world = rank, world  # every rank is a data-parallel rank
+        sampler = DistributedSampler(
+            train_set,
+            num_replicas=dp_world,
+            rank=dp_rank,
+            shuffle=True,
+            seed=args.seed,
+            drop_last=True,
+        )
+        loader = DataLoader(
+            train_set,
+            batch_size=args.batch_size // dp_world,
+            sampler=sampler,
+            drop_last=True,
+            pin_memory=device.type == "cuda",
+        )
+        common.check(
+            len(loader) > 0,
+            f"{len(train_set)} training samples make no full batch of {args.batch_size}",
+        )
+        model = common.build_model(args)  # the same seeded weights on every rank
         if args.load:
             model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
         psi = sum(p.numel() for p in model.parameters())
-        model = parallelize(model.to(device), device, args.mixed_precision, args.offload == "cpu", args.reshard)
+        model = parallelize(
+            model.to(device), device, args.mixed_precision, args.offload == "cpu", args.reshard
+        )
         optimizer = common.make_optimizer(model.parameters(), args)
         scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
         if decision[1]:
             load_dcp(os.path.join(args.dcp, f"step-{decision[1]}"), model, optimizer, scheduler)
             common.log(f"resumed from {args.dcp} at step {decision[1]}")
-        common.log(f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data ({len(train_set)} train / "
-                   f"{len(test_set)} test), batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}")
+        common.log(
+            f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data ({len(train_set)} train / "
+            f"{len(test_set)} test), batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
+        )
         with common.Meter(model, optimizer, args) as meter:
             out = train(model, optimizer, scheduler, loader, sampler, args, device, decision[1])
-        acc = evaluate(model, common.test_loader(test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"),
-                       device)
-        state = full_state_dict(model)             # every rank takes part; rank 0 holds the whole
+        acc = evaluate(
+            model,
+            common.test_loader(test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"),
+            device,
+        )
+        state = full_state_dict(model)  # every rank takes part; rank 0 holds the whole
         if rank == 0 and args.save:
             common.save_checkpoint(state, args.save)
             common.log(f"saved {args.save}")
-        if args.dcp and out["steps_run"]:          # every rank writes its own shards, into a new directory
-            dcp.save(dcp_state(model, optimizer, scheduler),
-                     checkpoint_id=os.path.join(args.dcp, f"step-{out['steps']}"))
+        if args.dcp and out["steps_run"]:  # every rank writes its own shards, into a new directory
+            dcp.save(
+                dcp_state(model, optimizer, scheduler),
+                checkpoint_id=os.path.join(args.dcp, f"step-{out['steps']}"),
+            )
             common.log(f"saved a sharded checkpoint of step {out['steps']} in {args.dcp}")
-        common.report(SCRIPT, args, world, backend, device, source, psi, out, acc, meter, formula(psi, world, args))
+        common.report(
+            SCRIPT,
+            args,
+            world,
+            backend,
+            device,
+            source,
+            psi,
+            out,
+            acc,
+            meter,
+            formula(psi, world, args),
+        )
     finally:
         cleanup()
 
 
 def main():
     parser = common.get_parser("FSDP2 (fully_shard) on the common ViT")
-    parser.add_argument("--no-reshard-after-forward", dest="reshard", action="store_false", help="blocks stay gathered")
-    parser.add_argument("--mixed-precision", action="store_true", help="bf16 compute and all-gathers, fp32 the rest")
-    parser.add_argument("--offload", choices=["none", "cpu"], default="none", help="shards and optimizer on the CPU")
-    parser.add_argument("--dcp", metavar="DIR", help="sharded checkpoint to resume from and save to (a shared FS)")
+    parser.add_argument(
+        "--no-reshard-after-forward",
+        dest="reshard",
+        action="store_false",
+        help="blocks stay gathered",
+    )
+    parser.add_argument(
+        "--mixed-precision", action="store_true", help="bf16 compute and all-gathers, fp32 the rest"
+    )
+    parser.add_argument(
+        "--offload", choices=["none", "cpu"], default="none", help="shards and optimizer on the CPU"
+    )
+    parser.add_argument(
+        "--dcp", metavar="DIR", help="sharded checkpoint to resume from and save to (a shared FS)"
+    )
     args = common.parse_args(parser)
     check_args(args, common.world_size(args))
     common.launch(run, args)

@@ -19,6 +19,7 @@ the p-1 stage boundaries: 2(p-1)·m messages, 2(p-1)·4·B·T·D bytes; no colle
     python pipeline.py --nproc 4 --schedule gpipe --microbatches 8
     python pipeline.py                                         # a world of one: one stage, the whole model
 """
+
 import datetime
 import os
 import time
@@ -37,6 +38,7 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 # Model contract: model.embed (images -> [B, T, D], with a parameter pos [1, T, D]), model.blocks
 # (a list of [B, T, D] -> [B, T, D]) and model.head (-> logits), in that order; cross-entropy loss.
 
+
 class Stage(torch.nn.Module):
     """Rank s of p: blocks s·d/p .. (s+1)·d/p - 1, with the embedding on the first stage and the
     head on the last. Blocks keep their index in the whole model, so the state_dict has its keys."""
@@ -45,9 +47,11 @@ class Stage(torch.nn.Module):
         super().__init__()
         d, self.s, self.p = len(model.blocks), s, p
         self.embed = model.embed if s == 0 else None
-        self.blocks = torch.nn.ModuleDict({str(i): model.blocks[i] for i in range(s * d // p, (s + 1) * d // p)})
+        self.blocks = torch.nn.ModuleDict(
+            {str(i): model.blocks[i] for i in range(s * d // p, (s + 1) * d // p)}
+        )
         self.head = model.head if s == p - 1 else None
-        self.act_shape = tuple(model.embed.pos.shape[1:])      # (T, D): what crosses a stage boundary
+        self.act_shape = tuple(model.embed.pos.shape[1:])  # (T, D): what crosses a stage boundary
 
     def forward(self, x):
         for layer in [self.embed, *self.blocks.values(), self.head]:
@@ -72,7 +76,9 @@ def p2p(ops):
     """One group of [(dist.isend or dist.irecv, tensor, peer)], waited for together. NCCL runs a rank's
     groups in order, and a send holds its stream until the peer reaches the matching receive: two
     neighbours that both send first wait for ever. What must progress together goes in ONE group."""
-    for work in dist.batch_isend_irecv([dist.P2POp(op, t, peer) for op, t, peer in ops]) if ops else []:
+    for work in (
+        dist.batch_isend_irecv([dist.P2POp(op, t, peer) for op, t, peer in ops]) if ops else []
+    ):
         work.wait()
 
 
@@ -88,10 +94,10 @@ def train_step(stage, x, y, name, m):
             inp = xs[i] if s == 0 else torch.empty(len(xs[i]), *stage.act_shape, device=x.device)
             p2p(sends + ([(dist.irecv, inp, s - 1)] if s > 0 else []))
             out = stage(inp.requires_grad_() if s > 0 else inp)
-            if s == p - 1:                       # mean over B/m samples, / m: the mean over the batch
+            if s == p - 1:  # mean over B/m samples, / m: the mean over the batch
                 out = F.cross_entropy(out, ys[i]) / m
                 loss += out.detach()
-            held[i] = inp, out                   # activations kept until micro-batch i's backward
+            held[i] = inp, out  # activations kept until micro-batch i's backward
             sends = [(dist.isend, out.detach(), s + 1)] if s < p - 1 else []
         else:
             inp, out = held.pop(i)
@@ -119,25 +125,46 @@ def full_state_dict(model):
     parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object({k: v.detach().cpu() for k, v in model.state_dict().items()}, parts, dst=0)
     return {k: v for part in parts for k, v in part.items()} if parts else None
+
+
 ### end: Pipeline
 
 
 def formula(psi, world, args):
     """Rank 0's bytes: its stage's psi parameters; m activations out and m gradients in per step."""
     k = 8 if args.optim == "adamw" else 4
-    act = 4 * args.batch_size * (common.IMAGE // args.patch) ** 2 * args.dim if world > 1 else 0   # 4·B·T·D
-    return dict(param_bytes=4 * psi, grad_bytes=4 * psi, optim_bytes=k * psi, comm=dict(send=act, recv=act),
-                notes=dict(param_bytes="4Ψ_s: this stage's", grad_bytes="4Ψ_s", optim_bytes=f"{k}Ψ_s",
-                           send="m activations of B/m·T·D fp32", recv="m gradients of B/m·T·D fp32"))
+    act = (
+        4 * args.batch_size * (common.IMAGE // args.patch) ** 2 * args.dim if world > 1 else 0
+    )  # 4·B·T·D
+    return dict(
+        param_bytes=4 * psi,
+        grad_bytes=4 * psi,
+        optim_bytes=k * psi,
+        comm=dict(send=act, recv=act),
+        notes=dict(
+            param_bytes="4Ψ_s: this stage's",
+            grad_bytes="4Ψ_s",
+            optim_bytes=f"{k}Ψ_s",
+            send="m activations of B/m·T·D fp32",
+            recv="m gradients of B/m·T·D fp32",
+        ),
+    )
 
 
 def check_args(args, world):
     common.check(args.microbatches >= 1, f"--microbatches must be >= 1, got {args.microbatches}")
-    common.check(args.depth >= world, f"--depth {args.depth} blocks cannot fill {world} pipeline stages")
-    common.check(args.batch_size % args.microbatches == 0,
-                 f"--batch-size {args.batch_size} is not divisible by --microbatches {args.microbatches}")
-    common.check(args.schedule != "1f1b" or args.microbatches >= world, f"--schedule 1f1b needs at least as many "
-                 f"micro-batches as stages: --microbatches {args.microbatches} < {world} stages (or use gpipe)")
+    common.check(
+        args.depth >= world, f"--depth {args.depth} blocks cannot fill {world} pipeline stages"
+    )
+    common.check(
+        args.batch_size % args.microbatches == 0,
+        f"--batch-size {args.batch_size} is not divisible by --microbatches {args.microbatches}",
+    )
+    common.check(
+        args.schedule != "1f1b" or args.microbatches >= world,
+        f"--schedule 1f1b needs at least as many "
+        f"micro-batches as stages: --microbatches {args.microbatches} < {world} stages (or use gpipe)",
+    )
 
 
 def record_order(stage, m):
@@ -149,6 +176,7 @@ def record_order(stage, m):
             n = sum(a == "F" for a, _ in ran)
             ran.append(("F", n))
             out.register_hook(lambda grad: ran.append(("B", n)))
+
     stage.register_forward_hook(hook)
     return ran
 
@@ -157,25 +185,44 @@ def show_schedule(stages, args):
     """Rank 0: the recorded orders replayed one slot per F or B, each after its input (F i on stage
     s after F i on s-1, B i after B i on s+1): the picture, the idle fraction, the peak in flight."""
     orders, slot, p, m = [st["order"] for st in stages], {}, len(stages), args.microbatches
-    for _ in range(sum(map(len, orders))):       # relax until every slot is its longest path
+    for _ in range(sum(map(len, orders))):  # relax until every slot is its longest path
         for s, o in enumerate(orders):
             for k, (a, i) in enumerate(o):
                 dep = slot.get((s - 1 if a == "F" else s + 1, a, i), -1)
                 slot[(s, a, i)] = max(dep, slot.get((s, *o[k - 1]), -1) if k else -1) + 1
     cells, total = {(s, t): f"{a}{i}" for (s, a, i), t in slot.items()}, max(slot.values()) + 1
-    bubble, want = 1 - len(slot) / (p * total), (p - 1) / p if args.schedule == "naive" else (p - 1) / (m + p - 1)
-    peaks = [max(sum(1 if a == "F" else -1 for a, _ in o[:k + 1]) for k in range(len(o))) for o in orders]
-    common.log(f"\nschedule {args.schedule}, {p} stages, {m} micro-batches, as run (one slot per F or B):")
-    common.log("\n".join(f"  rank {s}:  " + "".join(cells.get((s, t), ".").ljust(len(str(m)) + 2)
-                                                    for t in range(total)).rstrip() for s in range(p)))
-    common.log(f"  bubble {bubble:.3f} of the slots (formula {want:.3f}), peak micro-batches in flight {peaks}")
-    return dict(schedule=args.schedule, microbatches=m, bubble=bubble, peak_inflight=peaks, stages=stages)
+    bubble, want = (
+        1 - len(slot) / (p * total),
+        (p - 1) / p if args.schedule == "naive" else (p - 1) / (m + p - 1),
+    )
+    peaks = [
+        max(sum(1 if a == "F" else -1 for a, _ in o[: k + 1]) for k in range(len(o)))
+        for o in orders
+    ]
+    common.log(
+        f"\nschedule {args.schedule}, {p} stages, {m} micro-batches, as run (one slot per F or B):"
+    )
+    common.log(
+        "\n".join(
+            f"  rank {s}:  "
+            + "".join(cells.get((s, t), ".").ljust(len(str(m)) + 2) for t in range(total)).rstrip()
+            for s in range(p)
+        )
+    )
+    common.log(
+        f"  bubble {bubble:.3f} of the slots (formula {want:.3f}), peak micro-batches in flight {peaks}"
+    )
+    return dict(
+        schedule=args.schedule, microbatches=m, bubble=bubble, peak_inflight=peaks, stages=stages
+    )
 
 
 def setup(args):
     """Join the process group. torchrun (or common.launch) put RANK, WORLD_SIZE, MASTER_ADDR and
     MASTER_PORT in the environment; LOCAL_RANK picks this process's GPU."""
-    backend, device = common.pick_backend(args.backend)    # NCCL and a GPU per rank, else Gloo on the CPU
+    backend, device = common.pick_backend(
+        args.backend
+    )  # NCCL and a GPU per rank, else Gloo on the CPU
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=args.timeout)
@@ -195,24 +242,37 @@ def cleanup():
 def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
     """The loop every script shares: forward, loss, backward, step, schedule, log."""
     stop = args.max_steps or float("inf")
-    loss_sum, loss_n, last_loss, steps_run, t_train = torch.zeros((), device=device), 0, float("nan"), 0, 0.0
+    loss_sum, loss_n, last_loss, steps_run, t_train = (
+        torch.zeros((), device=device),
+        0,
+        float("nan"),
+        0,
+        0.0,
+    )
     for epoch in range(step // len(loader), args.epochs):
         if step >= stop:
             break
-        sampler.set_epoch(epoch)                   # a new shuffle each epoch, the same on every rank
-        loader.dataset.set_epoch(epoch)            # and new augmentations (--shift), the same everywhere
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        loader.dataset.set_epoch(epoch)  # and new augmentations (--shift), the same everywhere
         model.train()
         t0 = time.perf_counter()
         bar = common.progress(loader, args, epoch)
         for i, (x, y) in enumerate(bar):
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            loss = train_step(model, x, y, args.schedule, args.microbatches)   # forward, loss, backward
+            loss = train_step(
+                model, x, y, args.schedule, args.microbatches
+            )  # forward, loss, backward
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            loss_sum, loss_n, step, steps_run = loss_sum + loss.detach(), loss_n + 1, step + 1, steps_run + 1
+            loss_sum, loss_n, step, steps_run = (
+                loss_sum + loss.detach(),
+                loss_n + 1,
+                step + 1,
+                steps_run + 1,
+            )
             if step % args.log_every == 0 or step >= stop or i + 1 == len(loader):
-                dist.all_reduce(loss_sum)          # only the last stage has the loss; the others add 0
+                dist.all_reduce(loss_sum)  # only the last stage has the loss; the others add 0
                 last_loss, loss_sum, loss_n = loss_sum.item() / loss_n, loss_sum * 0, 0
                 common.log_loss(bar, args, epoch, step, last_loss)
             if step >= stop:
@@ -232,8 +292,12 @@ def evaluate(model, loader, device):
     counts = torch.zeros(2, dtype=torch.long, device=device)
     for x, y, keep in loader:
         x, y, keep = x.to(device), y.to(device), keep.to(device)
-        logits = infer(model, x)                   # stage to stage: the logits on the last, None elsewhere
-        counts += torch.stack([((logits.argmax(1) == y) & keep).sum(), keep.sum()]) if logits is not None else 0
+        logits = infer(model, x)  # stage to stage: the logits on the last, None elsewhere
+        counts += (
+            torch.stack([((logits.argmax(1) == y) & keep).sum(), keep.sum()])
+            if logits is not None
+            else 0
+        )
     dist.all_reduce(counts)
     return counts[0].item() / max(counts[1].item(), 1)
 
@@ -244,41 +308,79 @@ def run(args):
     rank, world, device, backend = setup(args)
     try:
         train_set, test_set, source = common.load_data(args, device)
-        dp_rank, dp_world = 0, 1                   # every stage sees the whole batch
-        sampler = DistributedSampler(train_set, num_replicas=dp_world, rank=dp_rank, shuffle=True,
-                                     seed=args.seed, drop_last=True)
-        loader = DataLoader(train_set, batch_size=args.batch_size // dp_world, sampler=sampler, drop_last=True,
-                            pin_memory=device.type == "cuda")
-        common.check(len(loader) > 0, f"{len(train_set)} training samples make no full batch of {args.batch_size}")
-        model = common.build_model(args)           # the same seeded weights on every rank
+        dp_rank, dp_world = 0, 1  # every stage sees the whole batch
+        sampler = DistributedSampler(
+            train_set,
+            num_replicas=dp_world,
+            rank=dp_rank,
+            shuffle=True,
+            seed=args.seed,
+            drop_last=True,
+        )
+        loader = DataLoader(
+            train_set,
+            batch_size=args.batch_size // dp_world,
+            sampler=sampler,
+            drop_last=True,
+            pin_memory=device.type == "cuda",
+        )
+        common.check(
+            len(loader) > 0,
+            f"{len(train_set)} training samples make no full batch of {args.batch_size}",
+        )
+        model = common.build_model(args)  # the same seeded weights on every rank
         if args.load:
             model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
         psi = sum(p.numel() for p in model.parameters())
-        model = parallelize(model, device)         # this rank's stage only, moved to its device
+        model = parallelize(model, device)  # this rank's stage only, moved to its device
         optimizer = common.make_optimizer(model.parameters(), args)
         scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
-        common.log(f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data ({len(train_set)} train / "
-                   f"{len(test_set)} test), batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}")
+        common.log(
+            f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data ({len(train_set)} train / "
+            f"{len(test_set)} test), batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
+        )
         ran = record_order(model, args.microbatches)
         with common.Meter(model, optimizer, args) as meter:
             out = train(model, optimizer, scheduler, loader, sampler, args, device)
-        acc = evaluate(model, common.test_loader(test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"),
-                       device)
-        state = full_state_dict(model)             # every rank takes part; rank 0 holds the whole
+        acc = evaluate(
+            model,
+            common.test_loader(test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"),
+            device,
+        )
+        state = full_state_dict(model)  # every rank takes part; rank 0 holds the whole
         if rank == 0 and args.save:
             common.save_checkpoint(state, args.save)
             common.log(f"saved {args.save}")
-        stages = [None] * world if rank == 0 else None      # each stage's measured bytes and order, on rank 0
-        dist.gather_object(dict(meter.mem, comm=meter.comm()[0], comm_calls=meter.comm()[1], order=ran), stages, dst=0)
-        common.report(SCRIPT, args, world, backend, device, source, psi, out, acc, meter,
-                      formula(sum(q.numel() for q in model.parameters()), world, args),
-                      **(show_schedule(stages, args) if rank == 0 else {}))
+        stages = (
+            [None] * world if rank == 0 else None
+        )  # each stage's measured bytes and order, on rank 0
+        dist.gather_object(
+            dict(meter.mem, comm=meter.comm()[0], comm_calls=meter.comm()[1], order=ran),
+            stages,
+            dst=0,
+        )
+        common.report(
+            SCRIPT,
+            args,
+            world,
+            backend,
+            device,
+            source,
+            psi,
+            out,
+            acc,
+            meter,
+            formula(sum(q.numel() for q in model.parameters()), world, args),
+            **(show_schedule(stages, args) if rank == 0 else {}),
+        )
     finally:
         cleanup()
 
 
 def main():
-    parser = common.get_parser("Pipeline parallelism (naive, GPipe, 1F1B) on the common ViT, written out")
+    parser = common.get_parser(
+        "Pipeline parallelism (naive, GPipe, 1F1B) on the common ViT, written out"
+    )
     parser.add_argument("--schedule", choices=["naive", "gpipe", "1f1b"], default="1f1b")
     parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per batch (m)")
     args = common.parse_args(parser)

@@ -7,6 +7,7 @@ what `torchrun ... ddp.py` with the same flags ends with.
     torchrun --standalone --nproc_per_node=4 benchmarks/bench_accuracy.py --data synthetic
     python benchmarks/bench_accuracy.py --nproc 2 --epochs 1 --limit 4096     # any shared flag works
 """
+
 import argparse
 import os
 import sys
@@ -16,40 +17,63 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import common  # noqa: E402
-import ddp     # noqa: E402
+import ddp  # noqa: E402
 
 
 def run(args):
     rank, world, device, backend = ddp.setup(args)
     try:
         train_set, test_set, source = common.load_data(args, device)
-        sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=args.seed,
-                                     drop_last=True)
-        loader = DataLoader(train_set, batch_size=args.batch_size // world, sampler=sampler, drop_last=True,
-                            pin_memory=device.type == "cuda")
+        sampler = DistributedSampler(
+            train_set, num_replicas=world, rank=rank, shuffle=True, seed=args.seed, drop_last=True
+        )
+        loader = DataLoader(
+            train_set,
+            batch_size=args.batch_size // world,
+            sampler=sampler,
+            drop_last=True,
+            pin_memory=device.type == "cuda",
+        )
         model = ddp.parallelize(common.build_model(args).to(device), device)
         optimizer = common.make_optimizer(model.parameters(), args)
         scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
         test = common.test_loader(test_set, rank, world, pin_memory=device.type == "cuda")
-        common.log(f"bench_accuracy: ddp.py defaults at W={world} ({backend}), {source} data "
-                   f"({len(train_set)} train / {len(test_set)} test), {args.epochs} epochs")
+        common.log(
+            f"bench_accuracy: ddp.py defaults at W={world} ({backend}), {source} data "
+            f"({len(train_set)} train / {len(test_set)} test), {args.epochs} epochs"
+        )
         rows, t0, step = [], time.perf_counter(), 0
         for epoch in range(args.epochs):
             one = argparse.Namespace(**{**vars(args), "epochs": epoch + 1})
-            step = ddp.train(model, optimizer, scheduler, loader, sampler, one, device, step=step)["steps"]
+            step = ddp.train(model, optimizer, scheduler, loader, sampler, one, device, step=step)[
+                "steps"
+            ]
             acc = ddp.evaluate(model, test, device)
-            rows.append(dict(epoch=epoch, step=step, test_acc=acc, wall_s=round(time.perf_counter() - t0, 1)))
+            rows.append(
+                dict(
+                    epoch=epoch, step=step, test_acc=acc, wall_s=round(time.perf_counter() - t0, 1)
+                )
+            )
             common.log(f"epoch {epoch}: test accuracy {acc:.4f}  ({rows[-1]['wall_s']:.0f} s)")
             if args.max_steps and step >= args.max_steps:
                 break
-        common.result(script="bench_accuracy", world_size=world, backend=backend, data=source, epochs=rows,
-                      test_acc=rows[-1]["test_acc"], wall_s=rows[-1]["wall_s"])
+        common.result(
+            script="bench_accuracy",
+            world_size=world,
+            backend=backend,
+            data=source,
+            epochs=rows,
+            test_acc=rows[-1]["test_acc"],
+            wall_s=rows[-1]["wall_s"],
+        )
     finally:
         ddp.cleanup()
 
 
 def main():
-    args = common.parse_args(common.get_parser("Accuracy per epoch of ddp.py's training at its defaults"))
+    args = common.parse_args(
+        common.get_parser("Accuracy per epoch of ddp.py's training at its defaults")
+    )
     ddp.check_args(args, common.world_size(args))
     common.launch(run, args)
 

@@ -8,6 +8,7 @@ wrapper, no Meter).
 
 Prints samples/s of both and the ratio; the target is ddp.py >= 0.95x the plain loop.
 """
+
 import argparse
 import json
 import os
@@ -28,11 +29,18 @@ def plain_loop(flags, steps):
     """ddp.py's train() with the distributed parts taken out: its data, sampler order, model,
     optimizer, schedule and loop, timed the same way (from the loader's first batch to the last step)."""
     args = common.parse_args(common.get_parser("plain"), [*flags, "--max-steps", str(steps)])
-    backend, device = common.pick_backend(args.backend)    # ddp.py's device and CPU thread count
+    backend, device = common.pick_backend(args.backend)  # ddp.py's device and CPU thread count
     train_set, _, _ = common.load_data(args, device)
-    sampler = DistributedSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=args.seed, drop_last=True)
-    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True,
-                        pin_memory=device.type == "cuda")
+    sampler = DistributedSampler(
+        train_set, num_replicas=1, rank=0, shuffle=True, seed=args.seed, drop_last=True
+    )
+    loader = DataLoader(
+        train_set,
+        batch_size=args.batch_size,
+        sampler=sampler,
+        drop_last=True,
+        pin_memory=device.type == "cuda",
+    )
     model = common.build_model(args).to(device)
     optimizer = common.make_optimizer(model.parameters(), args)
     scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
@@ -49,7 +57,7 @@ def plain_loop(flags, steps):
         optimizer.zero_grad(set_to_none=True)
         loss_sum, done = loss_sum + loss.detach(), done + 1
         if done % args.log_every == 0 or done == steps:
-            loss_sum.item()                        # ddp.py reads its loss as often (after an all-reduce)
+            loss_sum.item()  # ddp.py reads its loss as often (after an all-reduce)
         if done == steps:
             break
     if device.type == "cuda":
@@ -58,29 +66,58 @@ def plain_loop(flags, steps):
 
 
 def ddp_w1(flags, steps):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-           os.path.join(ROOT, "ddp.py"), *flags, "--max-steps", str(steps)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=1",
+        os.path.join(ROOT, "ddp.py"),
+        *flags,
+        "--max-steps",
+        str(steps),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT).stdout
-    return json.loads(next(l for l in out.splitlines() if l.startswith("RESULT "))[7:])["samples_per_s"]
+    return json.loads(next(l for l in out.splitlines() if l.startswith("RESULT "))[7:])[
+        "samples_per_s"
+    ]
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                epilog="Every other flag is a shared flag (common.py), given to both sides.")
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="Every other flag is a shared flag (common.py), given to both sides.",
+    )
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--repeats", type=int, default=3)
     a, rest = p.parse_known_args()
-    flags = ["--data", "synthetic", "--epochs", "1", "--no-progress", *[f for f in rest if f != "--"]]
-    common.parse_args(common.get_parser("shared flags"), flags)     # a bad flag fails now, not in a subprocess
+    flags = [
+        "--data",
+        "synthetic",
+        "--epochs",
+        "1",
+        "--no-progress",
+        *[f for f in rest if f != "--"],
+    ]
+    common.parse_args(
+        common.get_parser("shared flags"), flags
+    )  # a bad flag fails now, not in a subprocess
     plain, ddp = [], []
-    for i in range(a.repeats):                     # alternate, so drift in machine load hits both
+    for i in range(a.repeats):  # alternate, so drift in machine load hits both
         plain.append(plain_loop(flags, a.steps))
         ddp.append(ddp_w1(flags, a.steps))
-        print(f"run {i}: plain {plain[-1]:8.0f} samples/s   ddp.py W=1 {ddp[-1]:8.0f} samples/s", flush=True)
+        print(
+            f"run {i}: plain {plain[-1]:8.0f} samples/s   ddp.py W=1 {ddp[-1]:8.0f} samples/s",
+            flush=True,
+        )
     best_plain, best_ddp = max(plain), max(ddp)
-    print(f"\nbest of {a.repeats}: plain loop {best_plain:.0f} samples/s, ddp.py W=1 {best_ddp:.0f} samples/s")
-    print(f"ddp.py / plain = {best_ddp / best_plain:.3f}  (overhead {100 * (1 - best_ddp / best_plain):+.1f}%, "
-          f"target <= 5%)")
+    print(
+        f"\nbest of {a.repeats}: plain loop {best_plain:.0f} samples/s, ddp.py W=1 {best_ddp:.0f} samples/s"
+    )
+    print(
+        f"ddp.py / plain = {best_ddp / best_plain:.3f}  (overhead {100 * (1 - best_ddp / best_plain):+.1f}%, "
+        f"target <= 5%)"
+    )
 
 
 if __name__ == "__main__":

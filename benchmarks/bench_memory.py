@@ -7,6 +7,7 @@ next to the paper's formula.
     python benchmarks/bench_memory.py
     python benchmarks/bench_memory.py --worlds 2 --dim 512 --depth 12
 """
+
 import argparse
 import json
 import subprocess
@@ -29,24 +30,62 @@ def main():
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--depth", type=int, default=8)
     args = p.parse_args()
-    flags = ["--dim", str(args.dim), "--depth", str(args.depth), "--heads", "8", "--data", "synthetic", "--limit",
-             "512", "--batch-size", "32", "--max-steps", "2", "--epochs", "1", "--no-progress"]
+    flags = [
+        "--dim",
+        str(args.dim),
+        "--depth",
+        str(args.depth),
+        "--heads",
+        "8",
+        "--data",
+        "synthetic",
+        "--limit",
+        "512",
+        "--batch-size",
+        "32",
+        "--max-steps",
+        "2",
+        "--epochs",
+        "1",
+        "--no-progress",
+    ]
     mib = lambda n: f"{n / 2**20:.2f}"  # noqa: E731
-    print("| W | script | params | grads | optimizer | total | formula | collective bytes per step |")
+    print(
+        "| W | script | params | grads | optimizer | total | formula | collective bytes per step |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for world in args.worlds:
         for label, cmd, formula in RUNS:
-            out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                  f"--nproc_per_node={world}", *[str(ROOT / cmd[0]), *cmd[1:]], *flags],
-                                 capture_output=True, text=True, cwd=ROOT, timeout=900)
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--standalone",
+                    f"--nproc_per_node={world}",
+                    *[str(ROOT / cmd[0]), *cmd[1:]],
+                    *flags,
+                ],
+                capture_output=True,
+                text=True,
+                cwd=ROOT,
+                timeout=900,
+            )
             lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
             if out.returncode or not lines:
-                sys.exit(f"{label} at W={world} failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
-            r = json.loads(lines[0][len("RESULT "):])
+                sys.exit(
+                    f"{label} at W={world} failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}"
+                )
+            r = json.loads(lines[0][len("RESULT ") :])
             total = r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"]
-            comm = ", ".join(f"{mib(b)} {k.replace('_', '-')}" for k, b in sorted(r["comm"].items()) if b > 1024)
-            print(f"| {world} | {label} | {mib(r['param_bytes'])} | {mib(r['grad_bytes'])} | {mib(r['optim_bytes'])} "
-                  f"| {mib(total)} | {formula} | {comm} |", flush=True)
+            comm = ", ".join(
+                f"{mib(b)} {k.replace('_', '-')}" for k, b in sorted(r["comm"].items()) if b > 1024
+            )
+            print(
+                f"| {world} | {label} | {mib(r['param_bytes'])} | {mib(r['grad_bytes'])} | {mib(r['optim_bytes'])} "
+                f"| {mib(total)} | {formula} | {comm} |",
+                flush=True,
+            )
     print(f"\nMiB per rank; Ψ = {r['params']:,} parameters ({mib(4 * r['params'])} MiB of fp32).")
 
 

@@ -13,6 +13,7 @@ median step time of each is reported, and the ratio written-out / PyTorch (targe
     torchrun --standalone --nproc_per_node=2 benchmarks/bench_model_parallel.py --dim 256 --depth 8 --heads 8
     python benchmarks/bench_model_parallel.py --nproc 2        # through mp.spawn on a free port
 """
+
 import argparse
 import os
 import statistics
@@ -24,9 +25,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import common            # noqa: E402
-import pipeline          # noqa: E402
-import tensor_parallel   # noqa: E402
+import common  # noqa: E402
+import pipeline  # noqa: E402
+import tensor_parallel  # noqa: E402
 
 
 def tp_mine(args, device, rank, world):
@@ -37,19 +38,30 @@ def tp_mine(args, device, rank, world):
         F.cross_entropy(model(x), y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+
     return step, lambda: tensor_parallel.full_state_dict(model)
 
 
 def tp_dtensor(args, device, rank, world):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
     model = common.build_model(args).to(device)
     mesh = init_device_mesh(device.type, (world,))
     plan = {}
     for i in range(args.depth):
         plan.update({f"blocks.{i}.attn.{n}": ColwiseParallel() for n in ("q", "k", "v")})
-        plan.update({f"blocks.{i}.attn.proj": RowwiseParallel(), f"blocks.{i}.mlp.fc1": ColwiseParallel(),
-                     f"blocks.{i}.mlp.fc2": RowwiseParallel()})
+        plan.update(
+            {
+                f"blocks.{i}.attn.proj": RowwiseParallel(),
+                f"blocks.{i}.mlp.fc1": ColwiseParallel(),
+                f"blocks.{i}.mlp.fc2": RowwiseParallel(),
+            }
+        )
     parallelize_module(model, mesh, plan)
     opt = common.make_optimizer(model.parameters(), args)
 
@@ -57,8 +69,11 @@ def tp_dtensor(args, device, rank, world):
         F.cross_entropy(model(x), y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return step, lambda: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
-                          for k, v in model.state_dict().items()}
+
+    return step, lambda: {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
+        for k, v in model.state_dict().items()
+    }
 
 
 def pp_mine(schedule):
@@ -70,17 +85,22 @@ def pp_mine(schedule):
             pipeline.train_step(stage, x, y, schedule, args.microbatches)
             opt.step()
             opt.zero_grad(set_to_none=True)
+
         return step, lambda: pipeline.full_state_dict(stage)
+
     return build
 
 
 def pp_torch(schedule):
     def build(args, device, rank, world):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
         stage_mod = pipeline.Stage(common.build_model(args), rank, world).to(device)
         stage = PipelineStage(stage_mod, rank, world, device)
-        loss_fn = lambda out, y: F.cross_entropy(out, y)   # noqa: E731  (the schedule scales by 1/m)
-        sched = (Schedule1F1B if schedule == "1f1b" else ScheduleGPipe)(stage, args.microbatches, loss_fn=loss_fn)
+        loss_fn = lambda out, y: F.cross_entropy(out, y)  # noqa: E731  (the schedule scales by 1/m)
+        sched = (Schedule1F1B if schedule == "1f1b" else ScheduleGPipe)(
+            stage, args.microbatches, loss_fn=loss_fn
+        )
         opt = common.make_optimizer(stage_mod.parameters(), args)
 
         def step(x, y):
@@ -92,7 +112,9 @@ def pp_torch(schedule):
                 sched.step()
             opt.step()
             opt.zero_grad(set_to_none=True)
+
         return step, lambda: pipeline.full_state_dict(stage_mod)
+
     return build
 
 
@@ -101,28 +123,42 @@ def snapshot(state):
     return {k: v.clone() for k, v in (state or {}).items()}
 
 
-VARIANTS = {"tp written out": tp_mine, "tp DTensor parallelize_module": tp_dtensor,
-            "1f1b written out": pp_mine("1f1b"), "1f1b torch pipelining": pp_torch("1f1b"),
-            "gpipe written out": pp_mine("gpipe"), "gpipe torch pipelining": pp_torch("gpipe")}
-PAIRS = [("tp written out", "tp DTensor parallelize_module"), ("1f1b written out", "1f1b torch pipelining"),
-         ("gpipe written out", "gpipe torch pipelining")]
+VARIANTS = {
+    "tp written out": tp_mine,
+    "tp DTensor parallelize_module": tp_dtensor,
+    "1f1b written out": pp_mine("1f1b"),
+    "1f1b torch pipelining": pp_torch("1f1b"),
+    "gpipe written out": pp_mine("gpipe"),
+    "gpipe torch pipelining": pp_torch("gpipe"),
+}
+PAIRS = [
+    ("tp written out", "tp DTensor parallelize_module"),
+    ("1f1b written out", "1f1b torch pipelining"),
+    ("gpipe written out", "gpipe torch pipelining"),
+]
 
 
 def run(args):
     rank, world, device, backend = tensor_parallel.setup(args)
     try:
         g = torch.Generator().manual_seed(0)
-        x = torch.randn(args.batch_size, 1, 28, 28, generator=g).to(device)    # every rank: the whole batch
+        x = torch.randn(args.batch_size, 1, 28, 28, generator=g).to(
+            device
+        )  # every rank: the whole batch
         y = torch.randint(0, 10, (args.batch_size,), generator=g).to(device)
         steps, times, failed, states = {}, {name: [] for name in VARIANTS}, {}, {}
         for name, build in VARIANTS.items():
             try:
                 steps[name], state = build(args, device, rank, world)
-                for _ in range(2):               # warm-up (and the pipelining stages' shape inference)
+                for _ in range(2):  # warm-up (and the pipelining stages' shape inference)
                     steps[name](x, y)
-                states[name] = snapshot(state())     # after the same 2 steps from the same seed; whole on rank 0
-            except Exception as e:              # report it and go on with the others
-                failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                states[name] = snapshot(
+                    state()
+                )  # after the same 2 steps from the same seed; whole on rank 0
+            except Exception as e:  # report it and go on with the others
+                failed[name] = (
+                    f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                )
                 steps.pop(name, None)
         dist.barrier()
         for _ in range(args.rounds):
@@ -135,40 +171,62 @@ def run(args):
                     torch.cuda.synchronize()
                 dist.barrier()
                 times[name].append((time.perf_counter() - t0) / args.steps)
-        common.log(f"\nW={world} {backend} on {device.type}, dim {args.dim}, depth {args.depth}, heads {args.heads}, "
-                   f"batch {args.batch_size}, {args.microbatches} micro-batches, {args.optim}; "
-                   f"median of {args.rounds} rounds x {args.steps} steps")
+        common.log(
+            f"\nW={world} {backend} on {device.type}, dim {args.dim}, depth {args.depth}, heads {args.heads}, "
+            f"batch {args.batch_size}, {args.microbatches} micro-batches, {args.optim}; "
+            f"median of {args.rounds} rounds x {args.steps} steps"
+        )
         med = {n: statistics.median(t) for n, t in times.items() if t}
         for n in VARIANTS:
-            common.log(f"  {n:<32}" + (f"{1000 * med[n]:8.2f} ms/step" if n in med else f"  FAILED {failed.get(n)}"))
+            common.log(
+                f"  {n:<32}"
+                + (f"{1000 * med[n]:8.2f} ms/step" if n in med else f"  FAILED {failed.get(n)}")
+            )
         ratios, diffs = {}, {}
         for mine, ref in PAIRS:
             if mine in med and ref in med:
                 key = mine.split()[0]
                 ratios[key] = med[mine] / med[ref]
-                if rank == 0:                    # full_state_dict gathers to rank 0 only
-                    diffs[key] = max((states[mine][k].double() - states[ref][k].double()).abs().max().item()
-                                     for k in states[ref])
-                    common.log(f"  ratio {mine} / {ref}: {ratios[key]:.3f}   "
-                               f"(parameters after 2 steps differ by {diffs[key]:.2g})")
-        common.result(script="bench_model_parallel", world_size=world, backend=backend, device=device.type,
-                      ms_per_step={n: 1000 * v for n, v in med.items()}, ratios=ratios, max_param_diff=diffs,
-                      failed=failed)
+                if rank == 0:  # full_state_dict gathers to rank 0 only
+                    diffs[key] = max(
+                        (states[mine][k].double() - states[ref][k].double()).abs().max().item()
+                        for k in states[ref]
+                    )
+                    common.log(
+                        f"  ratio {mine} / {ref}: {ratios[key]:.3f}   "
+                        f"(parameters after 2 steps differ by {diffs[key]:.2g})"
+                    )
+        common.result(
+            script="bench_model_parallel",
+            world_size=world,
+            backend=backend,
+            device=device.type,
+            ms_per_step={n: 1000 * v for n, v in med.items()},
+            ratios=ratios,
+            max_param_diff=diffs,
+            failed=failed,
+        )
     finally:
         tensor_parallel.cleanup()
 
 
 def main():
-    parser = common.get_parser("written-out TP / PP against DTensor and torch.distributed.pipelining")
+    parser = common.get_parser(
+        "written-out TP / PP against DTensor and torch.distributed.pipelining"
+    )
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant per round")
     args = common.parse_args(parser)
     world = common.world_size(args)
     for name in ("steps", "rounds"):
-        common.check(getattr(args, name) > 0, f"--{name} must be positive, got {getattr(args, name)}")
+        common.check(
+            getattr(args, name) > 0, f"--{name} must be positive, got {getattr(args, name)}"
+        )
     tensor_parallel.check_args(argparse.Namespace(**vars(args), sequence_parallel=False), world)
-    pipeline.check_args(argparse.Namespace(**vars(args), schedule="1f1b"), world)    # 1f1b checks what gpipe does
+    pipeline.check_args(
+        argparse.Namespace(**vars(args), schedule="1f1b"), world
+    )  # 1f1b checks what gpipe does
     common.launch(run, args)
 
 

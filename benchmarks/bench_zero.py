@@ -11,6 +11,7 @@ After the warm-up, each pair's parameters are compared (the same steps from the 
     torchrun --standalone --nproc_per_node=2 benchmarks/bench_zero.py --dim 256 --depth 8
     python benchmarks/bench_zero.py --nproc 2 --dim 256 --depth 8     # through mp.spawn on a free port
 """
+
 import os
 import statistics
 import sys
@@ -27,27 +28,44 @@ import common  # noqa: E402
 import fsdp  # noqa: E402
 import zero  # noqa: E402
 
-PAIRS = [("zero.py stage 1", "ddp+ZeroRedundancyOptimizer", "1.05"), ("zero.py stage 3", "fsdp.py (FSDP2)", "1.2")]
+PAIRS = [
+    ("zero.py stage 1", "ddp+ZeroRedundancyOptimizer", "1.05"),
+    ("zero.py stage 3", "fsdp.py (FSDP2)", "1.2"),
+]
 
 
 def variants(args, device):
     """name -> (model, optimizer, full_state_dict); every model starts from the same seed. Each loop
     is the skeleton's: forward, loss, backward, optimizer.step(), optimizer.zero_grad(set_to_none=True)."""
     out = {}
-    model = DDP(common.build_model(args).to(device), device_ids=[device.index] if device.type == "cuda" else None)
-    cls, kw = (torch.optim.SGD, dict(momentum=0.9)) if args.optim == "sgd" else (torch.optim.AdamW,
-                                                                                dict(weight_decay=0.01))
-    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, lr=args.lr, **kw)  # = make_optimizer
-    out["ddp+ZeroRedundancyOptimizer"] = (model, opt, lambda m=model: {k: v.detach().cpu()
-                                                                       for k, v in m.module.state_dict().items()})
+    model = DDP(
+        common.build_model(args).to(device),
+        device_ids=[device.index] if device.type == "cuda" else None,
+    )
+    cls, kw = (
+        (torch.optim.SGD, dict(momentum=0.9))
+        if args.optim == "sgd"
+        else (torch.optim.AdamW, dict(weight_decay=0.01))
+    )
+    opt = ZeroRedundancyOptimizer(
+        model.parameters(), optimizer_class=cls, lr=args.lr, **kw
+    )  # = make_optimizer
+    out["ddp+ZeroRedundancyOptimizer"] = (
+        model,
+        opt,
+        lambda m=model: {k: v.detach().cpu() for k, v in m.module.state_dict().items()},
+    )
     for stage in (1, 3):
         model = zero.parallelize(common.build_model(args).to(device), device, stage, offload=False)
         opt = common.make_optimizer(model.parameters(), args)
         zero.hook_optimizer(model, opt)
         out[f"zero.py stage {stage}"] = (model, opt, lambda m=model: zero.full_state_dict(m))
-    model = fsdp.parallelize(common.build_model(args).to(device), device)    # fsdp.py's defaults
-    out["fsdp.py (FSDP2)"] = (model, common.make_optimizer(model.parameters(), args),
-                              lambda m=model: fsdp.full_state_dict(m))
+    model = fsdp.parallelize(common.build_model(args).to(device), device)  # fsdp.py's defaults
+    out["fsdp.py (FSDP2)"] = (
+        model,
+        common.make_optimizer(model.parameters(), args),
+        lambda m=model: fsdp.full_state_dict(m),
+    )
     return out
 
 
@@ -74,7 +92,7 @@ def run(args):
         for name, (model, opt, state) in runs.items():
             for _ in range(args.warmup_steps):
                 step(model, opt, x, y)
-            states[name] = snapshot(state())       # collective; the whole state_dict on rank 0
+            states[name] = snapshot(state())  # collective; the whole state_dict on rank 0
         for _ in range(args.rounds):
             for name, (model, opt, _) in runs.items():
                 dist.barrier()
@@ -87,8 +105,10 @@ def run(args):
                 times[name].append((time.perf_counter() - t0) / args.steps)
         med = {name: statistics.median(t) for name, t in times.items()}
         psi = sum(p.numel() for p in common.build_model(args).parameters())
-        common.log(f"\nW={world}, {backend} on {device.type}, Ψ = {psi:,}, batch {args.batch_size}, {args.optim}, "
-                   f"median of {args.rounds} rounds x {args.steps} steps")
+        common.log(
+            f"\nW={world}, {backend} on {device.type}, Ψ = {psi:,}, batch {args.batch_size}, {args.optim}, "
+            f"median of {args.rounds} rounds x {args.steps} steps"
+        )
         for name, t in med.items():
             rounds = ", ".join(f"{1000 * s:.0f}" for s in times[name])
             common.log(f"  {name:<30}{1000 * t:9.1f} ms/step   (rounds: {rounds})")
@@ -96,30 +116,51 @@ def run(args):
         for mine, ref, target in PAIRS:
             ratios[mine] = med[mine] / med[ref]
             if rank == 0:
-                diffs[mine] = max((states[mine][k].double() - states[ref][k].double()).abs().max().item()
-                                  for k in states[ref])
-                common.log(f"  {mine} / {ref} = {ratios[mine]:.2f}x   (target <= {target}x; parameters after "
-                           f"{args.warmup_steps} steps differ by {diffs[mine]:.2g})")
-        common.result(script="bench_zero", world_size=world, backend=backend, device=device.type, params=psi,
-                      ms_per_step={k: 1000 * v for k, v in med.items()}, stage1_vs_ddp_zero=ratios[PAIRS[0][0]],
-                      stage3_vs_fsdp=ratios[PAIRS[1][0]], max_param_diff=diffs)
+                diffs[mine] = max(
+                    (states[mine][k].double() - states[ref][k].double()).abs().max().item()
+                    for k in states[ref]
+                )
+                common.log(
+                    f"  {mine} / {ref} = {ratios[mine]:.2f}x   (target <= {target}x; parameters after "
+                    f"{args.warmup_steps} steps differ by {diffs[mine]:.2g})"
+                )
+        common.result(
+            script="bench_zero",
+            world_size=world,
+            backend=backend,
+            device=device.type,
+            params=psi,
+            ms_per_step={k: 1000 * v for k, v in med.items()},
+            stage1_vs_ddp_zero=ratios[PAIRS[0][0]],
+            stage3_vs_fsdp=ratios[PAIRS[1][0]],
+            max_param_diff=diffs,
+        )
     finally:
         zero.cleanup()
 
 
 def main():
-    parser = common.get_parser("zero.py vs DDP+ZeroRedundancyOptimizer and vs FSDP2: step-time ratios")
-    parser.conflict_handler = "resolve"            # --warmup here counts untimed steps, not the lr warm-up
+    parser = common.get_parser(
+        "zero.py vs DDP+ZeroRedundancyOptimizer and vs FSDP2: step-time ratios"
+    )
+    parser.conflict_handler = "resolve"  # --warmup here counts untimed steps, not the lr warm-up
     g = parser.add_argument_group("benchmark")
     g.add_argument("--steps", type=int, default=10, help="timed steps per variant per round")
     g.add_argument("--rounds", type=int, default=5)
-    g.add_argument("--warmup", dest="warmup_steps", type=int, default=3, help="untimed steps per variant first")
-    parser.set_defaults(warmup=0.0)                # the shared lr warm-up fraction: no schedule is stepped here
+    g.add_argument(
+        "--warmup", dest="warmup_steps", type=int, default=3, help="untimed steps per variant first"
+    )
+    parser.set_defaults(warmup=0.0)  # the shared lr warm-up fraction: no schedule is stepped here
     args = common.parse_args(parser)
     world = common.world_size(args)
-    common.check(args.batch_size % world == 0, f"--batch-size {args.batch_size} is not divisible by world size {world}")
+    common.check(
+        args.batch_size % world == 0,
+        f"--batch-size {args.batch_size} is not divisible by world size {world}",
+    )
     for name in ("steps", "rounds"):
-        common.check(getattr(args, name) > 0, f"--{name} must be positive, got {getattr(args, name)}")
+        common.check(
+            getattr(args, name) > 0, f"--{name} must be positive, got {getattr(args, name)}"
+        )
     common.check(args.warmup_steps >= 0, f"--warmup must be >= 0, got {args.warmup_steps}")
     common.launch(run, args)
 

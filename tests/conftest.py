@@ -14,7 +14,10 @@ from helpers import ddp_reference  # noqa: E402
 @pytest.fixture(scope="module")
 def refs(request, tmp_path_factory):
     """ddp.py at W=1 with SGD and with AdamW on the test module's CFG (shared across modules)."""
-    return {optim: ddp_reference(tmp_path_factory, request.module.CFG, optim) for optim in ("sgd", "adamw")}
+    return {
+        optim: ddp_reference(tmp_path_factory, request.module.CFG, optim)
+        for optim in ("sgd", "adamw")
+    }
 
 
 @pytest.fixture(scope="module")

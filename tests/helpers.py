@@ -1,4 +1,5 @@
 """Launch the scripts as real processes and read what they report."""
+
 import hashlib
 import json
 import os
@@ -12,8 +13,25 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 # A small, fast configuration: synthetic digits, a 2-block ViT, a few steps.
-SMALL = ["--data", "synthetic", "--limit", "512", "--batch-size", "32", "--dim", "32", "--depth", "2",
-         "--heads", "4", "--epochs", "1", "--max-steps", "6", "--no-progress"]
+SMALL = [
+    "--data",
+    "synthetic",
+    "--limit",
+    "512",
+    "--batch-size",
+    "32",
+    "--dim",
+    "32",
+    "--depth",
+    "2",
+    "--heads",
+    "4",
+    "--epochs",
+    "1",
+    "--max-steps",
+    "6",
+    "--no-progress",
+]
 
 
 @dataclass
@@ -27,7 +45,7 @@ class Run:
         """The parsed `RESULT {json}` line (there must be exactly one)."""
         lines = [l for l in self.stdout.splitlines() if l.startswith("RESULT ")]
         assert len(lines) == 1, f"expected one RESULT line, got {len(lines)}\n{self.output}"
-        return json.loads(lines[0][len("RESULT "):])
+        return json.loads(lines[0][len("RESULT ") :])
 
     @property
     def output(self):
@@ -36,10 +54,20 @@ class Run:
 
 def run(args, timeout=180, env=None, cwd=ROOT):
     """Run a command; a hang becomes a test failure after `timeout` seconds, not a stuck suite."""
-    inherited = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    inherited = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+    }
     full_env = {**inherited, "PYTHONUNBUFFERED": "1", **(env or {})}
-    p = subprocess.run([str(a) for a in args], cwd=cwd, env=full_env, capture_output=True, text=True,
-                       timeout=timeout)
+    p = subprocess.run(
+        [str(a) for a in args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return Run(p.returncode, p.stdout, p.stderr)
 
 
@@ -48,8 +76,18 @@ def python(script, *args, **kw):
 
 
 def torchrun(script, nproc, *args, **kw):
-    return run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                ROOT / script, *args], **kw)
+    return run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            ROOT / script,
+            *args,
+        ],
+        **kw,
+    )
 
 
 def ok(r):

@@ -2,6 +2,7 @@
 its own, so test_pipeline.py pays for starting the interpreters and torch once per world size, not
 once per case. argv[1]: a JSON list of [script, [flag, ...]]; each case's rank 0 prints its RESULT
 line, in order. The scripts run unchanged, through their own main()."""
+
 import importlib
 import json
 import os

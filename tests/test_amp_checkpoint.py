@@ -11,6 +11,7 @@
   by more than round-off) and converges like fp32.
 - Bad input: one clear error, exit 2, before any process group.
 """
+
 import json
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,12 +23,18 @@ from torch.utils.data import DataLoader, DistributedSampler
 import common
 from helpers import ROOT, SMALL, max_diff, ok, python, torchrun
 
-CFG = [*SMALL, "--batch-size", "48"]           # 48: W = 1, 2, 3 and two micro-batches all divide it
+CFG = [*SMALL, "--batch-size", "48"]  # 48: W = 1, 2, 3 and two micro-batches all divide it
 OFF = [*CFG, "--amp", "off"]
-L, T, D = 2, 16, 32                           # SMALL: depth 2, 16 tokens (patch 7), dim 32
-TOL = {"sgd": 1e-6, "adamw": 5e-5}   # round-off; AdamW turns it into steps on ~0 gradients: up to 1.9e-5 seen
-CLIP = 0.01                                   # far below the gradient norm: every step is clipped
-PSI = sum(p.numel() for p in common.build_model(common.parse_args(common.get_parser("t"), CFG)).parameters())
+L, T, D = 2, 16, 32  # SMALL: depth 2, 16 tokens (patch 7), dim 32
+TOL = {
+    "sgd": 1e-6,
+    "adamw": 5e-5,
+}  # round-off; AdamW turns it into steps on ~0 gradients: up to 1.9e-5 seen
+CLIP = 0.01  # far below the gradient norm: every step is clipped
+PSI = sum(
+    p.numel()
+    for p in common.build_model(common.parse_args(common.get_parser("t"), CFG)).parameters()
+)
 
 LAUNCHES = {  # name: (world, extra flags)
     "ckpt": (2, [*OFF, "--optim", "sgd", "--checkpoint"]),
@@ -38,8 +45,11 @@ LAUNCHES = {  # name: (world, extra flags)
 }
 
 
-USES = {"test_checkpointing_keeps_only_each_blocks_input": ["ckpt", "accum"], "test_clip_bounds_every_step": ["clip"],
-        "test_bf16_is_active": ["bf16", "accum"]}      # the launches each unparametrized test reads
+USES = {
+    "test_checkpointing_keeps_only_each_blocks_input": ["ckpt", "accum"],
+    "test_clip_bounds_every_step": ["clip"],
+    "test_bf16_is_active": ["bf16", "accum"],
+}  # the launches each unparametrized test reads
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +71,7 @@ def runs(request, tmp_path_factory):
             params = getattr(getattr(item, "callspec", None), "params", {})
             wanted |= {params["name"]} if "name" in params else set(USES.get(item.originalname, []))
     names = [n for n in LAUNCHES if n in wanted]
-    with ThreadPoolExecutor(2) as pool:                  # two launches at a time: one per core
+    with ThreadPoolExecutor(2) as pool:  # two launches at a time: one per core
         out = dict(zip(names, pool.map(launch, names)))
     for name, (_, res, _) in out.items():
         assert res["world_size"] == LAUNCHES[name][0] and res["steps"] == 6, name
@@ -89,7 +99,11 @@ def test_fp32_equals_ddp_one_process(runs, refs, name, optim):
     print(f"{name}: max |param diff| vs ddp.py W=1 = {diff:.2e}")
     assert diff < TOL[optim]
     k = 8 if optim == "adamw" else 4
-    assert (res["param_bytes"], res["grad_bytes"], res["optim_bytes"]) == (4 * PSI, 4 * PSI, k * PSI)
+    assert (res["param_bytes"], res["grad_bytes"], res["optim_bytes"]) == (
+        4 * PSI,
+        4 * PSI,
+        k * PSI,
+    )
 
 
 @pytest.mark.parametrize("name", ["ckpt", "accum", "both"])
@@ -97,7 +111,9 @@ def test_one_all_reduce_per_step_whatever_the_micro_batches(runs, name):
     """no_sync() on all but the last micro-batch: Ψ fp32 all-reduced once per optimizer step."""
     res = runs[name][1]
     assert res["comm"]["all_reduce"] == 4 * PSI
-    assert res["comm_calls"]["all_reduce"] == res["comm_steps"] == 3      # one bucket: one call per step
+    assert (
+        res["comm_calls"]["all_reduce"] == res["comm_steps"] == 3
+    )  # one bucket: one call per step
 
 
 @pytest.mark.parametrize("name", ["ckpt", "accum", "both", "bf16"])
@@ -114,8 +130,8 @@ def test_checkpointed_blocks_run_forward_twice_in_training(runs, name):
 def test_checkpointing_keeps_only_each_blocks_input(runs):
     """Micro-batch B = 24 in both runs: checkpointed E + L·B·T·D·4 exactly, plain >= E + 16·L·B·T·D·4."""
     B = 24
-    E = saved_bytes(common.ViT(D, 0, 4, 7), B)                    # embed and head only
-    ckpt, plain = runs["ckpt"][1]["act_bytes"], runs["accum"][1]["act_bytes"]      # the Meter's, rank 0
+    E = saved_bytes(common.ViT(D, 0, 4, 7), B)  # embed and head only
+    ckpt, plain = runs["ckpt"][1]["act_bytes"], runs["accum"][1]["act_bytes"]  # the Meter's, rank 0
     print(f"saved for backward: plain {plain}, checkpointed {ckpt}, E {E}")
     assert ckpt == E + L * B * T * D * 4
     assert plain >= E + 16 * L * B * T * D * 4
@@ -125,7 +141,9 @@ def reference_with_clip(clip, steps=6):
     """ddp.py's W=1 loop with SGD, written out here, plus clip_grad_norm_ before each step."""
     args = common.parse_args(common.get_parser("t"), [*CFG, "--optim", "sgd"])
     train_set, _, _ = common.load_data(args)
-    sampler = DistributedSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=args.seed, drop_last=True)
+    sampler = DistributedSampler(
+        train_set, num_replicas=1, rank=0, shuffle=True, seed=args.seed, drop_last=True
+    )
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True)
     model = common.build_model(args)
     optimizer = common.make_optimizer(model.parameters(), args)
@@ -147,12 +165,17 @@ def test_clip_bounds_every_step(runs, refs, tmp_path):
     unclipped steps would move the weights orders of magnitude further."""
     start = common.build_model(common.parse_args(common.get_parser("t"), CFG)).state_dict()
     torch.save(reference_with_clip(0), tmp_path / "plain.pt")
-    assert max_diff(refs["sgd"], tmp_path / "plain.pt") < TOL["sgd"]      # the in-process loop is ddp.py's
+    assert (
+        max_diff(refs["sgd"], tmp_path / "plain.pt") < TOL["sgd"]
+    )  # the in-process loop is ddp.py's
     expected = reference_with_clip(CLIP)
     got = torch.load(runs["clip"][0], weights_only=True)
     moved = max((expected[k] - start[k]).abs().max().item() for k in start)
     err = max((got[k] - expected[k]).abs().max().item() for k in start)
-    unclipped = max((v - start[k]).abs().max().item() for k, v in torch.load(refs["sgd"], weights_only=True).items())
+    unclipped = max(
+        (v - start[k]).abs().max().item()
+        for k, v in torch.load(refs["sgd"], weights_only=True).items()
+    )
     print(f"clip: moved {moved:.2e} (unclipped {unclipped:.2e}), error {err:.2e}")
     assert 0 < moved < unclipped / 10
     assert err < 1e-3 * moved
@@ -167,33 +190,72 @@ def test_bf16_is_active(runs, refs):
     diff = max_diff(refs["sgd"], path)
     print(f"bf16 vs fp32: max |param diff| = {diff:.2e}")
     assert 1e-5 < diff < 1e-2
-    assert res["comm"]["all_reduce"] == 4 * PSI                       # fp32 gradients all the same
+    assert res["comm"]["all_reduce"] == 4 * PSI  # fp32 gradients all the same
 
 
 def test_bf16_trains_like_fp32():
     """64 steps of a 1-block ViT: bf16 (checkpointed) follows fp32's loss down and reaches its
     accuracy. (The README's settled comparison is a longer run of the same command.)"""
-    cfg = ["--data", "synthetic", "--limit", "2048", "--batch-size", "64", "--dim", "32", "--depth", "1",
-           "--heads", "4", "--epochs", "2", "--lr", "6e-3", "--shift", "0", "--no-progress"]
+    cfg = [
+        "--data",
+        "synthetic",
+        "--limit",
+        "2048",
+        "--batch-size",
+        "64",
+        "--dim",
+        "32",
+        "--depth",
+        "1",
+        "--heads",
+        "4",
+        "--epochs",
+        "2",
+        "--lr",
+        "6e-3",
+        "--shift",
+        "0",
+        "--no-progress",
+    ]
     with ThreadPoolExecutor(2) as pool:
         fp32 = pool.submit(torchrun, "amp_checkpoint.py", 1, *cfg, "--amp", "off", timeout=300)
-        bf16 = pool.submit(torchrun, "amp_checkpoint.py", 1, *cfg, "--amp", "bf16", "--checkpoint", timeout=300)
+        bf16 = pool.submit(
+            torchrun, "amp_checkpoint.py", 1, *cfg, "--amp", "bf16", "--checkpoint", timeout=300
+        )
         fp32, bf16 = ok(fp32.result()), ok(bf16.result())
-    print(f"fp32: loss {fp32['loss']:.4f} acc {fp32['test_acc']:.4f}; bf16: loss {bf16['loss']:.4f} "
-          f"acc {bf16['test_acc']:.4f}")
+    print(
+        f"fp32: loss {fp32['loss']:.4f} acc {fp32['test_acc']:.4f}; bf16: loss {bf16['loss']:.4f} "
+        f"acc {bf16['test_acc']:.4f}"
+    )
     assert bf16["steps"] == fp32["steps"] == 2 * (2048 // 64)
-    assert fp32["loss"] < 0.9 * 2.3026                       # it has learnt something: well below ln(10) (1.88)
+    assert fp32["loss"] < 0.9 * 2.3026  # it has learnt something: well below ln(10) (1.88)
     assert abs(bf16["loss"] - fp32["loss"]) < 0.05
     assert abs(bf16["test_acc"] - fp32["test_acc"]) < 0.05
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--amp", "fp16"], "error: --amp fp16 needs CUDA (fp16 autocast with a GradScaler); this run is on the CPU"),
-    (["--clip", "-1"], "error: --clip must be >= 0 (0: no clipping), got -1.0"),
-    (["--grad-accum", "0"], "error: --grad-accum 0 must be >= 1 and divide the 32 samples each rank gets per step"),
-    (["--grad-accum", "3"], "error: --grad-accum 3 must be >= 1 and divide the 32 samples each rank gets per step"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (
+            ["--amp", "fp16"],
+            "error: --amp fp16 needs CUDA (fp16 autocast with a GradScaler); this run is on the CPU",
+        ),
+        (["--clip", "-1"], "error: --clip must be >= 0 (0: no clipping), got -1.0"),
+        (
+            ["--grad-accum", "0"],
+            "error: --grad-accum 0 must be >= 1 and divide the 32 samples each rank gets per step",
+        ),
+        (
+            ["--grad-accum", "3"],
+            "error: --grad-accum 3 must be >= 1 and divide the 32 samples each rank gets per step",
+        ),
+    ],
+)
 def test_bad_input_one_message(argv, message):
-    r = python("amp_checkpoint.py", *SMALL, "--backend", "gloo", *argv, timeout=60)   # gloo: on CPU even with GPUs
+    r = python(
+        "amp_checkpoint.py", *SMALL, "--backend", "gloo", *argv, timeout=60
+    )  # gloo: on CPU even with GPUs
     assert r.returncode == 2, r.output
-    assert message in r.stderr and r.stderr.count("error") == 1 and "Traceback" not in r.stderr, r.output
+    assert message in r.stderr and r.stderr.count("error") == 1 and "Traceback" not in r.stderr, (
+        r.output
+    )

@@ -1,6 +1,7 @@
 """collectives.py: every primitive's printed result equals its definition, recomputed here from
 the printed inputs (not from the script's own checks); the ring all-reduce equals dist.all_reduce
 for sizes W does not divide, and each rank sends 2(W-1)/W·N bytes."""
+
 import ast
 import re
 import tempfile
@@ -19,21 +20,32 @@ def printed(stdout):
         if m := re.match(r"== (\w+):", line):
             name, out[m[1]] = m[1], {}
         elif name and (m := re.match(r"  rank (\d+): (\[[^\]]*\]|-) -> (\[[^\]]*\]|-)$", line)):
-            out[name][int(m[1])] = tuple(None if s == "-" else ast.literal_eval(s) for s in m.groups()[1:])
+            out[name][int(m[1])] = tuple(
+                None if s == "-" else ast.literal_eval(s) for s in m.groups()[1:]
+            )
     return out
 
 
 def check_definitions(stdout, W, root, n, k):
     got = printed(stdout)
-    assert set(got) == {"broadcast", "scatter", "gather", "reduce", "all_gather", "all_reduce", "reduce_scatter",
-                        "all_to_all", "ring_all_reduce"}, stdout
+    assert set(got) == {
+        "broadcast",
+        "scatter",
+        "gather",
+        "reduce",
+        "all_gather",
+        "all_reduce",
+        "reduce_scatter",
+        "all_to_all",
+        "ring_all_reduce",
+    }, stdout
     assert all(sorted(rows) == list(range(W)) for rows in got.values()), stdout
-    x = {r: got["all_reduce"][r][0] for r in range(W)}                 # each rank's N elements
-    xs = {r: got["reduce_scatter"][r][0] for r in range(W)}            # each rank's W chunks of k
+    x = {r: got["all_reduce"][r][0] for r in range(W)}  # each rank's N elements
+    xs = {r: got["reduce_scatter"][r][0] for r in range(W)}  # each rank's W chunks of k
     assert all(len(x[r]) == n and len(xs[r]) == W * k for r in range(W))
-    assert len(set(map(tuple, x.values()))) == W                       # distinct inputs: a mix-up shows
-    cat = lambda parts: [v for p in parts for v in p]                  # noqa: E731
-    chunk = lambda t, i: t[i * k:(i + 1) * k]                          # noqa: E731
+    assert len(set(map(tuple, x.values()))) == W  # distinct inputs: a mix-up shows
+    cat = lambda parts: [v for p in parts for v in p]  # noqa: E731
+    chunk = lambda t, i: t[i * k : (i + 1) * k]  # noqa: E731
     total = [sum(col) for col in zip(*x.values())]
     for r in range(W):
         assert got["broadcast"][r] == (x[r], x[root])
@@ -45,7 +57,9 @@ def check_definitions(stdout, W, root, n, k):
         assert got["reduce_scatter"][r][1] == chunk([sum(col) for col in zip(*xs.values())], r)
         assert got["all_to_all"][r] == (xs[r], cat(chunk(xs[j], r) for j in range(W)))
         assert got["ring_all_reduce"][r] == (x[r], total)
-    assert got["scatter"][root][0] == xs[root] and all(got["scatter"][r][0] is None for r in range(W) if r != root)
+    assert got["scatter"][root][0] == xs[root] and all(
+        got["scatter"][r][0] is None for r in range(W) if r != root
+    )
 
 
 def swap_first_two(stdout, name, rank):
@@ -61,10 +75,12 @@ def swap_first_two(stdout, name, rank):
 
 
 def check_bytes(res, W, N):
-    sizes = [N // W + (i < N % W) for i in range(W)]                   # the ring's chunks (tensor_split)
+    sizes = [N // W + (i < N % W) for i in range(W)]  # the ring's chunks (tensor_split)
     # rank r sends every chunk but r+1 in the reduce-scatter phase and every chunk but r+2 in the
     # all-gather phase: 2N - |chunk r+1| - |chunk r+2| elements, 2(W-1)/W·N when W divides N
-    assert res["ring_bytes_sent"] == [4 * (2 * N - sizes[(r + 1) % W] - sizes[(r + 2) % W]) for r in range(W)]
+    assert res["ring_bytes_sent"] == [
+        4 * (2 * N - sizes[(r + 1) % W] - sizes[(r + 2) % W]) for r in range(W)
+    ]
     assert res["ring_bytes_formula"] == pytest.approx(4 * 2 * (W - 1) / W * N)
     assert all(abs(b - res["ring_bytes_formula"]) <= 8 for b in res["ring_bytes_sent"])
     assert sum(res["ring_bytes_sent"]) == 4 * 2 * (W - 1) * N
@@ -73,9 +89,11 @@ def check_bytes(res, W, N):
 def missing_in_gloo():
     """Which of scatter, reduce-scatter and all-to-all this torch's Gloo lacks (2.11 has no list
     all_to_all), asked of the backend in a world of one, as collectives.py asks it."""
-    calls = {"scatter": lambda: dist.scatter(torch.zeros(1), [torch.ones(1)], src=0),
-             "reduce_scatter": lambda: dist.reduce_scatter(torch.zeros(1), [torch.ones(1)]),
-             "all_to_all": lambda: dist.all_to_all([torch.zeros(1)], [torch.ones(1)])}
+    calls = {
+        "scatter": lambda: dist.scatter(torch.zeros(1), [torch.ones(1)], src=0),
+        "reduce_scatter": lambda: dist.reduce_scatter(torch.zeros(1), [torch.ones(1)]),
+        "all_to_all": lambda: dist.all_to_all([torch.zeros(1)], [torch.ones(1)]),
+    }
     missing = set()
     with tempfile.TemporaryDirectory() as d:
         dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0, world_size=1)
@@ -90,24 +108,52 @@ def missing_in_gloo():
     return missing
 
 
-@pytest.mark.parametrize("world,root,n,k,N,avoid", [
-    (2, 0, 5, 2, 100_001, []),            # W divides neither n nor N
-    (4, 1, 6, 1, 1_000_003, []),
-    (3, 2, 2, 2, 2, ["scatter", "reduce_scatter", "all_to_all"]),   # N < W: an empty ring chunk; built versions
-])
+@pytest.mark.parametrize(
+    "world,root,n,k,N,avoid",
+    [
+        (2, 0, 5, 2, 100_001, []),  # W divides neither n nor N
+        (4, 1, 6, 1, 1_000_003, []),
+        (
+            3,
+            2,
+            2,
+            2,
+            2,
+            ["scatter", "reduce_scatter", "all_to_all"],
+        ),  # N < W: an empty ring chunk; built versions
+    ],
+)
 def test_primitives_equal_their_definitions(world, root, n, k, N, avoid):
-    r = torchrun("collectives.py", world, "--root", root, "--numel", n, "--chunk", k, "--ring-numel", N,
-                 "--timeout", 60, *(["--avoid", *avoid] if avoid else []), timeout=120)
+    r = torchrun(
+        "collectives.py",
+        world,
+        "--root",
+        root,
+        "--numel",
+        n,
+        "--chunk",
+        k,
+        "--ring-numel",
+        N,
+        "--timeout",
+        60,
+        *(["--avoid", *avoid] if avoid else []),
+        timeout=120,
+    )
     res = ok(r)
     assert res["world_size"] == world and res["backend"] == "gloo"
     assert res["failed"] == [] and res["checks_passed"] == res["checks_total"] == 14, r.output
     check_definitions(r.stdout, world, root, n, k)
-    for name in ("all_to_all", "all_gather", "ring_all_reduce"):      # the checks can fail
+    for name in ("all_to_all", "all_gather", "ring_all_reduce"):  # the checks can fail
         with pytest.raises(AssertionError):
             check_definitions(swap_first_two(r.stdout, name, world - 1), world, root, n, k)
     check_bytes(res, world, N)
     naive = [4 * N * ((world - 1) if rank == root else 1) for rank in range(world)]
     assert res["naive_bytes_sent"] == naive and res["naive_root_formula"] == naive[root]
-    assert sorted(res["built"]) == sorted(set(avoid) | missing_in_gloo())   # what --avoid or the backend forces
+    assert sorted(res["built"]) == sorted(
+        set(avoid) | missing_in_gloo()
+    )  # what --avoid or the backend forces
     for name in avoid:
-        assert re.search(rf"== {name}:.*\n(  rank .*\n)+  shown: built from .*\(--avoid\)", r.stdout), r.output
+        assert re.search(
+            rf"== {name}:.*\n(  rank .*\n)+  shown: built from .*\(--avoid\)", r.stdout
+        ), r.output

@@ -1,4 +1,5 @@
 """common.py in-process: the data path, the sampler's promises, the model, checkpoint files."""
+
 import os
 import struct
 import subprocess
@@ -28,13 +29,18 @@ def write_idx(root, n_train=64, n_test=32):
     for prefix, n in (("train", n_train), ("t10k", n_test)):
         x = torch.randint(0, 256, (n, 28, 28), dtype=torch.uint8, generator=g)
         y = torch.randint(0, 10, (n,), dtype=torch.uint8, generator=g)
-        (raw / f"{prefix}-images-idx3-ubyte").write_bytes(struct.pack(">IIII", 2051, n, 28, 28) + x.numpy().tobytes())
-        (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(struct.pack(">II", 2049, n) + y.numpy().tobytes())
+        (raw / f"{prefix}-images-idx3-ubyte").write_bytes(
+            struct.pack(">IIII", 2051, n, 28, 28) + x.numpy().tobytes()
+        )
+        (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(
+            struct.pack(">II", 2049, n) + y.numpy().tobytes()
+        )
         out[prefix] = (x, y)
     return out
 
 
 # --------------------------------------------------------------------------- data
+
 
 def test_synthetic_is_deterministic_mnist_shaped_and_prefix_stable():
     x, y = common.synthetic_digits(3000, seed=7)
@@ -42,7 +48,7 @@ def test_synthetic_is_deterministic_mnist_shaped_and_prefix_stable():
     assert set(y.tolist()) == set(range(10))
     x2, y2 = common.synthetic_digits(3000, seed=7)
     assert torch.equal(x, x2) and torch.equal(y, y2)
-    x3, y3 = common.synthetic_digits(1000, seed=7)            # --limit takes a prefix of the same set
+    x3, y3 = common.synthetic_digits(1000, seed=7)  # --limit takes a prefix of the same set
     assert torch.equal(x3, x[:1000]) and torch.equal(y3, y[:1000])
     assert not torch.equal(common.synthetic_digits(100, seed=8)[0], x[:100])
 
@@ -57,7 +63,9 @@ def test_synthetic_classes_are_not_trivially_separable():
 
 
 def tensors(ds):
-    return torch.stack([ds[i][0] for i in range(len(ds))]), torch.stack([ds[i][1] for i in range(len(ds))])
+    return torch.stack([ds[i][0] for i in range(len(ds))]), torch.stack(
+        [ds[i][1] for i in range(len(ds))]
+    )
 
 
 def test_load_data_normalises_and_limits():
@@ -80,15 +88,23 @@ def test_shift_augmentation_depends_on_seed_epoch_and_index_only():
         for i in range(40):
             x = train[i][0][0]
             pad = torch.nn.functional.pad(plain[i, 0], (2, 2, 2, 2), value=float(bg))
-            found = [(dy, dx) for dy in range(-2, 3) for dx in range(-2, 3)
-                     if torch.equal(x, pad[2 - dy:30 - dy, 2 - dx:30 - dx])]
+            found = [
+                (dy, dx)
+                for dy in range(-2, 3)
+                for dx in range(-2, 3)
+                if torch.equal(x, pad[2 - dy : 30 - dy, 2 - dx : 30 - dx])
+            ]
             assert found, (epoch, i)
             moves.add((epoch, i, found[0]))
-    assert len({m[2] for m in moves}) > 10                                  # many different moves
-    assert any(a[2] != b[2] for a in moves for b in moves if a[:2] == (0, b[1]) and b[0] == 1)   # new each epoch
+    assert len({m[2] for m in moves}) > 10  # many different moves
+    assert any(
+        a[2] != b[2] for a in moves for b in moves if a[:2] == (0, b[1]) and b[0] == 1
+    )  # new each epoch
     again, _, _ = common.load_data(parse(*ARGS, "--shift", "2"))
     again.set_epoch(1)
-    assert all(torch.equal(again[i][0], train[i][0]) for i in range(40))    # a function of (seed, epoch, index)
+    assert all(
+        torch.equal(again[i][0], train[i][0]) for i in range(40)
+    )  # a function of (seed, epoch, index)
     assert torch.equal(test[3][0], test.x[3])
 
 
@@ -98,23 +114,32 @@ def test_mnist_from_idx_files(tmp_path):
         train, test, source = common.load_data(parse("--data", data, "--data-dir", str(tmp_path)))
         (xtr, ytr), (xte, yte) = tensors(train), tensors(test)
         assert source == "mnist"
-        assert torch.equal(ytr, written["train"][1].long()) and torch.equal(yte, written["t10k"][1].long())
-        assert torch.allclose(xte[:, 0], (written["t10k"][0].float() / 255 - common.MNIST_MEAN) / common.MNIST_STD)
+        assert torch.equal(ytr, written["train"][1].long()) and torch.equal(
+            yte, written["t10k"][1].long()
+        )
+        assert torch.allclose(
+            xte[:, 0], (written["t10k"][0].float() / 255 - common.MNIST_MEAN) / common.MNIST_STD
+        )
 
 
 @pytest.fixture
 def offline(monkeypatch):
     """No MNIST download possible, even on a machine that has internet: point the mirrors at a closed port."""
     from torchvision.datasets import MNIST
+
     monkeypatch.setattr(MNIST, "mirrors", ["http://127.0.0.1:9/"])
 
 
 def test_auto_falls_back_to_synthetic_with_one_warning(tmp_path, offline, capsys):
-    *_, source = common.load_data(parse("--data", "auto", "--data-dir", str(tmp_path), "--limit", "100"))
+    *_, source = common.load_data(
+        parse("--data", "auto", "--data-dir", str(tmp_path), "--limit", "100")
+    )
     out = capsys.readouterr()
     assert source == "synthetic"
     warnings = [l for l in (out.out + out.err).splitlines() if l.strip()]
-    assert len(warnings) == 1 and warnings[0].startswith("warning:") and "synthetic" in warnings[0], warnings
+    assert (
+        len(warnings) == 1 and warnings[0].startswith("warning:") and "synthetic" in warnings[0]
+    ), warnings
 
 
 def test_mnist_offline_without_files_is_a_clear_error(tmp_path, offline, capsys):
@@ -122,7 +147,9 @@ def test_mnist_offline_without_files_is_a_clear_error(tmp_path, offline, capsys)
         common.load_data(parse("--data", "mnist", "--data-dir", str(tmp_path)))
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("error:") == 1 and "could not be downloaded" in err and "--data synthetic" in err
+    assert (
+        err.count("error:") == 1 and "could not be downloaded" in err and "--data synthetic" in err
+    )
 
 
 def two_nodes(tmp_path, cwds, *args, timeout=150):
@@ -131,12 +158,36 @@ def two_nodes(tmp_path, cwds, *args, timeout=150):
     port = common.free_port()
     procs = []
     for node, cwd in enumerate(cwds):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
-               f"--node-rank={node}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-               "--rdzv-id=data", f"--rdzv-conf=is_host={'true' if node == 0 else 'false'}", ROOT / "ddp.py", *args]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT / "tests" / "faults"), "OFFLINE": "1"}
-        procs.append(subprocess.Popen([str(c) for c in cmd], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, env=env))
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            "--nproc_per_node=2",
+            f"--node-rank={node}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=data",
+            f"--rdzv-conf=is_host={'true' if node == 0 else 'false'}",
+            ROOT / "ddp.py",
+            *args,
+        ]
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": str(ROOT / "tests" / "faults"),
+            "OFFLINE": "1",
+        }
+        procs.append(
+            subprocess.Popen(
+                [str(c) for c in cmd],
+                cwd=cwd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+        )
     try:
         outs = [p.communicate(timeout=timeout) for p in procs]
     finally:
@@ -152,44 +203,64 @@ def test_nodes_decide_on_the_data_together(tmp_path):
     a, b = tmp_path / "node0", tmp_path / "node1"
     write_idx(a / "data", n_train=64, n_test=32)
     b.mkdir()
-    cfg = ["--limit", "64", "--batch-size", "16", "--dim", "32", "--depth", "1", "--max-steps", "2", "--no-progress"]
+    cfg = [
+        "--limit",
+        "64",
+        "--batch-size",
+        "16",
+        "--dim",
+        "32",
+        "--depth",
+        "1",
+        "--max-steps",
+        "2",
+        "--no-progress",
+    ]
     codes, outs = two_nodes(tmp_path, [a, b], *cfg, "--data", "auto")
     assert codes == [0, 0], outs
-    assert '"data": "synthetic"' in outs[0][0] and "MNIST is not in data/MNIST/raw" in outs[1][1], outs
+    assert '"data": "synthetic"' in outs[0][0] and "MNIST is not in data/MNIST/raw" in outs[1][1], (
+        outs
+    )
     codes, outs = two_nodes(tmp_path, [a, b], *cfg, "--data", "mnist")
     assert codes[0] != 0 and codes[1] != 0, outs
     assert outs[0][1].count("error: --data mnist: MNIST is missing on another node") == 1, outs
-    assert outs[1][1].count("MNIST is not in data/MNIST/raw") == 1, outs   # once, from node 1's local rank 0
-    write_idx(b / "data", n_train=64, n_test=32)                # both nodes have it: MNIST everywhere
+    assert outs[1][1].count("MNIST is not in data/MNIST/raw") == 1, (
+        outs
+    )  # once, from node 1's local rank 0
+    write_idx(b / "data", n_train=64, n_test=32)  # both nodes have it: MNIST everywhere
     codes, outs = two_nodes(tmp_path, [a, b], *cfg, "--data", "auto")
     assert codes == [0, 0] and '"data": "mnist"' in outs[0][0], outs
 
 
 # --------------------------------------------------------------------------- samplers
 
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_train_shards_are_disjoint_cover_and_reshuffle(world):
     """The scripts' DistributedSampler + DataLoader (batch/W each, drop_last): global batch k holds
     the same samples at every world size, so every technique sees the same batches."""
-    n, batch = 103, 12                                        # neither divides evenly
+    n, batch = 103, 12  # neither divides evenly
     ds = common.Digits(torch.arange(n).float(), torch.arange(n))
 
     def loader(rank, w, epoch):
-        sampler = DistributedSampler(ds, num_replicas=w, rank=rank, shuffle=True, seed=5, drop_last=True)
+        sampler = DistributedSampler(
+            ds, num_replicas=w, rank=rank, shuffle=True, seed=5, drop_last=True
+        )
         sampler.set_epoch(epoch)
         return DataLoader(ds, batch_size=batch // w, sampler=sampler, drop_last=True)
+
     epochs = []
     for epoch in range(2):
         per_rank = [[b[1].tolist() for b in loader(rank, world, epoch)] for rank in range(world)]
         flat = [i for r in per_rank for b in r for i in b]
-        assert len(flat) == len(set(flat))                    # disjoint
+        assert len(flat) == len(set(flat))  # disjoint
         assert all(len(b) == batch // world for r in per_rank for b in r)
         steps = min(len(r) for r in per_rank)
-        assert all(len(r) == steps for r in per_rank)         # every rank takes the same number of steps
+        assert all(len(r) == steps for r in per_rank)  # every rank takes the same number of steps
         epochs.append([sorted(i for r in per_rank for i in r[k]) for k in range(steps)])
     if batch % world == 0 and n // world % (batch // world) == 0:
-        assert epochs[0] == [sorted(b[1].tolist()) for b in loader(0, 1, 0)][:len(epochs[0])]
-    assert epochs[0] != epochs[1]                             # set_epoch reshuffles
+        assert epochs[0] == [sorted(b[1].tolist()) for b in loader(0, 1, 0)][: len(epochs[0])]
+    assert epochs[0] != epochs[1]  # set_epoch reshuffles
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -208,13 +279,14 @@ def test_test_shards_count_every_sample_once_with_equal_batches(world):
 
 # --------------------------------------------------------------------------- model
 
+
 def test_model_is_seeded_and_shaped():
     a, b = common.build_model(parse("--seed", "3")), common.build_model(parse("--seed", "3"))
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     c = common.build_model(parse("--seed", "4"))
     assert not torch.equal(a.blocks[0].attn.q.weight, c.blocks[0].attn.q.weight)
     assert a(torch.randn(5, 1, 28, 28)).shape == (5, 10)
-    assert a.blocks[0].attn.k.bias is None                       # a key bias would get a zero gradient
+    assert a.blocks[0].attn.k.bias is None  # a key bias would get a zero gradient
     assert not any(isinstance(m, (torch.nn.BatchNorm2d, torch.nn.Dropout)) for m in a.modules())
     m = common.build_model(parse("--dim", "48", "--depth", "3", "--heads", "6"))
     assert len(m.blocks) == 3 and m.blocks[0].mlp.fc1.out_features == 192
@@ -232,12 +304,16 @@ def test_model_is_a_sequence_of_pieces():
 
 # --------------------------------------------------------------------------- flags and checkpoints
 
-@pytest.mark.parametrize("argv,message", [
-    (["--data", "foo"], "invalid choice: 'foo'"),
-    (["--dim", "30", "--heads", "4"], "--dim 30 is not divisible by --heads 4"),
-    (["--batch-size", "0"], "--batch-size must be positive"),
-    (["--load", "/nonexistent/x.pt"], "--load /nonexistent/x.pt: no such file"),
-])
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--data", "foo"], "invalid choice: 'foo'"),
+        (["--dim", "30", "--heads", "4"], "--dim 30 is not divisible by --heads 4"),
+        (["--batch-size", "0"], "--batch-size must be positive"),
+        (["--load", "/nonexistent/x.pt"], "--load /nonexistent/x.pt: no such file"),
+    ],
+)
 def test_bad_flags_exit_with_one_message(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         parse(*argv)
@@ -250,13 +326,16 @@ def test_save_is_atomic_and_load_checks_shapes(tmp_path, capsys):
     model = common.build_model(parse())
     path = tmp_path / "sub" / "m.pt"
     common.save_checkpoint(model.state_dict(), path)
-    assert [p.name for p in path.parent.iterdir()] == ["m.pt"]              # no temp file left behind
+    assert [p.name for p in path.parent.iterdir()] == ["m.pt"]  # no temp file left behind
     sd = common.load_state_dict_file(path, model.state_dict())
     assert all(torch.equal(sd[k], v) for k, v in model.state_dict().items())
     bigger = common.build_model(parse("--dim", "128"))
     with pytest.raises(SystemExit):
         common.load_state_dict_file(path, bigger.state_dict())
-    assert "tensor 'embed.pos' has shape (1, 16, 64), this model needs (1, 16, 128)" in capsys.readouterr().err
+    assert (
+        "tensor 'embed.pos' has shape (1, 16, 64), this model needs (1, 16, 128)"
+        in capsys.readouterr().err
+    )
     (tmp_path / "junk.pt").write_text("not a checkpoint")
     with pytest.raises(SystemExit):
         common.load_state_dict_file(tmp_path / "junk.pt", model.state_dict())
@@ -265,10 +344,10 @@ def test_save_is_atomic_and_load_checks_shapes(tmp_path, capsys):
 
 def test_storage_bytes_count_what_is_held():
     t = torch.zeros(100)
-    assert common.storage_bytes([t, t[:10], t.view(10, 10)]) == 400         # views add nothing
+    assert common.storage_bytes([t, t[:10], t.view(10, 10)]) == 400  # views add nothing
     u = torch.zeros(50)
     u.untyped_storage().resize_(0)
-    assert common.storage_bytes([t, u, None]) == 400                        # a freed buffer holds nothing
+    assert common.storage_bytes([t, u, None]) == 400  # a freed buffer holds nothing
 
 
 def test_schedule_warms_up_then_decays_to_zero():
@@ -280,11 +359,16 @@ def test_schedule_warms_up_then_decays_to_zero():
         lrs.append(opt.param_groups[0]["lr"])
         opt.step()
         sched.step()
-    assert lrs[:10] == pytest.approx([(i + 1) / 11 for i in range(10)])   # linear warm-up over 10 steps
+    assert lrs[:10] == pytest.approx(
+        [(i + 1) / 11 for i in range(10)]
+    )  # linear warm-up over 10 steps
     assert lrs[10] == pytest.approx(1.0) and lrs[55] == pytest.approx(0.5, abs=0.03)
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:])) and lrs[-1] < 0.01
-    const = common.make_scheduler(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0),
-                                  parse("--lr-schedule", "constant", "--warmup", "0"), 100)
+    const = common.make_scheduler(
+        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0),
+        parse("--lr-schedule", "constant", "--warmup", "0"),
+        100,
+    )
     assert const.get_last_lr() == [1.0]
     assert common.total_steps(parse("--epochs", "3"), 10) == 30
     assert common.total_steps(parse("--epochs", "3", "--max-steps", "7"), 10) == 7
@@ -292,7 +376,9 @@ def test_schedule_warms_up_then_decays_to_zero():
 
 @pytest.fixture
 def group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
     yield
     dist.destroy_process_group()
 
@@ -307,18 +393,22 @@ def test_meter_counts_collectives_and_memory_from_outside(group):
         for step in range(3):
             model(torch.randn(2, 1, 28, 28)).sum().backward()
             flat = torch.cat([p.grad.flatten() for p in model.parameters()])
-            dist.all_reduce(flat)                                          # 4Ψ bytes
+            dist.all_reduce(flat)  # 4Ψ bytes
             out = torch.empty(2 * psi)
-            dist.all_gather_into_tensor(out[:psi], flat)                   # world 1: the output is Ψ
+            dist.all_gather_into_tensor(out[:psi], flat)  # world 1: the output is Ψ
             dist.reduce_scatter_tensor(torch.empty(psi), flat)
-            dist.all_reduce(torch.zeros(()))                               # the logged loss: not counted
+            dist.all_reduce(torch.zeros(()))  # the logged loss: not counted
             opt.step()
             opt.zero_grad(set_to_none=True)
     comm, calls, steps = meter.comm()
     assert steps == 2 and calls == {"all_reduce": 2, "all_gather": 2, "reduce_scatter": 2}
     assert comm == {"all_reduce": 4 * psi, "all_gather": 4 * psi, "reduce_scatter": 4 * psi}
-    mem = {k: meter.mem[k] for k in ("param_bytes", "grad_bytes", "optim_bytes", "optim_peak_bytes")}
-    assert mem == dict(param_bytes=4 * psi, grad_bytes=4 * psi, optim_bytes=8 * psi, optim_peak_bytes=8 * psi)
+    mem = {
+        k: meter.mem[k] for k in ("param_bytes", "grad_bytes", "optim_bytes", "optim_peak_bytes")
+    }
+    assert mem == dict(
+        param_bytes=4 * psi, grad_bytes=4 * psi, optim_bytes=8 * psi, optim_peak_bytes=8 * psi
+    )
 
 
 def test_meter_reads_what_the_first_forward_saved_for_backward():

@@ -3,6 +3,7 @@ the one-process ddp.py run (each method at W=2 and W=4, each with SGD and with A
 the Meter measures from outside and the attention activations it measures per rank equal what this
 test works out from B, T, D, H and depth; the ring's autograd Function and the Ulysses all-to-alls
 give F.scaled_dot_product_attention's output and gradients at W=2, 3, 4 (one launch of a driver)."""
+
 import json
 import sys
 
@@ -11,9 +12,9 @@ import pytest
 import common
 from helpers import ROOT, SMALL, max_diff, ok, run, torchrun
 
-CFG = [*SMALL, "--patch", "2"]                    # 196 tokens: 98 or 49 a rank at W=2, 4
+CFG = [*SMALL, "--patch", "2"]  # 196 tokens: 98 or 49 a rank at W=2, 4
 TOL = {"sgd": 1e-6, "adamw": 5e-5}
-WINDOW = 3                                        # optimizer steps the Meter counts collectives in
+WINDOW = 3  # optimizer steps the Meter counts collectives in
 
 # Each method at W=2 and W=4 and with both optimizers: four launches. AdamW at W=4: at W=2 both methods
 # end 3.2e-5 from the reference (head.norm.bias, whose gradient crosses zero; AdamW turns the round-off
@@ -29,25 +30,46 @@ def runs(tmp_path_factory):
     def get(method, world, optim):
         if (method, world, optim) not in done:
             path = tmp_path_factory.mktemp("cp") / "cp.pt"
-            r = ok(torchrun("context_parallel.py", world, *CFG, "--method", method, "--optim", optim,
-                            "--save", path, timeout=300))
+            r = ok(
+                torchrun(
+                    "context_parallel.py",
+                    world,
+                    *CFG,
+                    "--method",
+                    method,
+                    "--optim",
+                    optim,
+                    "--save",
+                    path,
+                    timeout=300,
+                )
+            )
             done[method, world, optim] = r, path
         return done[method, world, optim]
+
     return get
 
 
 def shapes():
     args = common.parse_args(common.get_parser("test"), CFG)
     model = common.build_model(args)
-    return args.batch_size, model.embed.tokens, args.dim, args.heads, len(model.blocks), \
-        sum(p.numel() for p in model.parameters())
+    return (
+        args.batch_size,
+        model.embed.tokens,
+        args.dim,
+        args.heads,
+        len(model.blocks),
+        sum(p.numel() for p in model.parameters()),
+    )
 
 
 @pytest.mark.parametrize("method,world,optim", CASES, ids=IDS)
 def test_same_parameters_as_ddp_one_process(method, world, optim, runs, refs):
     r, path = runs(method, world, optim)
     diff = max_diff(refs[optim], path)
-    print(f"context_parallel --method {method} W={world} {optim}: max |Δparam| vs ddp.py W=1 = {diff:.3g}")
+    print(
+        f"context_parallel --method {method} W={world} {optim}: max |Δparam| vs ddp.py W=1 = {diff:.3g}"
+    )
     assert r["world_size"] == world and r["steps"] == 6
     assert diff < TOL[optim]
 
@@ -69,9 +91,13 @@ def test_measured_collectives(method, world, optim, runs):
         want = dict(all_to_all=8 * depth * B * T * D * 4 // world)
     calls["all_reduce"], want["all_reduce"] = 2, 4 * (B * D + psi)
     assert r["comm_steps"] == WINDOW
-    measured = {k: v for k, v in r["comm"].items() if k != "broadcast"}   # DDP's one-time bucket rebuild
+    measured = {
+        k: v for k, v in r["comm"].items() if k != "broadcast"
+    }  # DDP's one-time bucket rebuild
     assert measured == want == r["formula"]["comm"], r
-    assert {k: v for k, v in r["comm_calls"].items() if k != "broadcast"} == {k: WINDOW * n for k, n in calls.items()}
+    assert {k: v for k, v in r["comm_calls"].items() if k != "broadcast"} == {
+        k: WINDOW * n for k, n in calls.items()
+    }
 
 
 @pytest.mark.parametrize("method,world,optim", CASES, ids=IDS)
@@ -84,22 +110,37 @@ def test_attention_activations_per_rank(method, world, optim, runs):
     a = 5 if method == "ring" else 6
     want = depth * (a * B * (T // world) * D + B * H * (T // world)) * 4
     assert r["act_bytes_attention"] == want == r["formula"]["act_bytes_attention"], r
-    assert want < depth * B * H * T * T * 4 // world          # smaller than its share of the scores
+    assert want < depth * B * H * T * T * 4 // world  # smaller than its share of the scores
 
 
 @pytest.fixture(scope="module")
 def checks():
-    r = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-             ROOT / "tests" / "cp_attention_check.py"], timeout=300)
+    r = run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=4",
+            ROOT / "tests" / "cp_attention_check.py",
+        ],
+        timeout=300,
+    )
     assert r.returncode == 0, r.output
-    return [json.loads(line[len("CHECK "):]) for line in r.stdout.splitlines() if line.startswith("CHECK ")]
+    return [
+        json.loads(line[len("CHECK ") :])
+        for line in r.stdout.splitlines()
+        if line.startswith("CHECK ")
+    ]
 
 
 def test_attention_function_equals_sdpa(checks):
     """Random q, k, v (B=2, H=12, T=24, head dims 5 and 7) on subgroups of 2, 3 and 4 ranks: output and
     dq, dk, dv of the ring Function and of the Ulysses all-to-alls equal SDPA's to fp32 round-off; the
     ring sends W-1 K/V blocks forward and 2(W-1) backward, Ulysses all-to-alls 4 tensors each way."""
-    assert sorted((c["world"], c["head_dim"]) for c in checks) == [(w, d) for w in (2, 3, 4) for d in (5, 7)]
+    assert sorted((c["world"], c["head_dim"]) for c in checks) == [
+        (w, d) for w in (2, 3, 4) for d in (5, 7)
+    ]
     for c in checks:
         w, d = c["world"], c["head_dim"]
         for method in ("ring", "ulysses"):
@@ -108,4 +149,6 @@ def test_attention_function_equals_sdpa(checks):
         assert c["ring"]["fwd_calls"] == dict(send=w - 1, recv=w - 1), c
         assert c["ring"]["bwd_calls"] == dict(send=2 * (w - 1), recv=2 * (w - 1)), c
         assert c["ring"]["send_bytes"] == 3 * (w - 1) * 2 * 2 * 12 * (24 // w) * d * 4, c
-        assert c["ulysses"]["fwd_calls"] == dict(all_to_all=4) and c["ulysses"]["bwd_calls"] == dict(all_to_all=4), c
+        assert c["ulysses"]["fwd_calls"] == dict(all_to_all=4) and c["ulysses"][
+            "bwd_calls"
+        ] == dict(all_to_all=4), c

@@ -5,6 +5,7 @@ Each launch is a real multi-process run on CPU/Gloo; the promise checked is that
 parallelism changes nothing about the result: the parameters after N steps equal those of one
 process training on the same global batches, and evaluation counts every test sample once.
 """
+
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,10 +15,27 @@ import torch
 import common
 from helpers import ROOT, SMALL, max_diff, ok, python, torchrun
 
-CFG = [*SMALL, "--limit", "511", "--batch-size", "48"]   # 48: W = 1..4 all divide it; 511 test samples
-TOL = {"sgd": 1e-6, "adamw": 5e-5}   # round-off; AdamW turns it into steps on ~0 gradients: up to 1.9e-5 seen
-PSI = sum(p.numel() for p in common.build_model(common.parse_args(common.get_parser("t"), CFG)).parameters())
-CASES = [("sgd", 2, "torchrun"), ("sgd", 3, "spawn"), ("adamw", 3, "torchrun"), ("adamw", 4, "spawn")]
+CFG = [
+    *SMALL,
+    "--limit",
+    "511",
+    "--batch-size",
+    "48",
+]  # 48: W = 1..4 all divide it; 511 test samples
+TOL = {
+    "sgd": 1e-6,
+    "adamw": 5e-5,
+}  # round-off; AdamW turns it into steps on ~0 gradients: up to 1.9e-5 seen
+PSI = sum(
+    p.numel()
+    for p in common.build_model(common.parse_args(common.get_parser("t"), CFG)).parameters()
+)
+CASES = [
+    ("sgd", 2, "torchrun"),
+    ("sgd", 3, "spawn"),
+    ("adamw", 3, "torchrun"),
+    ("adamw", 4, "spawn"),
+]
 FAULTS = str(ROOT / "tests" / "faults")
 
 
@@ -44,9 +62,13 @@ def needed(request):
 def reference(request, tmp_path_factory):
     """One process, per optimizer: the run every data-parallel run must reproduce."""
     d = tmp_path_factory.mktemp("ref")
-    opts = sorted({opt for opt, _, _ in needed(request)} | {"adamw"})     # adamw: the dp.py and load tests
+    opts = sorted(
+        {opt for opt, _, _ in needed(request)} | {"adamw"}
+    )  # adamw: the dp.py and load tests
     with ThreadPoolExecutor(2) as pool:
-        res = pool.map(lambda o: ok(torchrun("ddp.py", 1, *CFG, "--optim", o, "--save", d / f"{o}.pt")), opts)
+        res = pool.map(
+            lambda o: ok(torchrun("ddp.py", 1, *CFG, "--optim", o, "--save", d / f"{o}.pt")), opts
+        )
         return {o: (d / f"{o}.pt", r) for o, r in zip(opts, res)}
 
 
@@ -69,7 +91,11 @@ def runs(request, tmp_path_factory):
 def test_ddp_equals_one_process(reference, runs, case):
     opt, world, launcher = case
     (ref_path, ref), (path, res) = reference[opt], runs[case]
-    assert res["world_size"] == world and res["backend"] == "gloo" and res["steps"] == ref["steps"] == 6
+    assert (
+        res["world_size"] == world
+        and res["backend"] == "gloo"
+        and res["steps"] == ref["steps"] == 6
+    )
     diff = max_diff(ref_path, path)
     print(f"{opt} W={world} ({launcher}): max |param diff| = {diff:.2e}")
     assert diff < TOL[opt]
@@ -97,8 +123,25 @@ def test_distributed_accuracy_equals_one_process_accuracy(runs):
 
 # ddp_torchrun.py: 8 steps per epoch, a cosine schedule over 16: a crash in epoch 1 (rank 1 exits
 # inside step 11, injected from outside by tests/faults), then the same command again.
-SNAP = ["--data", "synthetic", "--limit", "256", "--batch-size", "32", "--dim", "32", "--depth", "2", "--heads", "4",
-        "--epochs", "2", "--optim", "adamw", "--no-progress"]
+SNAP = [
+    "--data",
+    "synthetic",
+    "--limit",
+    "256",
+    "--batch-size",
+    "32",
+    "--dim",
+    "32",
+    "--depth",
+    "2",
+    "--heads",
+    "4",
+    "--epochs",
+    "2",
+    "--optim",
+    "adamw",
+    "--no-progress",
+]
 
 
 @pytest.fixture(scope="module")
@@ -107,17 +150,30 @@ def snapshots(tmp_path_factory):
     cmd = [*SNAP, "--snapshot", d / "snap.pt", "--save", d / "resumed.pt"]
 
     def interrupted():
-        crash = torchrun("ddp_torchrun.py", 2, *cmd, env={"PYTHONPATH": FAULTS, "FAULT": "exit", "FAULT_RANK": "1",
-                                                          "FAULT_STEP": "11"})
+        crash = torchrun(
+            "ddp_torchrun.py",
+            2,
+            *cmd,
+            env={"PYTHONPATH": FAULTS, "FAULT": "exit", "FAULT_RANK": "1", "FAULT_STEP": "11"},
+        )
         resumed = torchrun("ddp_torchrun.py", 2, *cmd)
         t0 = time.time()
-        again = python("ddp_torchrun.py", "--nproc", "2", *cmd)        # the same command, the other launcher
+        again = python(
+            "ddp_torchrun.py", "--nproc", "2", *cmd
+        )  # the same command, the other launcher
         return crash, resumed, again, time.time() - t0
 
     with ThreadPoolExecutor(2) as pool:
         straight = pool.submit(torchrun, "ddp_torchrun.py", 2, *SNAP, "--save", d / "straight.pt")
         crash, resumed, again, t_again = interrupted()
-        return dict(dir=d, crash=crash, resumed=resumed, again=again, t_again=t_again, straight=ok(straight.result()))
+        return dict(
+            dir=d,
+            crash=crash,
+            resumed=resumed,
+            again=again,
+            t_again=t_again,
+            straight=ok(straight.result()),
+        )
 
 
 def test_snapshot_resume_equals_uninterrupted(snapshots):
@@ -125,12 +181,14 @@ def test_snapshot_resume_equals_uninterrupted(snapshots):
     bit for bit where the uninterrupted one ends, and reports this attempt's communication."""
     d, crash, resumed = snapshots["dir"], snapshots["crash"], snapshots["resumed"]
     assert crash.returncode != 0 and "RESULT" not in crash.stdout, crash.output
-    assert "snapshot: step 8 saved" in crash.stdout and "snapshot: step 16" not in crash.stdout, crash.output
+    assert "snapshot: step 8 saved" in crash.stdout and "snapshot: step 16" not in crash.stdout, (
+        crash.output
+    )
     assert "snapshot: resuming at step 8" in resumed.stdout, resumed.output
     res = ok(resumed)
     assert res["steps"] == snapshots["straight"]["steps"] == 16
     assert max_diff(d / "resumed.pt", d / "straight.pt") == 0
-    assert res["comm"]["all_reduce"] == 4 * res["params"]          # per step of this attempt, not of all 16
+    assert res["comm"]["all_reduce"] == 4 * res["params"]  # per step of this attempt, not of all 16
 
 
 def test_rerunning_a_finished_run_trains_nothing_and_exits_0(snapshots):
@@ -149,8 +207,17 @@ def test_a_rank_that_cannot_see_the_snapshot_fails_clearly(snapshots):
     """Rank 0 decides to resume and broadcasts the step; a rank on a node without the shared file
     system (tests/faults HIDE) must stop with that reason, not train from scratch beside it."""
     snap = snapshots["dir"] / "snap.pt"
-    r = torchrun("ddp_torchrun.py", 2, *SNAP, "--snapshot", snap, "--timeout", "30",
-                 env={"PYTHONPATH": FAULTS, "HIDE": str(snap), "FAULT_RANK": "1"}, timeout=120)
+    r = torchrun(
+        "ddp_torchrun.py",
+        2,
+        *SNAP,
+        "--snapshot",
+        snap,
+        "--timeout",
+        "30",
+        env={"PYTHONPATH": FAULTS, "HIDE": str(snap), "FAULT_RANK": "1"},
+        timeout=120,
+    )
     assert r.returncode != 0 and "RESULT" not in r.stdout, r.output
     assert "must be on a file system every rank shares" in r.output, r.output
 
@@ -167,7 +234,20 @@ def test_dp_on_cpu_says_so_and_equals_ddp_one_process(reference, tmp_path):
 def test_save_of_one_script_loads_in_another(reference, tmp_path, script):
     """Load a ddp.py checkpoint, take one SGD step with lr 0, save: the file must be unchanged."""
     path, res = reference["adamw"]
-    r = python(script, *CFG, "--load", path, "--optim", "sgd", "--lr", "0", "--max-steps", "1",
-               "--save", tmp_path / "out.pt", *(["--nproc", "1"] if script == "ddp.py" else []))
+    r = python(
+        script,
+        *CFG,
+        "--load",
+        path,
+        "--optim",
+        "sgd",
+        "--lr",
+        "0",
+        "--max-steps",
+        "1",
+        "--save",
+        tmp_path / "out.pt",
+        *(["--nproc", "1"] if script == "ddp.py" else []),
+    )
     assert ok(r)["test_acc"] == res["test_acc"]
     assert max_diff(path, tmp_path / "out.pt") == 0

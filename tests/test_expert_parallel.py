@@ -6,6 +6,7 @@ the Meter counts add up to the formula; the scripts that take an MoE block uncha
 Launches: 3 ddp.py W=1 references (sgd and adamw for E=4 K=2, sgd for E=8 K=1), expert_parallel.py twice
 at W=2 and once at W=4, 3 other scripts at W=2, and one mp.spawn of 2 processes.
 """
+
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,10 +18,10 @@ import torch.multiprocessing as mp
 import common
 from helpers import SMALL, ddp_reference, max_diff, ok, torchrun
 
-CFG = SMALL + ["--experts", "4", "--top-k", "2"]               # E=4, K=2
-CFG8 = SMALL + ["--experts", "8", "--top-k", "1"]              # E=8, K=1
+CFG = SMALL + ["--experts", "4", "--top-k", "2"]  # E=4, K=2
+CFG8 = SMALL + ["--experts", "8", "--top-k", "1"]  # E=8, K=1
 TOL = {"sgd": 1e-6, "adamw": 5e-5}
-STEPS = 3                                                      # optimizer steps in the Meter's window
+STEPS = 3  # optimizer steps in the Meter's window
 
 
 def sizes(cfg):
@@ -34,18 +35,23 @@ def sizes(cfg):
 def refs(tmp_path_factory):
     """ddp.py at W=1: sgd and adamw on CFG, sgd on CFG8 (as "sgd8"); one-process launches, two at a time."""
     jobs = [(CFG, "sgd"), (CFG, "adamw"), (CFG8, "sgd")]
-    tmp_path_factory.getbasetemp()                # made here, not by two threads at once
+    tmp_path_factory.getbasetemp()  # made here, not by two threads at once
     with ThreadPoolExecutor(2) as pool:
         paths = list(pool.map(lambda job: ddp_reference(tmp_path_factory, *job), jobs))
     return dict(zip(("sgd", "adamw", "sgd8"), paths))
 
 
 # SGD catches a missing 1/W on the expert gradients (AdamW would all but hide it), AdamW the optimizer state
-@pytest.mark.parametrize("world,cfg,optim", [(2, CFG, "sgd"), (2, CFG, "adamw"), (4, CFG8, "sgd")],
-                         ids=["W2-E4-K2-sgd", "W2-E4-K2-adamw", "W4-E8-K1-sgd"])
+@pytest.mark.parametrize(
+    "world,cfg,optim",
+    [(2, CFG, "sgd"), (2, CFG, "adamw"), (4, CFG8, "sgd")],
+    ids=["W2-E4-K2-sgd", "W2-E4-K2-adamw", "W4-E8-K1-sgd"],
+)
 def test_equals_one_ddp_process(world, cfg, optim, refs, tmp_path):
     path = tmp_path / "ep.pt"
-    res = ok(torchrun("expert_parallel.py", world, *cfg, "--optim", optim, "--save", path, timeout=300))
+    res = ok(
+        torchrun("expert_parallel.py", world, *cfg, "--optim", optim, "--save", path, timeout=300)
+    )
     ref = refs[optim if cfg is CFG else optim + "8"]
     diff = max_diff(path, ref)
     print(f"W={world} {optim}: max |Δ| vs ddp.py W=1 = {diff:.2e}")
@@ -55,7 +61,11 @@ def test_equals_one_ddp_process(world, cfg, optim, refs, tmp_path):
     # memory: the dense part whole, the experts / W (read off the storages by the Meter)
     args, psi, psi_e = sizes(cfg)
     held, k = psi - psi_e + psi_e // world, 8 if optim == "adamw" else 4
-    assert (res["param_bytes"], res["grad_bytes"], res["optim_bytes"]) == (4 * held, 4 * held, k * held)
+    assert (res["param_bytes"], res["grad_bytes"], res["optim_bytes"]) == (
+        4 * held,
+        4 * held,
+        k * held,
+    )
 
     # communication: one all-reduce of the dense gradients per step; per MoE layer per step 4 token
     # all-to-alls (dispatch and combine, forward and backward) and one of the E int64 counts. A rank's own
@@ -65,7 +75,9 @@ def test_equals_one_ddp_process(world, cfg, optim, refs, tmp_path):
     assert res["comm"]["all_reduce"] == 4 * (psi - psi_e)
     assert res["comm_calls"] == {"all_reduce": STEPS, "all_to_all": STEPS * L * 5}
     assert sum(res["all_to_all_window"]) == STEPS * L * (4 * K * tokens * D * 4 + world * 8 * E)
-    assert res["formula"]["comm"]["all_to_all"] * world == L * (4 * K * tokens * D * 4 + world * 8 * E)
+    assert res["formula"]["comm"]["all_to_all"] * world == L * (
+        4 * K * tokens * D * 4 + world * 8 * E
+    )
     # the load: every (token, slot) of the batch reaches one expert, each step
     for row in res["tokens_per_expert"]:
         assert len(row) == E and abs(sum(row) - K * tokens) < 1e-6
@@ -76,15 +88,18 @@ def _dispatch_worker(rank, world, port):
     layer's output and input gradients must equal the loop over all experts on this rank's tokens, and each
     owned expert's gradient the sum over ranks of the loop's."""
     import expert_parallel
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         E, K, N, D = 4, 2, 37 + 5 * rank, 8
-        torch.manual_seed(0)                                   # the same experts on every rank
+        torch.manual_seed(0)  # the same experts on every rank
         experts = common.Experts(common.MLP(D, 16) for _ in range(E))
-        torch.manual_seed(1 + rank)                            # this rank's tokens and routing
+        torch.manual_seed(1 + rank)  # this rank's tokens and routing
         h, out_grad = torch.randn(N, D), torch.randn(N, D)
-        idx = torch.tensor([0, 2, 3])[torch.rand(N, 3).argsort(1)[:, :K]]   # K distinct experts, never 1
+        idx = torch.tensor([0, 2, 3])[
+            torch.rand(N, 3).argsort(1)[:, :K]
+        ]  # K distinct experts, never 1
         weights = torch.rand(N, K).softmax(-1)
 
         def run(layer):
@@ -97,17 +112,19 @@ def _dispatch_worker(rank, world, port):
 
         ref_out, ref_x, ref_w, ref_g = run(experts)
         for g in ref_g.values():
-            dist.all_reduce(g)                                 # the owner's tokens come from every rank
+            dist.all_reduce(g)  # the owner's tokens come from every rank
         layer = expert_parallel.ExpertParallel(experts, rank, world)
         out, gx, gw, grads = run(layer)
         assert torch.allclose(out, ref_out, atol=1e-6) and torch.allclose(gx, ref_x, atol=1e-6)
         assert torch.allclose(gw, ref_w, atol=1e-6)
-        assert sorted(grads) == sorted(n for n in ref_g if int(n.split(".")[0]) // (E // world) == rank)
+        assert sorted(grads) == sorted(
+            n for n in ref_g if int(n.split(".")[0]) // (E // world) == rank
+        )
         for n, g in grads.items():
             assert torch.allclose(g, ref_g[n], atol=1e-5), n
             if n.startswith("1."):
-                assert torch.count_nonzero(g) == 0             # no token: a zero gradient, not none
-        got = layer.received.sum(0)                            # tokens each owned expert received
+                assert torch.count_nonzero(g) == 0  # no token: a zero gradient, not none
+        got = layer.received.sum(0)  # tokens each owned expert received
         want = torch.bincount(idx.reshape(-1), minlength=E)
         dist.all_reduce(want)
         assert torch.equal(got, want.view(world, -1)[rank])
@@ -119,7 +136,11 @@ def test_dispatch_combine_equals_loop_over_experts():
     mp.spawn(_dispatch_worker, args=(2, common.free_port()), nprocs=2)
 
 
-OTHERS = [("zero.py", ["--stage", "3"]), ("pipeline.py", ["--schedule", "1f1b", "--microbatches", "2"]), ("fsdp.py", [])]
+OTHERS = [
+    ("zero.py", ["--stage", "3"]),
+    ("pipeline.py", ["--schedule", "1f1b", "--microbatches", "2"]),
+    ("fsdp.py", []),
+]
 
 
 @pytest.mark.parametrize("script,extra", OTHERS, ids=[s for s, _ in OTHERS])
@@ -150,7 +171,9 @@ def test_aux_gradient_scaled_for_micro_batches():
     assert max((whole[n] - halves[n]).abs().max().item() for n in whole) < 1e-7
     del args.grad_accum
     unscaled = grads(common.build_model(args), 2)
-    assert (whole["blocks.0.mlp.router.weight"] - unscaled["blocks.0.mlp.router.weight"]).abs().max() > 1e-4
+    assert (
+        whole["blocks.0.mlp.router.weight"] - unscaled["blocks.0.mlp.router.weight"]
+    ).abs().max() > 1e-4
 
 
 def test_aux_loss_is_a_per_image_mean():
@@ -163,7 +186,7 @@ def test_aux_loss_is_a_per_image_mean():
 
     def router_grad(batch, scale=1.0):
         moe.zero_grad()
-        (moe(batch) * 0).sum().backward()                      # only the aux term's gradient reaches the router
+        (moe(batch) * 0).sum().backward()  # only the aux term's gradient reaches the router
         return moe.router.weight.grad.clone() * scale
 
     E, K, T = args.experts, args.top_k, 16

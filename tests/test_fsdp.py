@@ -7,6 +7,7 @@ Meter, computed here from the model's shapes); uneven test shards evaluate exact
 a DCP checkpoint resumes (at another W) to the uninterrupted result, and at its --max-steps trains
 nothing; --offload cpu runs on the CPU; --mixed-precision computes in bf16 and hands fp32 logits to the loss.
 """
+
 import math
 
 import pytest
@@ -22,17 +23,42 @@ from helpers import max_diff, ok, python, torchrun
 # position embedding's, so padded chunks run at both. 1025 // 168 = 6 steps an epoch: step 7 is in
 # epoch 1. A constant lr after int(0.4 * 7) = int(0.4 * 5) = 2 warm-up steps: a run stopped after 5
 # steps follows the 7-step run's schedule, and a resume that forgets the scheduler does not.
-CFG = ["--data", "synthetic", "--limit", "1025", "--batch-size", "168", "--dim", "32", "--depth", "2", "--heads", "4",
-       "--epochs", "2", "--max-steps", "7", "--lr-schedule", "constant", "--warmup", "0.4", "--no-progress",
-       "--timeout", "90"]
-TOL = {"sgd": 1e-6, "adamw": 5e-5}   # round-off; AdamW turns it into steps on ~0 gradients: up to 1.9e-5 seen
-TIMEOUT = 150      # a hang (uneven evaluation) fails the launch; --timeout 90 ends its workers too
+CFG = [
+    "--data",
+    "synthetic",
+    "--limit",
+    "1025",
+    "--batch-size",
+    "168",
+    "--dim",
+    "32",
+    "--depth",
+    "2",
+    "--heads",
+    "4",
+    "--epochs",
+    "2",
+    "--max-steps",
+    "7",
+    "--lr-schedule",
+    "constant",
+    "--warmup",
+    "0.4",
+    "--no-progress",
+    "--timeout",
+    "90",
+]
+TOL = {
+    "sgd": 1e-6,
+    "adamw": 5e-5,
+}  # round-off; AdamW turns it into steps on ~0 gradients: up to 1.9e-5 seen
+TIMEOUT = 150  # a hang (uneven evaluation) fails the launch; --timeout 90 ends its workers too
 
 
 def steps(n):
     """CFG with --max-steps n."""
     i = CFG.index("--max-steps")
-    return CFG[:i + 1] + [str(n)] + CFG[i + 2:]
+    return CFG[: i + 1] + [str(n)] + CFG[i + 2 :]
 
 
 def model_and_args(argv=CFG):
@@ -49,15 +75,21 @@ def expected(world, optim, mixed_precision=False):
     of those buffers; every block is gathered for forward and again for backward, the root (embed +
     head) once, and every unit's gradients are reduce-scattered once."""
     model, _ = model_and_args()
-    chunk = lambda p: -(-p.shape[0] // world) * (p.numel() // p.shape[0])    # noqa: E731
+    chunk = lambda p: -(-p.shape[0] // world) * (p.numel() // p.shape[0])  # noqa: E731
     shard = sum(chunk(p) for p in model.parameters())
     blocks = sum(chunk(p) for block in model.blocks for p in block.parameters())
     psi = sum(p.numel() for p in model.parameters())
     rows = sum(p.numel() // p.shape[0] for p in model.parameters())
-    assert psi <= world * shard <= psi + (world - 1) * rows          # Ψ/W, up to the padding of dim 0
-    memory = dict(param_bytes=4 * shard, grad_bytes=4 * shard, optim_bytes=(8 if optim == "adamw" else 4) * shard)
-    comm = dict(all_gather=(2 if mixed_precision else 4) * world * (2 * blocks + (shard - blocks)),
-                reduce_scatter=4 * world * shard)
+    assert psi <= world * shard <= psi + (world - 1) * rows  # Ψ/W, up to the padding of dim 0
+    memory = dict(
+        param_bytes=4 * shard,
+        grad_bytes=4 * shard,
+        optim_bytes=(8 if optim == "adamw" else 4) * shard,
+    )
+    comm = dict(
+        all_gather=(2 if mixed_precision else 4) * world * (2 * blocks + (shard - blocks)),
+        reduce_scatter=4 * world * shard,
+    )
     return memory, comm, psi
 
 
@@ -65,7 +97,7 @@ def check_measured(res, world, optim):
     memory, comm, psi = expected(world, optim)
     assert res["params"] == psi and res["world_size"] == world
     assert {k: res[k] for k in memory} == memory
-    assert res["comm"] == comm                       # all-gather + reduce-scatter only: no all-reduce
+    assert res["comm"] == comm  # all-gather + reduce-scatter only: no all-reduce
     units = 1 + len(model_and_args()[0].blocks)
     n = res["comm_steps"]
     assert res["comm_calls"] == dict(all_gather=n * (2 * units - 1), reduce_scatter=n * units)
@@ -81,10 +113,25 @@ def accuracy(path):
     return correct / len(test_set)
 
 
-@pytest.mark.parametrize("world,optim,extra", [(2, "sgd", []), (2, "adamw", []), (3, "sgd", ["--offload", "cpu"])],
-                         ids=["W2-sgd", "W2-adamw", "W3-sgd-offload-cpu"])
+@pytest.mark.parametrize(
+    "world,optim,extra",
+    [(2, "sgd", []), (2, "adamw", []), (3, "sgd", ["--offload", "cpu"])],
+    ids=["W2-sgd", "W2-adamw", "W3-sgd-offload-cpu"],
+)
 def test_equals_ddp_one_process(refs, tmp_path, world, optim, extra):
-    res = ok(torchrun("fsdp.py", world, *CFG, "--optim", optim, *extra, "--save", tmp_path / "w.pt", timeout=TIMEOUT))
+    res = ok(
+        torchrun(
+            "fsdp.py",
+            world,
+            *CFG,
+            "--optim",
+            optim,
+            *extra,
+            "--save",
+            tmp_path / "w.pt",
+            timeout=TIMEOUT,
+        )
+    )
     assert res["steps"] == 7
     diff = max_diff(tmp_path / "w.pt", refs[optim])
     print(f"fsdp W={world} {optim} {' '.join(extra)}: max |Δ| vs ddp.py W=1 = {diff:.2e}")
@@ -99,14 +146,26 @@ def test_dcp_resume_at_another_world_size(refs, tmp_path):
     ddp.py W=1 reference), with the model, AdamW state and lr schedule resharded and restored. The same
     command once more resumes at step 7 = --max-steps and trains nothing (not the rest of the epochs)."""
     ckpt = tmp_path / "dcp"
-    first = ok(torchrun("fsdp.py", 2, *steps(5), "--optim", "adamw", "--dcp", ckpt, timeout=TIMEOUT))
+    first = ok(
+        torchrun("fsdp.py", 2, *steps(5), "--optim", "adamw", "--dcp", ckpt, timeout=TIMEOUT)
+    )
     assert first["steps"] == 5 and (ckpt / "step-5" / ".metadata").is_file()
 
-    r = torchrun("fsdp.py", 3, *CFG, "--optim", "adamw", "--dcp", ckpt, "--save", tmp_path / "resumed.pt",
-                 timeout=TIMEOUT)
+    r = torchrun(
+        "fsdp.py",
+        3,
+        *CFG,
+        "--optim",
+        "adamw",
+        "--dcp",
+        ckpt,
+        "--save",
+        tmp_path / "resumed.pt",
+        timeout=TIMEOUT,
+    )
     resumed = ok(r)
     assert f"resumed from {ckpt} at step 5" in r.stdout
-    assert resumed["steps"] == 7 and resumed["comm_steps"] == 2          # steps 6 and 7 ran here
+    assert resumed["steps"] == 7 and resumed["comm_steps"] == 2  # steps 6 and 7 ran here
     diff = max_diff(tmp_path / "resumed.pt", refs["adamw"])
     print(f"fsdp DCP W=2 (5 steps) -> W=3 (7): max |Δ| vs ddp.py W=1 = {diff:.2e}")
     assert diff <= TOL["adamw"]
@@ -117,11 +176,15 @@ def test_dcp_resume_at_another_world_size(refs, tmp_path):
     again = ok(r)
     assert f"resumed from {ckpt} at step 7" in r.stdout and "epoch 1:" not in r.stdout
     assert again["steps"] == 7 and again["samples_per_s"] == 0 and math.isnan(again["loss"])
-    assert again["test_acc"] == resumed["test_acc"] == accuracy(tmp_path / "resumed.pt")   # the loaded weights
+    assert (
+        again["test_acc"] == resumed["test_acc"] == accuracy(tmp_path / "resumed.pt")
+    )  # the loaded weights
 
     # a checkpoint of another model or optimizer: one message from rank 0, exit 2, before any data
-    for argv, message in ((["--dim", "48"], "'model.embed.pos' is (1, 16, 32), this run needs (1, 16, 48)"),
-                          (["--optim", "sgd"], "'optim.state.embed.pos.momentum_buffer' is missing")):
+    for argv, message in (
+        (["--dim", "48"], "'model.embed.pos' is (1, 16, 32), this run needs (1, 16, 48)"),
+        (["--optim", "sgd"], "'optim.state.embed.pos.momentum_buffer' is missing"),
+    ):
         r = python("fsdp.py", *CFG, *argv, "--dcp", ckpt, timeout=60)
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.output
 
@@ -131,17 +194,22 @@ def test_mixed_precision_policy(tmp_path):
     parameters and outputs), keeps fp32 shards and gradients, and the root returns fp32 logits, so the
     loss is computed in fp32, not in bf16."""
     import fsdp
+
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
         model, _ = model_and_args()
         model = fsdp.parallelize(model, torch.device("cpu"), mixed_precision=True)
         seen = {}
-        model.blocks[0].attn.q.register_forward_hook(lambda m, i, o: seen.update(weight=m.weight.dtype))
+        model.blocks[0].attn.q.register_forward_hook(
+            lambda m, i, o: seen.update(weight=m.weight.dtype)
+        )
         model.blocks[0].register_forward_hook(lambda m, i, o: seen.update(out=o.dtype))
         logits = model(torch.randn(4, 1, 28, 28))
         F.cross_entropy(logits, torch.arange(4)).backward()
         assert seen == dict(weight=torch.bfloat16, out=torch.bfloat16)
         assert logits.dtype == torch.float32
-        assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
+        assert all(
+            p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters()
+        )
     finally:
         dist.destroy_process_group()

@@ -1,6 +1,7 @@
 """The tests bite: each mutant (tests/faults/sitecustomize.py, MUTANT=name) breaks one promise from
 outside the scripts, and the test that guards that promise must fail under it. Each row runs only
 its guarding test, in a fresh pytest process whose every launch carries the mutant."""
+
 import os
 import subprocess
 import sys
@@ -10,40 +11,64 @@ import pytest
 
 from helpers import ROOT
 
-MUTANTS = {   # mutant -> the test that must fail under it (the promise in the README it guards)
-    "sampler-same-shard": "tests/test_ddp.py::test_ddp_equals_one_process[sgd-W2-torchrun]",        # sampler
-    "ddp-sum": "tests/test_ddp.py::test_ddp_equals_one_process[sgd-W2-torchrun]",                   # exactness
+MUTANTS = {  # mutant -> the test that must fail under it (the promise in the README it guards)
+    "sampler-same-shard": "tests/test_ddp.py::test_ddp_equals_one_process[sgd-W2-torchrun]",  # sampler
+    "ddp-sum": "tests/test_ddp.py::test_ddp_equals_one_process[sgd-W2-torchrun]",  # exactness
     "eval-counts-padding": "tests/test_ddp.py::test_distributed_accuracy_equals_one_process_accuracy",  # evaluation
-    "resume-forgets-schedule": "tests/test_ddp.py::test_snapshot_resume_equals_uninterrupted",      # resume
+    "resume-forgets-schedule": "tests/test_ddp.py::test_snapshot_resume_equals_uninterrupted",  # resume
     "no-checkpoint": "tests/test_amp_checkpoint.py::test_checkpointed_blocks_run_forward_twice_in_training[ckpt]",
-    "no-autocast": "tests/test_amp_checkpoint.py::test_bf16_is_active",                             # mixed precision
-    "no-clip": "tests/test_amp_checkpoint.py::test_clip_bounds_every_step",                         # clipping
-    "zero-no-average": "tests/test_zero.py::test_stage_equals_one_ddp_process[2-2-sgd]",            # ZeRO exactness
-    "fsdp-sum": "tests/test_fsdp.py::test_equals_ddp_one_process[W2-sgd]",                          # FSDP exactness
+    "no-autocast": "tests/test_amp_checkpoint.py::test_bf16_is_active",  # mixed precision
+    "no-clip": "tests/test_amp_checkpoint.py::test_clip_bounds_every_step",  # clipping
+    "zero-no-average": "tests/test_zero.py::test_stage_equals_one_ddp_process[2-2-sgd]",  # ZeRO exactness
+    "fsdp-sum": "tests/test_fsdp.py::test_equals_ddp_one_process[W2-sgd]",  # FSDP exactness
     "tp-f-identity": "tests/test_tensor_parallel.py::test_same_parameters_as_ddp_one_process[W2-tp-sgd]",  # TP
-    "pipeline-unpaired": "tests/test_pipeline.py::test_p2p_order_is_nccl_safe",                     # NCCL order
-    "schedules-unpaired": "tests/test_pipeline_schedules.py::test_p2p_order_is_nccl_safe[2]",     # NCCL order
+    "pipeline-unpaired": "tests/test_pipeline.py::test_p2p_order_is_nccl_safe",  # NCCL order
+    "schedules-unpaired": "tests/test_pipeline_schedules.py::test_p2p_order_is_nccl_safe[2]",  # NCCL order
     "cp-head-not-summed": "tests/test_context_parallel.py::test_same_parameters_as_ddp_one_process[ring-W2-sgd]",
-    "ep-dense-sum": "tests/test_expert_parallel.py::test_equals_one_ddp_process[W2-E4-K2-sgd]",     # EP exactness
+    "ep-dense-sum": "tests/test_expert_parallel.py::test_equals_one_ddp_process[W2-E4-K2-sgd]",  # EP exactness
     "nd-fsdp-sum": "tests/test_nd_parallel.py::test_same_parameters_as_ddp_one_process[R1S2T1P2-sgd]",  # N-D
 }
 
 
 def under(mutant, basetemp):
     """Run the guarding test of `mutant` in a fresh pytest process whose every launch carries it."""
-    env = {**os.environ, "MUTANT": mutant, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT / "tests" / "faults"), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    return subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--basetemp",
-                           str(basetemp), MUTANTS[mutant]], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
+    env = {
+        **os.environ,
+        "MUTANT": mutant,
+        "PYTHONPATH": os.pathsep.join(
+            [str(ROOT / "tests" / "faults"), *filter(None, [os.environ.get("PYTHONPATH")])]
+        ),
+    }
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-x",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--basetemp",
+            str(basetemp),
+            MUTANTS[mutant],
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
 @pytest.fixture(scope="module")
 def outcomes(request, tmp_path_factory):
     """The mutants this session selected, two at a time (each is mostly one process waiting on
     another: two keep both cores busy)."""
-    wanted = [item.callspec.params["mutant"] for item in request.session.items
-              if item.module is request.module and hasattr(item, "callspec")]
+    wanted = [
+        item.callspec.params["mutant"]
+        for item in request.session.items
+        if item.module is request.module and hasattr(item, "callspec")
+    ]
     with ThreadPoolExecutor(2) as pool:
         runs = pool.map(lambda m: under(m, tmp_path_factory.mktemp(m) / "t"), wanted)
         return dict(zip(wanted, runs))
@@ -54,5 +79,7 @@ def test_the_guarding_test_fails_under_the_mutant(mutant, outcomes):
     r = outcomes[mutant]
     tail = "\n".join(r.stdout.splitlines()[-15:])
     assert "unknown MUTANT" not in r.stdout + r.stderr, tail
-    assert "no tests ran" not in r.stdout and " error" not in r.stdout.splitlines()[-1], tail   # it ran, and failed
+    assert "no tests ran" not in r.stdout and " error" not in r.stdout.splitlines()[-1], (
+        tail
+    )  # it ran, and failed
     assert r.returncode == 1 and " failed" in r.stdout.splitlines()[-1], tail

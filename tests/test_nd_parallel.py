@@ -7,6 +7,7 @@ save loads in ddp.py with the same test accuracy.
 
 One launch per layout (7 launches, + the 2 ddp.py references): the optimizer alternates over the
 layouts (SGD in 3, AdamW in 4, both W=8 layouts with AdamW) to keep the suite's time."""
+
 import math
 
 import pytest
@@ -14,23 +15,57 @@ import pytest
 import common
 from helpers import ok, max_diff, python, torchrun
 
-CFG = ["--data", "synthetic", "--limit", "256", "--batch-size", "32", "--dim", "32", "--depth", "2", "--heads", "4",
-       "--epochs", "1", "--max-steps", "3", "--no-progress"]
+CFG = [
+    "--data",
+    "synthetic",
+    "--limit",
+    "256",
+    "--batch-size",
+    "32",
+    "--dim",
+    "32",
+    "--depth",
+    "2",
+    "--heads",
+    "4",
+    "--epochs",
+    "1",
+    "--max-steps",
+    "3",
+    "--no-progress",
+]
 TOL = {"sgd": 1e-6, "adamw": 5e-5}
-WINDOW = 3                                        # optimizer steps the Meter counts collectives in
+WINDOW = 3  # optimizer steps the Meter counts collectives in
 
 # (R, S, T, P), optimizer, pipeline schedule (used when P > 1)
-CASES = [((2, 1, 2, 1), "sgd", None), ((1, 2, 2, 1), "adamw", None), ((2, 1, 1, 2), "adamw", "gpipe"),
-         ((1, 2, 1, 2), "sgd", "1f1b"), ((1, 1, 2, 2), "sgd", "gpipe"), ((1, 2, 2, 2), "adamw", "1f1b"),
-         ((2, 2, 2, 1), "adamw", None)]
+CASES = [
+    ((2, 1, 2, 1), "sgd", None),
+    ((1, 2, 2, 1), "adamw", None),
+    ((2, 1, 1, 2), "adamw", "gpipe"),
+    ((1, 2, 1, 2), "sgd", "1f1b"),
+    ((1, 1, 2, 2), "sgd", "gpipe"),
+    ((1, 2, 2, 2), "adamw", "1f1b"),
+    ((2, 2, 2, 1), "adamw", None),
+]
 IDS = ["R{}S{}T{}P{}-{}".format(*layout, optim) for layout, optim, _ in CASES]
-M = 4                                             # micro-batches with a pipeline
+M = 4  # micro-batches with a pipeline
 
 
 def flags(layout, schedule):
     R, S, T, P = layout
-    return ["--dp-replicate", R, "--dp-shard", S, "--tp", T, "--pp", P, "--microbatches", M,
-            *(["--schedule", schedule] if schedule else [])]
+    return [
+        "--dp-replicate",
+        R,
+        "--dp-shard",
+        S,
+        "--tp",
+        T,
+        "--pp",
+        P,
+        "--microbatches",
+        M,
+        *(["--schedule", schedule] if schedule else []),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +78,23 @@ def runs(tmp_path_factory, initial):
         if layout not in done:
             path = tmp_path_factory.mktemp("nd") / "nd.pt"
             load = ["--load", initial] if layout == (1, 1, 2, 2) else []
-            r = ok(torchrun("nd_parallel.py", math.prod(layout), *CFG, *flags(layout, schedule), "--optim", optim,
-                            *load, "--save", path, timeout=400))
+            r = ok(
+                torchrun(
+                    "nd_parallel.py",
+                    math.prod(layout),
+                    *CFG,
+                    *flags(layout, schedule),
+                    "--optim",
+                    optim,
+                    *load,
+                    "--save",
+                    path,
+                    timeout=400,
+                )
+            )
             done[layout] = r, path
         return done[layout]
+
     return get
 
 
@@ -67,8 +115,11 @@ def rank0_elements(layout):
     R, S, T, P = layout
     model = common.build_model(common.parse_args(common.get_parser("test"), CFG))
     depth = len(model.blocks)
-    mine = {"embed": model.embed, **{f"blocks.{i}": model.blocks[i] for i in range(depth // P)},
-            **({"head": model.head} if P == 1 else {})}
+    mine = {
+        "embed": model.embed,
+        **{f"blocks.{i}": model.blocks[i] for i in range(depth // P)},
+        **({"head": model.head} if P == 1 else {}),
+    }
     blocks = rest = 0
     for prefix, module in mine.items():
         for name, p in module.named_parameters():
@@ -108,17 +159,29 @@ def test_traffic_per_mesh_dimension(layout, optim, schedule, runs):
     R, S, T, P = layout
     m = M if P > 1 else 1
     blocks, rest, nblocks = rank0_elements(layout)
-    act = 4 * 32 // (R * S) * 16 * 32              # bytes of this dp rank's batch: B/(R·S) x 16 tokens x D=32
+    act = 4 * 32 // (R * S) * 16 * 32  # bytes of this dp rank's batch: B/(R·S) x 16 tokens x D=32
     dims = r["comm_by_dim"]
-    assert set(dims) == {d for d, n in zip(("dp_replicate", "dp_shard", "tp", "pp"), layout) if n > 1}, dims
+    assert set(dims) == {
+        d for d, n in zip(("dp_replicate", "dp_shard", "tp", "pp"), layout) if n > 1
+    }, dims
     if T > 1:
         shape_pass = 2 * nblocks * (act // m) if P > 1 else 0
-        assert dims["tp"] == {"all_reduce": [WINDOW * 6 * nblocks * m + (2 * nblocks if P > 1 else 0),
-                                             (WINDOW * 6 * nblocks * act + shape_pass) // WINDOW]}, dims
+        assert dims["tp"] == {
+            "all_reduce": [
+                WINDOW * 6 * nblocks * m + (2 * nblocks if P > 1 else 0),
+                (WINDOW * 6 * nblocks * act + shape_pass) // WINDOW,
+            ]
+        }, dims
     if S > 1:
-        assert dims["dp_shard"]["reduce_scatter"] == [WINDOW * (nblocks + 1), 4 * S * (blocks + rest)], dims
+        assert dims["dp_shard"]["reduce_scatter"] == [
+            WINDOW * (nblocks + 1),
+            4 * S * (blocks + rest),
+        ], dims
         if P == 1:
-            assert dims["dp_shard"]["all_gather"] == [WINDOW * (2 * nblocks + 1), 4 * S * (2 * blocks + rest)], dims
+            assert dims["dp_shard"]["all_gather"] == [
+                WINDOW * (2 * nblocks + 1),
+                4 * S * (2 * blocks + rest),
+            ], dims
     if R > 1:
         units = nblocks + 1 if R * S > 1 else 0
         assert dims["dp_replicate"] == {"all_reduce": [WINDOW * units, 4 * (blocks + rest)]}, dims
@@ -132,7 +195,22 @@ def test_save_loads_in_ddp(runs, tmp_path):
     """The 3-D save, assembled on rank 0 from TP, FSDP and pipeline pieces, is the plain common model:
     ddp.py loads it (lr 0: nothing moves), saves the same tensors, measures the same test accuracy."""
     r, path = runs((1, 2, 2, 2), "adamw", "1f1b")
-    d = ok(python("ddp.py", *CFG, "--load", path, "--optim", "sgd", "--lr", "0", "--max-steps", "1",
-                  "--save", tmp_path / "ddp.pt", timeout=120))
+    d = ok(
+        python(
+            "ddp.py",
+            *CFG,
+            "--load",
+            path,
+            "--optim",
+            "sgd",
+            "--lr",
+            "0",
+            "--max-steps",
+            "1",
+            "--save",
+            tmp_path / "ddp.pt",
+            timeout=120,
+        )
+    )
     assert max_diff(path, tmp_path / "ddp.pt") == 0
     assert d["test_acc"] == r["test_acc"]

@@ -6,6 +6,7 @@ stage's parameter, gradient and optimizer bytes and point-to-point bytes, measur
 are what this test works out from the model; the saved state_dict loads in ddp.py; every
 point-to-point group the training step and the evaluation issue is safe under NCCL's rule (and the
 replay that says so does catch the one-op-per-group pairing that deadlocked); bad input is refused."""
+
 import argparse
 import json
 from collections import Counter
@@ -19,17 +20,34 @@ import pipeline
 from helpers import SMALL, max_diff, torchrun
 
 DEPTH = 4
-CFG = [*SMALL, "--depth", str(DEPTH)]             # the same config as test_tensor_parallel.py: shared references
-TOL = {"sgd": 1e-6, "adamw": 5e-5}   # round-off; AdamW turns it into steps on ~0 gradients: up to 1.9e-5 seen
-WINDOW = 3                                        # optimizer steps the Meter counts communication in
+CFG = [
+    *SMALL,
+    "--depth",
+    str(DEPTH),
+]  # the same config as test_tensor_parallel.py: shared references
+TOL = {
+    "sgd": 1e-6,
+    "adamw": 5e-5,
+}  # round-off; AdamW turns it into steps on ~0 gradients: up to 1.9e-5 seen
+WINDOW = 3  # optimizer steps the Meter counts communication in
 SCHEDULES = ("naive", "gpipe", "1f1b")
 # (p, schedule, m, optim): every schedule with both optimizers at p=2 and p=3; m > 1 everywhere
-CASES = [(2, "naive", 4, "sgd"), (2, "naive", 2, "adamw"), (2, "gpipe", 2, "sgd"), (2, "gpipe", 8, "adamw"),
-         (2, "1f1b", 4, "sgd"), (2, "1f1b", 2, "adamw"),
-         (3, "naive", 2, "sgd"), (3, "naive", 4, "adamw"), (3, "gpipe", 4, "sgd"), (3, "gpipe", 8, "adamw"),
-         (3, "1f1b", 4, "sgd"), (3, "1f1b", 8, "adamw")]
+CASES = [
+    (2, "naive", 4, "sgd"),
+    (2, "naive", 2, "adamw"),
+    (2, "gpipe", 2, "sgd"),
+    (2, "gpipe", 8, "adamw"),
+    (2, "1f1b", 4, "sgd"),
+    (2, "1f1b", 2, "adamw"),
+    (3, "naive", 2, "sgd"),
+    (3, "naive", 4, "adamw"),
+    (3, "gpipe", 4, "sgd"),
+    (3, "gpipe", 8, "adamw"),
+    (3, "1f1b", 4, "sgd"),
+    (3, "1f1b", 8, "adamw"),
+]
 IDS = [f"p{p}-{s}-m{m}-{o}" for p, s, m, o in CASES]
-LOADED = (3, "gpipe", 4, "sgd")                   # this case starts from --load of the initial weights
+LOADED = (3, "gpipe", 4, "sgd")  # this case starts from --load of the initial weights
 
 TIMELINE_1F1B_2x4 = """\
   rank 0:  F0 F1 .  B0 F2 B1 F3 B2 .  B3
@@ -38,11 +56,11 @@ TIMELINE_1F1B_2x4 = """\
 
 def expected_order(name, m, p, s):
     """The schedules as the docstring defines them, written out here independently."""
-    if name == "naive":                           # micro-batch i's backward before i+1's forward
+    if name == "naive":  # micro-batch i's backward before i+1's forward
         return [x for i in range(m) for x in (("F", i), ("B", i))]
     if name == "gpipe":
         return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-    order, f, b = [], 0, 0                        # 1f1b: p-s-1 forwards ahead, then F B F B ..., then the Bs
+    order, f, b = [], 0, 0  # 1f1b: p-s-1 forwards ahead, then F B F B ..., then the Bs
     while b < m:
         if f < m and (f < p - s or order[-1][0] == "B"):
             order.append(("F", f))
@@ -55,9 +73,20 @@ def expected_order(name, m, p, s):
 
 def stage_params(model, p):
     """Parameters per stage, the blocks cut as the script cuts them: s·d/p .. (s+1)·d/p - 1."""
-    d, count = len(model.blocks), lambda mods: sum(q.numel() for mod in mods for q in mod.parameters())
-    return [count([*([model.embed] if s == 0 else []), *model.blocks[s * d // p:(s + 1) * d // p],
-                   *([model.head] if s == p - 1 else [])]) for s in range(p)]
+    d, count = (
+        len(model.blocks),
+        lambda mods: sum(q.numel() for mod in mods for q in mod.parameters()),
+    )
+    return [
+        count(
+            [
+                *([model.embed] if s == 0 else []),
+                *model.blocks[s * d // p : (s + 1) * d // p],
+                *([model.head] if s == p - 1 else []),
+            ]
+        )
+        for s in range(p)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -69,14 +98,48 @@ def runs(tmp_path_factory, initial):
     saved = {case: d / f"{i}.pt" for i, case in enumerate(CASES)}
     for world in (2, 3):
         cases = [c for c in CASES if c[0] == world]
-        argv = [["pipeline", [*CFG, "--schedule", s, "--microbatches", m, "--optim", o, "--save", saved[p, s, m, o],
-                              *(["--load", initial] if (p, s, m, o) == LOADED else [])]] for p, s, m, o in cases]
+        argv = [
+            [
+                "pipeline",
+                [
+                    *CFG,
+                    "--schedule",
+                    s,
+                    "--microbatches",
+                    m,
+                    "--optim",
+                    o,
+                    "--save",
+                    saved[p, s, m, o],
+                    *(["--load", initial] if (p, s, m, o) == LOADED else []),
+                ],
+            ]
+            for p, s, m, o in cases
+        ]
         if world == 2:
-            argv.append(["ddp", [*CFG, "--optim", "sgd", "--lr", 0, "--max-steps", 1, "--load", saved[CASES[0]],
-                                 "--save", d / "ddp.pt"]])
+            argv.append(
+                [
+                    "ddp",
+                    [
+                        *CFG,
+                        "--optim",
+                        "sgd",
+                        "--lr",
+                        0,
+                        "--max-steps",
+                        1,
+                        "--load",
+                        saved[CASES[0]],
+                        "--save",
+                        d / "ddp.pt",
+                    ],
+                ]
+            )
         run = torchrun("tests/pipeline_cases.py", world, json.dumps(argv, default=str), timeout=400)
         assert run.returncode == 0, run.output
-        chunks = run.stdout.split("\nRESULT ")      # chunk i ends with case i's output, i+1 starts with its RESULT
+        chunks = run.stdout.split(
+            "\nRESULT "
+        )  # chunk i ends with case i's output, i+1 starts with its RESULT
         assert len(chunks) == len(argv) + 1, run.output
         for i, case in enumerate(cases):
             out[case] = json.loads(chunks[i + 1].splitlines()[0]), saved[case], chunks[i]
@@ -102,8 +165,13 @@ def test_recorded_order_bubble_and_in_flight(case, runs):
     r, _, output = runs[0][case]
     ran = [[tuple(a) for a in st["order"]] for st in r["stages"]]
     assert ran == [expected_order(schedule, m, p, s) for s in range(p)]
-    assert r["bubble"] == pytest.approx((p - 1) / p if schedule == "naive" else (p - 1) / (m + p - 1))
-    assert r["peak_inflight"] == {"naive": [1] * p, "gpipe": [m] * p, "1f1b": [p - s for s in range(p)]}[schedule]
+    assert r["bubble"] == pytest.approx(
+        (p - 1) / p if schedule == "naive" else (p - 1) / (m + p - 1)
+    )
+    assert (
+        r["peak_inflight"]
+        == {"naive": [1] * p, "gpipe": [m] * p, "1f1b": [p - s for s in range(p)]}[schedule]
+    )
     if (p, schedule, m) == (2, "1f1b", 4):
         assert TIMELINE_1F1B_2x4 in output
 
@@ -121,13 +189,18 @@ def test_measured_bytes_per_stage(case, runs):
     msg = 4 * (args.batch_size // m) * model.embed.tokens * args.dim
     assert sum(stage_params(model, p)) == r["params"]
     for s, (st, psi) in enumerate(zip(r["stages"], stage_params(model, p))):
-        assert (st["param_bytes"], st["grad_bytes"], st["optim_bytes"]) == (4 * psi, 4 * psi,
-                                                                            (8 if optim == "adamw" else 4) * psi)
-        peers = (s > 0) + (s < p - 1)             # neighbours: an activation and a gradient each way per one
+        assert (st["param_bytes"], st["grad_bytes"], st["optim_bytes"]) == (
+            4 * psi,
+            4 * psi,
+            (8 if optim == "adamw" else 4) * psi,
+        )
+        peers = (s > 0) + (s < p - 1)  # neighbours: an activation and a gradient each way per one
         assert st["comm"] == dict(send=peers * m * msg, recv=peers * m * msg), (s, st)
         assert st["comm_calls"] == dict(send=peers * m * WINDOW, recv=peers * m * WINDOW), (s, st)
     assert sum(st["comm_calls"]["send"] for st in r["stages"]) == 2 * (p - 1) * m * WINDOW
-    assert r["comm"] == r["stages"][0]["comm"] and r["comm_steps"] == WINDOW   # RESULT's own fields: rank 0's
+    assert (
+        r["comm"] == r["stages"][0]["comm"] and r["comm_steps"] == WINDOW
+    )  # RESULT's own fields: rank 0's
 
 
 def test_saved_state_loads_in_ddp(runs):
@@ -138,6 +211,7 @@ def test_saved_state_loads_in_ddp(runs):
 
 
 # --------------------------------------------------------------------------- NCCL's rule, in-process
+
 
 def replay(batches):
     """NCCL's rule for point-to-point groups: each rank runs its groups in order; a group completes
@@ -191,11 +265,14 @@ def record(monkeypatch, stage, work):
 
     def batch_isend_irecv(ops):
         assert ops, "an empty group"
-        groups.append([(o.peer, "send" if o.op is dist.isend else "recv", o.tensor.numel()) for o in ops])
+        groups.append(
+            [(o.peer, "send" if o.op is dist.isend else "recv", o.tensor.numel()) for o in ops]
+        )
         for o in ops:
             if o.op is dist.irecv:
                 o.tensor.normal_()
         return []
+
     monkeypatch.setattr(dist, "P2POp", FakeOp)
     monkeypatch.setattr(dist, "batch_isend_irecv", batch_isend_irecv)
     work()
@@ -232,13 +309,19 @@ def test_p2p_order_is_nccl_safe(p, monkeypatch, one_thread):
     torch.manual_seed(0)
     model = common.ViT(dim=8, depth=4, heads=2, patch=14)
     stages = [pipeline.Stage(model, s, p) for s in range(p)]
-    msg = 2 * model.embed.tokens * 8                          # 2 samples a micro-batch
+    msg = 2 * model.embed.tokens * 8  # 2 samples a micro-batch
     for name in SCHEDULES:
         for m in (p, p + 1, 2 * p):
             x, y = torch.randn(2 * m, 1, 28, 28), torch.randint(0, 10, (2 * m,))
             train, test = [], []
             for st in stages:
-                train.append(record(monkeypatch, st, lambda: [pipeline.train_step(st, x, y, name, m) for _ in "12"]))
+                train.append(
+                    record(
+                        monkeypatch,
+                        st,
+                        lambda: [pipeline.train_step(st, x, y, name, m) for _ in "12"],
+                    )
+                )
                 test.append(record(monkeypatch, st, lambda: [pipeline.infer(st, x) for _ in "12"]))
             monkeypatch.undo()
             assert sum(op[1] == "send" for g in train for b in g for op in b) == 2 * 2 * (p - 1) * m
@@ -249,13 +332,23 @@ def test_p2p_order_is_nccl_safe(p, monkeypatch, one_thread):
             assert (old is not None) == (name == "1f1b"), (name, p, m, old)
 
 
-@pytest.mark.parametrize("world,flags,message", [
-    (2, dict(depth=1), "--depth 1 blocks cannot fill 2 pipeline stages"),
-    (1, dict(schedule="gpipe", microbatches=5), "--batch-size 32 is not divisible by --microbatches 5"),
-    (4, dict(schedule="1f1b", microbatches=2),
-     "--schedule 1f1b needs at least as many micro-batches as stages: --microbatches 2 < 4 stages"),
-    (2, dict(microbatches=0), "--microbatches must be >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "world,flags,message",
+    [
+        (2, dict(depth=1), "--depth 1 blocks cannot fill 2 pipeline stages"),
+        (
+            1,
+            dict(schedule="gpipe", microbatches=5),
+            "--batch-size 32 is not divisible by --microbatches 5",
+        ),
+        (
+            4,
+            dict(schedule="1f1b", microbatches=2),
+            "--schedule 1f1b needs at least as many micro-batches as stages: --microbatches 2 < 4 stages",
+        ),
+        (2, dict(microbatches=0), "--microbatches must be >= 1, got 0"),
+    ],
+)
 def test_check_args(world, flags, message, capsys):
     """The checks themselves, in-process; the config without the bad flag passes."""
     ok_args = dict(depth=DEPTH, batch_size=32, schedule="1f1b", microbatches=4)

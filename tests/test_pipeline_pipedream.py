@@ -5,6 +5,7 @@ simulation of the same staleness -- the forward of micro-batch j through each st
 max(0, j-w) updates, the backward through those same weights (the stash), the update on the current
 ones -- with SGD (momentum 0.9) and AdamW. A simulation without the staleness does not match (the test
 can fail). One launch at p=3 for both optimizers."""
+
 import functools
 import json
 
@@ -18,21 +19,39 @@ import pipeline_pipedream
 from helpers import SMALL, max_diff, torchrun
 
 P, M, STEPS = 3, 4, 3
-CFG = [*SMALL, "--dim", "16", "--depth", "3", "--heads", "2", "--max-steps", str(STEPS), "--lr-schedule", "constant",
-       "--warmup", "0"]
+CFG = [
+    *SMALL,
+    "--dim",
+    "16",
+    "--depth",
+    "3",
+    "--heads",
+    "2",
+    "--max-steps",
+    str(STEPS),
+    "--lr-schedule",
+    "constant",
+    "--warmup",
+    "0",
+]
 TOL = {"sgd": 1e-6, "adamw": 5e-5}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("pd")
-    argv = [["pipeline_pipedream", [*CFG, "--microbatches", M, "--optim", o, "--save", d / f"{o}.pt"]]
-            for o in ("sgd", "adamw")]
+    argv = [
+        ["pipeline_pipedream", [*CFG, "--microbatches", M, "--optim", o, "--save", d / f"{o}.pt"]]
+        for o in ("sgd", "adamw")
+    ]
     run = torchrun("tests/pipeline_cases.py", P, json.dumps(argv, default=str), timeout=400)
     assert run.returncode == 0, run.output
     chunks = run.stdout.split("\nRESULT ")
     assert len(chunks) == 3, run.output
-    return {o: (json.loads(chunks[i + 1].splitlines()[0]), d / f"{o}.pt") for i, o in enumerate(("sgd", "adamw"))}
+    return {
+        o: (json.loads(chunks[i + 1].splitlines()[0]), d / f"{o}.pt")
+        for i, o in enumerate(("sgd", "adamw"))
+    }
 
 
 @functools.lru_cache(maxsize=1)
@@ -40,8 +59,10 @@ def micro_batches():
     """The micro-batches the script trained on, in order: its DistributedSampler of one, epoch 0."""
     args = common.parse_args(common.get_parser("test"), CFG)
     train_set = common.load_data(args)[0]
-    sampler = DistributedSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=args.seed, drop_last=True)
-    sampler.set_epoch(0)                          # the script's first epoch: its shuffle and its augmentation
+    sampler = DistributedSampler(
+        train_set, num_replicas=1, rank=0, shuffle=True, seed=args.seed, drop_last=True
+    )
+    sampler.set_epoch(0)  # the script's first epoch: its shuffle and its augmentation
     train_set.set_epoch(0)
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True)
     return [mb for (x, y), _ in zip(loader, range(STEPS)) for mb in zip(x.chunk(M), y.chunk(M))]
@@ -89,7 +110,12 @@ def test_no_flush_between_batches(runs):
     2m micro-batches, not two over m) with p-s micro-batches in flight on stage s."""
     r = runs["sgd"][0]
     for s, st in enumerate(r["stages"]):
-        stream = [a for j in range(STEPS * M) for a in (("F", j, 0), ("B", j - (P - s - 1), 0)) if 0 <= a[1] < 2 * M]
+        stream = [
+            a
+            for j in range(STEPS * M)
+            for a in (("F", j, 0), ("B", j - (P - s - 1), 0))
+            if 0 <= a[1] < 2 * M
+        ]
         assert [tuple(a) for a in st["versions"]["order"]] == stream, s
     assert r["bubble"] == pytest.approx((P - 1) / (2 * M + P - 1))
     assert r["peak_inflight"] == [P - s for s in range(P)]
@@ -99,8 +125,13 @@ def test_no_flush_between_batches(runs):
 def test_same_parameters_as_the_one_process_simulation(optim, runs, tmp_path, one_thread):
     torch.save(simulate(optim), tmp_path / "sim.pt")
     torch.save(simulate(optim, stale=False), tmp_path / "fresh.pt")
-    diff, fresh = max_diff(runs[optim][1], tmp_path / "sim.pt"), max_diff(runs[optim][1], tmp_path / "fresh.pt")
-    print(f"pipedream p={P} {optim}: max |Δparam| vs simulation {diff:.3g}, vs no staleness {fresh:.3g}")
+    diff, fresh = (
+        max_diff(runs[optim][1], tmp_path / "sim.pt"),
+        max_diff(runs[optim][1], tmp_path / "fresh.pt"),
+    )
+    print(
+        f"pipedream p={P} {optim}: max |Δparam| vs simulation {diff:.3g}, vs no staleness {fresh:.3g}"
+    )
     assert diff < TOL[optim]
     assert fresh > 100 * TOL[optim]
 
@@ -120,6 +151,7 @@ def test_p2p_order_is_nccl_safe(p, monkeypatch, one_thread):
     in-process, their groups recorded at dist.batch_isend_irecv and replayed under NCCL's rule
     (test_pipeline.replay): across the batch boundaries too, no stage waits for ever."""
     from test_pipeline import record, replay
+
     args = common.parse_args(common.get_parser("test"), ["--optim", "sgd"])
     for m in (1, p + 1):
         torch.manual_seed(0)
@@ -129,8 +161,18 @@ def test_p2p_order_is_nccl_safe(p, monkeypatch, one_thread):
         groups = []
         for st in stages:
             opt = common.make_optimizer(st.parameters(), args)
-            groups.append(record(monkeypatch, st, lambda: [pipeline_pipedream.train_step(st, x, y, m, opt, k == 2)
-                                                          for k in range(3)] + [pipeline_pipedream.infer(st, x)]))
+            groups.append(
+                record(
+                    monkeypatch,
+                    st,
+                    lambda: (
+                        [pipeline_pipedream.train_step(st, x, y, m, opt, k == 2) for k in range(3)]
+                        + [pipeline_pipedream.infer(st, x)]
+                    ),
+                )
+            )
         monkeypatch.undo()
-        assert sum(op[1] == "send" for g in groups for b in g for op in b) == 3 * 2 * (p - 1) * m + (p - 1)
+        assert sum(op[1] == "send" for g in groups for b in g for op in b) == 3 * 2 * (
+            p - 1
+        ) * m + (p - 1)
         assert replay(groups) is None, (p, m, groups)

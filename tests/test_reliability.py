@@ -3,6 +3,7 @@
 Faults are injected from outside the scripts: tests/faults/sitecustomize.py is put on the
 workers' PYTHONPATH and raises / hangs / exits inside the k-th optimizer step of one rank.
 """
+
 import os
 import signal
 import subprocess
@@ -30,8 +31,11 @@ def test_a_rank_that_raises_ends_the_run_at_once_with_its_message_once(launcher)
     run takes, far inside --timeout 300 (which the survivor would otherwise sit out in its all-reduce)."""
     args = [*SMALL, "--max-steps", "0", "--epochs", "2", "--timeout", "300"]
     t0 = time.time()
-    r = (torchrun("ddp.py", 2, *args, env=faulty("raise"), timeout=150) if launcher == "torchrun"
-         else python("ddp.py", "--nproc", "2", *args, env=faulty("raise"), timeout=150))
+    r = (
+        torchrun("ddp.py", 2, *args, env=faulty("raise"), timeout=150)
+        if launcher == "torchrun"
+        else python("ddp.py", "--nproc", "2", *args, env=faulty("raise"), timeout=150)
+    )
     elapsed = time.time() - t0
     assert r.returncode != 0 and "RESULT" not in r.stdout
     assert r.stderr.count("RuntimeError: injected fault on rank 1 at step 3") == 1, r.output
@@ -46,7 +50,9 @@ def test_a_hung_rank_fails_the_run_by_the_timeout():
     r = torchrun("ddp.py", 2, *SMALL, "--timeout", "8", env=faulty("hang"), timeout=120)
     elapsed = time.time() - t0
     assert r.returncode != 0 and "RESULT" not in r.stdout, r.output
-    assert "Timed out" in r.output or "timed out" in r.output, r.output        # Gloo's / NCCL's timeout error
+    assert "Timed out" in r.output or "timed out" in r.output, (
+        r.output
+    )  # Gloo's / NCCL's timeout error
     assert "injected fault" not in r.output, r.output
     assert 8 <= elapsed < 8 + 45, f"a hang took {elapsed:.0f}s to fail with --timeout 8"
 
@@ -54,7 +60,9 @@ def test_a_hung_rank_fails_the_run_by_the_timeout():
 def worker_pids(parent, script):
     """Pids of the processes `parent` started that run `script` (torchrun's workers). -ww: ps cuts
     the command line at 80 columns when its output is not a terminal."""
-    out = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(parent)], capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["ps", "-ww", "-o", "pid=,args=", "--ppid", str(parent)], capture_output=True, text=True
+    ).stdout
     return [int(line.split()[0]) for line in out.splitlines() if script in line]
 
 
@@ -63,15 +71,52 @@ def test_sigkilled_worker_is_restarted_and_resumes_from_the_snapshot(tmp_path):
     the last snapshot and ends with the parameters of an uninterrupted run."""
     # Killed right after the epoch-0 snapshot, so the restart resumes from it. (Before ddp_torchrun.py
     # prefixed its store per attempt, ~1 restart in 4 hung here: a new rank dialled the dead one.)
-    cfg = ["--data", "synthetic", "--limit", "2048", "--batch-size", "32", "--dim", "32", "--depth", "2",
-           "--heads", "4", "--epochs", "3", "--optim", "adamw", "--no-progress", "--timeout", "20"]
-    cmd = [*TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=3", ROOT / "ddp_torchrun.py", *cfg,
-           "--snapshot", tmp_path / "snap.pt", "--save", tmp_path / "killed.pt"]
+    cfg = [
+        "--data",
+        "synthetic",
+        "--limit",
+        "2048",
+        "--batch-size",
+        "32",
+        "--dim",
+        "32",
+        "--depth",
+        "2",
+        "--heads",
+        "4",
+        "--epochs",
+        "3",
+        "--optim",
+        "adamw",
+        "--no-progress",
+        "--timeout",
+        "20",
+    ]
+    cmd = [
+        *TORCHRUN,
+        "--standalone",
+        "--nproc_per_node=2",
+        "--max-restarts=3",
+        ROOT / "ddp_torchrun.py",
+        *cfg,
+        "--snapshot",
+        tmp_path / "snap.pt",
+        "--save",
+        tmp_path / "killed.pt",
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    p = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(
+        [str(c) for c in cmd],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines, killed, deadline = [], None, time.time() + 300
-    reader = threading.Thread(target=lambda: lines.extend(p.stdout), daemon=True)   # never block on a pipe
+    reader = threading.Thread(
+        target=lambda: lines.extend(p.stdout), daemon=True
+    )  # never block on a pipe
     reader.start()
     try:
         while p.poll() is None and time.time() < deadline:
@@ -80,7 +125,7 @@ def test_sigkilled_worker_is_restarted_and_resumes_from_the_snapshot(tmp_path):
                 killed = len(lines)
             time.sleep(0.05)
     finally:
-        if p.poll() is None:                     # timed out: take torchrun's workers down with it
+        if p.poll() is None:  # timed out: take torchrun's workers down with it
             for pid in worker_pids(p.pid, "ddp_torchrun.py"):
                 os.kill(pid, signal.SIGKILL)
             p.kill()
@@ -89,8 +134,10 @@ def test_sigkilled_worker_is_restarted_and_resumes_from_the_snapshot(tmp_path):
     out = "".join(lines)
     assert killed is not None and p.returncode == 0, out
     after = "".join(lines[killed:])
-    assert "snapshot: resuming at step 64" in after, out                # killed in epoch 1, restarted
-    straight = ok(torchrun("ddp_torchrun.py", 2, *cfg, "--save", tmp_path / "straight.pt", timeout=240))
+    assert "snapshot: resuming at step 64" in after, out  # killed in epoch 1, restarted
+    straight = ok(
+        torchrun("ddp_torchrun.py", 2, *cfg, "--save", tmp_path / "straight.pt", timeout=240)
+    )
     assert straight["steps"] == 3 * 2048 // 32
     assert max_diff(tmp_path / "killed.pt", tmp_path / "straight.pt") == 0
 
@@ -112,8 +159,8 @@ common.save_checkpoint({{"w": torch.randn(4_000_000), "boom": Boom()}}, {str(pat
     r = run([sys.executable, "-c", killer], timeout=60)
     assert r.returncode == -signal.SIGKILL
     leftovers = [p.name for p in tmp_path.iterdir() if p.name != "ckpt.pt"]
-    assert leftovers and all(".tmp." in n for n in leftovers)          # the half-written temp file
-    assert torch.equal(torch.load(path, weights_only=True)["w"], old["w"])   # the old file, whole
+    assert leftovers and all(".tmp." in n for n in leftovers)  # the half-written temp file
+    assert torch.equal(torch.load(path, weights_only=True)["w"], old["w"])  # the old file, whole
 
 
 def test_two_nodes_on_one_machine_equal_one_node(tmp_path):
@@ -122,12 +169,30 @@ def test_two_nodes_on_one_machine_equal_one_node(tmp_path):
     args = [*SMALL, "--optim", "sgd"]
     nodes = []
     for node in (0, 1):
-        cmd = [*TORCHRUN, "--nnodes=2", "--nproc_per_node=2", f"--node-rank={node}", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two-nodes",
-               f"--rdzv-conf=is_host={'true' if node == 0 else 'false'}",
-               ROOT / "ddp.py", *args, "--save", tmp_path / "two_nodes.pt"]
-        nodes.append(subprocess.Popen([str(c) for c in cmd], cwd=ROOT, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}))
+        cmd = [
+            *TORCHRUN,
+            "--nnodes=2",
+            "--nproc_per_node=2",
+            f"--node-rank={node}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=two-nodes",
+            f"--rdzv-conf=is_host={'true' if node == 0 else 'false'}",
+            ROOT / "ddp.py",
+            *args,
+            "--save",
+            tmp_path / "two_nodes.pt",
+        ]
+        nodes.append(
+            subprocess.Popen(
+                [str(c) for c in cmd],
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        )
     outs = []
     try:
         for p in nodes:
@@ -137,6 +202,6 @@ def test_two_nodes_on_one_machine_equal_one_node(tmp_path):
             p.kill()
     assert all(p.returncode == 0 for p in nodes), outs
     results = [l for o, _ in outs for l in o.splitlines() if l.startswith("RESULT ")]
-    assert len(results) == 1 and '"world_size": 4' in results[0]          # one rank 0 across both nodes
+    assert len(results) == 1 and '"world_size": 4' in results[0]  # one rank 0 across both nodes
     ok(torchrun("ddp.py", 4, *args, "--save", tmp_path / "one_node.pt"))
     assert max_diff(tmp_path / "two_nodes.pt", tmp_path / "one_node.pt") < 1e-6

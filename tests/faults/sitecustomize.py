@@ -13,6 +13,7 @@ the queries 16-bit). What autograd saved for backward is the Meter's `act_bytes`
 MUTANT=name: a deliberate bug that breaks one promise, applied from outside (tests/test_mutants.py
 lists them with the test that must fail under each). The scripts themselves carry no test hooks.
 """
+
 import os
 
 if os.environ.get("FAULT") and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
@@ -29,7 +30,9 @@ if os.environ.get("FAULT") and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         if _steps["n"] == int(os.environ.get("FAULT_STEP", "1")):
             kind = os.environ["FAULT"]
             if kind == "raise":
-                raise RuntimeError(f"injected fault on rank {os.environ.get('RANK')} at step {_steps['n']}")
+                raise RuntimeError(
+                    f"injected fault on rank {os.environ.get('RANK')} at step {_steps['n']}"
+                )
             if kind == "hang":
                 time.sleep(3600)
             if kind == "exit":
@@ -37,7 +40,9 @@ if os.environ.get("FAULT") and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 
     _opt.register_optimizer_step_pre_hook(_inject)
 
-    if os.environ["FAULT"] == "exit-in-save" and os.environ.get("RANK", "0") == os.environ.get("FAULT_RANK", "0"):
+    if os.environ["FAULT"] == "exit-in-save" and os.environ.get("RANK", "0") == os.environ.get(
+        "FAULT_RANK", "0"
+    ):
         # the FAULT_STEP-th torch.save of that rank writes half of its bytes, then the process dies (killed mid-write)
         import io
 
@@ -51,7 +56,7 @@ if os.environ.get("FAULT") and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
                 return _save(obj, f, *args, **kwargs)
             buffer = io.BytesIO()
             _save(obj, buffer, *args, **kwargs)
-            f.write(buffer.getvalue()[:len(buffer.getvalue()) // 2])
+            f.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
             f.flush()
             os._exit(3)
 
@@ -76,14 +81,19 @@ if os.environ.get("HIDE") and os.environ.get("RANK", "0") == os.environ.get("FAU
     _hidden, _exists, _open = os.path.abspath(os.environ["HIDE"]), os.path.exists, builtins.open
 
     def _is_hidden(path):
-        return isinstance(path, (str, bytes, os.PathLike)) and os.path.abspath(os.fsdecode(path)) == _hidden
+        return (
+            isinstance(path, (str, bytes, os.PathLike))
+            and os.path.abspath(os.fsdecode(path)) == _hidden
+        )
 
     def _hidden_exists(path):
         return False if _is_hidden(path) else _exists(path)
 
     def _hidden_open(file, *args, **kwargs):
         if _is_hidden(file):
-            raise FileNotFoundError(2, "No such file or directory (hidden by tests/faults)", str(file))
+            raise FileNotFoundError(
+                2, "No such file or directory (hidden by tests/faults)", str(file)
+            )
         return _open(file, *args, **kwargs)
 
     os.path.exists, builtins.open = _hidden_exists, _hidden_open
@@ -107,7 +117,9 @@ if os.environ.get("PROBE"):
         _probe_step.remove()
         F.scaled_dot_product_attention = _sdpa
         os.makedirs(os.environ["PROBE"], exist_ok=True)
-        with open(os.path.join(os.environ["PROBE"], f"rank{os.environ.get('RANK', '0')}.json"), "w") as f:
+        with open(
+            os.path.join(os.environ["PROBE"], f"rank{os.environ.get('RANK', '0')}.json"), "w"
+        ) as f:
             json.dump(dict(attention=_probe["attention"]), f)
 
     F.scaled_dot_product_attention = _attention
@@ -121,7 +133,7 @@ if os.environ.get("MUTANT"):
     import torch.distributed as dist
 
     _mutant = os.environ["MUTANT"]
-    _after_import = {}                       # module name -> patch applied right after it is imported
+    _after_import = {}  # module name -> patch applied right after it is imported
 
     class _PatchOnImport(importlib.abc.MetaPathFinder):
         def find_spec(self, fullname, path, target=None):
@@ -131,76 +143,117 @@ if os.environ.get("MUTANT"):
                 spec = None if finder is self else finder.find_spec(fullname, path, target)
                 if spec is not None:
                     run = spec.loader.exec_module
-                    spec.loader.exec_module = lambda module: (run(module), _after_import[fullname](module))
+                    spec.loader.exec_module = lambda module: (
+                        run(module),
+                        _after_import[fullname](module),
+                    )
                     return spec
             return None
 
     sys.meta_path.insert(0, _PatchOnImport())
 
-    if _mutant == "sampler-same-shard":      # every rank trains on rank 0's shard
+    if _mutant == "sampler-same-shard":  # every rank trains on rank 0's shard
         from torch.utils.data import DistributedSampler
+
         _init = DistributedSampler.__init__
         DistributedSampler.__init__ = lambda self, ds, num_replicas=None, rank=None, *a, **k: _init(
-            self, ds, num_replicas, 0, *a, **k)
-    elif _mutant == "ddp-sum":               # DDP sums the gradients instead of averaging them
+            self, ds, num_replicas, 0, *a, **k
+        )
+    elif _mutant == "ddp-sum":  # DDP sums the gradients instead of averaging them
         from torch.nn.parallel import DistributedDataParallel as _DDP
+
         _ddp_init = _DDP.__init__
 
         def _summing(self, *a, **k):
             _ddp_init(self, *a, **k)
-            self.register_comm_hook(None, lambda state, bucket: dist.all_reduce(
-                bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0]))
+            self.register_comm_hook(
+                None,
+                lambda state, bucket: (
+                    dist.all_reduce(bucket.buffer(), async_op=True)
+                    .get_future()
+                    .then(lambda f: f.value()[0])
+                ),
+            )
+
         _DDP.__init__ = _summing
-    elif _mutant == "eval-counts-padding":   # evaluation counts the padding samples too
+    elif _mutant == "eval-counts-padding":  # evaluation counts the padding samples too
+
         def _keep_all(common):
             getitem = common._Masked.__getitem__
             common._Masked.__getitem__ = lambda self, i: (*getitem(self, i)[:2], True)
+
         _after_import["common"] = _keep_all
-    elif _mutant == "resume-forgets-schedule":   # a resumed run restarts its learning-rate schedule
+    elif _mutant == "resume-forgets-schedule":  # a resumed run restarts its learning-rate schedule
         torch.optim.lr_scheduler.LRScheduler.load_state_dict = lambda self, state: None
         torch.optim.lr_scheduler.LambdaLR.load_state_dict = lambda self, state: None
-    elif _mutant == "no-checkpoint":         # activation checkpointing does nothing
+    elif _mutant == "no-checkpoint":  # activation checkpointing does nothing
         import torch.utils.checkpoint
+
         torch.utils.checkpoint.checkpoint = lambda fn, *a, use_reentrant=None, **k: fn(*a, **k)
-    elif _mutant == "no-autocast":           # mixed precision does nothing
+    elif _mutant == "no-autocast":  # mixed precision does nothing
         _ac_init = torch.autocast.__init__
-        torch.autocast.__init__ = lambda self, device_type, dtype=None, enabled=True, cache_enabled=None: _ac_init(
-            self, device_type, dtype=dtype, enabled=False, cache_enabled=cache_enabled)
-    elif _mutant == "no-clip":               # gradient clipping does nothing
+        torch.autocast.__init__ = (
+            lambda self, device_type, dtype=None, enabled=True, cache_enabled=None: _ac_init(
+                self, device_type, dtype=dtype, enabled=False, cache_enabled=cache_enabled
+            )
+        )
+    elif _mutant == "no-clip":  # gradient clipping does nothing
         torch.nn.utils.clip_grad_norm_ = lambda parameters, max_norm, *a, **k: torch.zeros(())
-    elif _mutant == "zero-no-average":       # ZeRO reduce-scatters the sum of the gradients, not the mean
+    elif (
+        _mutant == "zero-no-average"
+    ):  # ZeRO reduce-scatters the sum of the gradients, not the mean
         _rs = dist.reduce_scatter_tensor
 
         def _sum_scatter(output, input, *a, **k):
             input.mul_(dist.get_world_size())
             return _rs(output, input, *a, **k)
+
         dist.reduce_scatter_tensor = _sum_scatter
-    elif _mutant in ("fsdp-sum", "nd-fsdp-sum"):    # FSDP sums the gradients instead of averaging them
+    elif _mutant in (
+        "fsdp-sum",
+        "nd-fsdp-sum",
+    ):  # FSDP sums the gradients instead of averaging them
         import torch.distributed.fsdp as _fsdp
+
         _fully_shard = _fsdp.fully_shard
 
         def _summing_shard(module, *a, **k):
             out = _fully_shard(module, *a, **k)
             out.set_gradient_divide_factor(1.0)
             return out
+
         _fsdp.fully_shard = _summing_shard
-    elif _mutant == "tp-f-identity":         # tensor parallel's f does no all-reduce in backward
+    elif _mutant == "tp-f-identity":  # tensor parallel's f does no all-reduce in backward
         _ar = dist.all_reduce
-        dist.all_reduce = lambda t, *a, **k: None if t.dim() == 3 and not torch.is_grad_enabled() else _ar(t, *a, **k)
-    elif _mutant == "pipeline-unpaired":     # pipeline sends and receives one op per group (NCCL deadlocks)
+        dist.all_reduce = lambda t, *a, **k: (
+            None if t.dim() == 3 and not torch.is_grad_enabled() else _ar(t, *a, **k)
+        )
+    elif (
+        _mutant == "pipeline-unpaired"
+    ):  # pipeline sends and receives one op per group (NCCL deadlocks)
+
         def _unpair(pipeline):
             p2p = pipeline.p2p
             pipeline.p2p = lambda ops: [p2p([op]) for op in ops]
+
         _after_import["pipeline"] = _unpair
-    elif _mutant == "schedules-unpaired":    # pipeline_schedules.py sends and receives one op per group
+    elif (
+        _mutant == "schedules-unpaired"
+    ):  # pipeline_schedules.py sends and receives one op per group
+
         def _unpair_schedules(schedules):
             p2p = schedules.p2p
             schedules.p2p = lambda ops: [p2p([op]) for op in ops]
+
         _after_import["pipeline_schedules"] = _unpair_schedules
-    elif _mutant == "cp-head-not-summed":    # context parallelism: the head averages this rank's tokens only
+    elif (
+        _mutant == "cp-head-not-summed"
+    ):  # context parallelism: the head averages this rank's tokens only
         _ar2 = dist.all_reduce
-        dist.all_reduce = lambda t, *a, **k: None if t.dim() == 2 and t.is_floating_point() else _ar2(t, *a, **k)
-    elif _mutant == "ep-dense-sum":          # expert parallelism: the dense gradients summed, not averaged
+        dist.all_reduce = lambda t, *a, **k: (
+            None if t.dim() == 2 and t.is_floating_point() else _ar2(t, *a, **k)
+        )
+    elif _mutant == "ep-dense-sum":  # expert parallelism: the dense gradients summed, not averaged
         _ar1 = dist.all_reduce
 
         def _summed(t, *a, **k):
@@ -208,6 +261,7 @@ if os.environ.get("MUTANT"):
             if t.dim() == 1 and t.is_floating_point():
                 t.mul_(dist.get_world_size())
             return out
+
         dist.all_reduce = _summed
     else:
         raise SystemExit(f"tests/faults: unknown MUTANT={_mutant}")
