@@ -9,9 +9,9 @@ Memory per rank (fp32, AdamW, Ψ parameters): 4Ψ params + 4Ψ grads + 8Ψ optim
 Communication per step: one all-reduce of Ψ gradient elements (bucketed, overlapped with
 backward); a ring all-reduce sends 2(W-1)/W · 4Ψ bytes per rank.
 
-    torchrun --standalone --nproc_per_node=4 ddp.py          # the launcher spawns, env vars tell the rank
-    python ddp.py --nproc 4                                    # the same, through mp.spawn on a free port
-    python ddp.py                                              # a world of one process
+    torchrun --standalone --nproc_per_node=4 ddp.py   # torchrun spawns; env vars tell the rank
+    python ddp.py --nproc 4                            # the same, through mp.spawn on a free port
+    python ddp.py                                      # a world of one process
 
 This model has no BatchNorm. A model that does would need
 `model = nn.SyncBatchNorm.convert_sync_batchnorm(model)` before wrapping, or each rank
@@ -20,7 +20,6 @@ normalises with the statistics of its own batch/W samples only.
 
 import datetime
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -77,25 +76,33 @@ def formula(psi, world, args):
 def check_args(args, world):
     common.check(
         args.batch_size % world == 0,
-        f"--batch-size {args.batch_size} is not divisible by world size {world}: every rank must get "
-        f"the same whole number of samples per step",
+        f"--batch-size {args.batch_size} is not divisible by world size {world}: "
+        "every rank must get the same whole number of samples per step",
     )
 
 
 def setup(args):
     """Join the process group. torchrun (or common.launch) put RANK, WORLD_SIZE, MASTER_ADDR and
     MASTER_PORT in the environment; LOCAL_RANK picks this process's GPU."""
-    backend, device = common.pick_backend(
-        args.backend
-    )  # NCCL and a GPU per rank, else Gloo on the CPU
+    backend, device = common.pick_backend(args.backend)  # NCCL and a GPU per rank, else Gloo
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=args.timeout)
     # torchrun keeps one store across restarts (--max-restarts): prefix it per attempt, or a
     # restarted rank may read the address of a worker that died in the last attempt and hang.
     store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-    store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"attempt_{attempt}", store)
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+        # NCCL: bind the communicator to this GPU now (not lazily at the first collective), so
+        # that device meshes can split it and the first call is not a point-to-point one.
+        device_id=device if device.type == "cuda" else None,
+    )
     return rank, world, device, backend
 
 
@@ -106,46 +113,39 @@ def cleanup():
 
 def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
     """The loop every script shares: forward, loss, backward, step, schedule, log."""
-    stop, world = args.max_steps or float("inf"), dist.get_world_size()
-    loss_sum, loss_n, last_loss, steps_run, t_train = (
-        torch.zeros((), device=device),
-        0,
-        float("nan"),
-        0,
-        0.0,
-    )
+    stop = args.max_steps or float("inf")
+    world = dist.get_world_size()
+    loss_sum = torch.zeros((), device=device)  # stays on the device until a logging step
+    losses_summed = 0
+    last_loss = float("nan")
     for epoch in range(step // len(loader), args.epochs):
         if step >= stop:
             break
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
         loader.dataset.set_epoch(epoch)  # and new augmentations (--shift), the same everywhere
         model.train()
-        t0 = time.perf_counter()
         bar = common.progress(loader, args, epoch)
         for i, (x, y) in enumerate(bar):
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            x = x.to(device, non_blocking=True)
+            y = y.to(device, non_blocking=True)
             loss = F.cross_entropy(model(x), y)
             loss.backward()
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            loss_sum, loss_n, step, steps_run = (
-                loss_sum + loss.detach(),
-                loss_n + 1,
-                step + 1,
-                steps_run + 1,
-            )
+            step += 1
+            loss_sum += loss.detach()
+            losses_summed += 1
             if step % args.log_every == 0 or step >= stop or i + 1 == len(loader):
                 dist.all_reduce(loss_sum)  # each rank's loss is its slice's: average them
-                last_loss, loss_sum, loss_n = loss_sum.item() / world / loss_n, loss_sum * 0, 0
+                last_loss = loss_sum.item() / world / losses_summed
+                loss_sum.zero_()
+                losses_summed = 0
                 common.log_loss(bar, args, epoch, step, last_loss)
             if step >= stop:
                 break
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t_train += time.perf_counter() - t0
         common.log(f"epoch {epoch}: step {step}, train loss {last_loss:.4f}")
-    return dict(steps=step, steps_run=steps_run, loss=last_loss, train_time=t_train)
+    return dict(steps=step, loss=last_loss)
 
 
 @torch.no_grad()
@@ -195,16 +195,16 @@ def run(args):
         optimizer = common.make_optimizer(model.parameters(), args)
         scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
         common.log(
-            f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data ({len(train_set)} train / "
-            f"{len(test_set)} test), batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
+            f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data "
+            f"({len(train_set)} train / {len(test_set)} test), "
+            f"batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
         )
         with common.Meter(model, optimizer, args) as meter:
             out = train(model, optimizer, scheduler, loader, sampler, args, device)
-        acc = evaluate(
-            model,
-            common.test_loader(test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"),
-            device,
+        test_loader = common.test_loader(
+            test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"
         )
+        acc = evaluate(model, test_loader, device)
         state = full_state_dict(model)  # every rank takes part; rank 0 holds the whole
         if rank == 0 and args.save:
             common.save_checkpoint(state, args.save)

@@ -21,7 +21,6 @@ this file's skeleton has no setup(), sampler ranks or all-reduces: compare it wi
 """
 
 import os
-import time
 
 import torch
 import torch.nn as nn
@@ -108,23 +107,19 @@ def check_args(args, gpus):
 def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
     """The loop every script shares: forward, loss, backward, step, schedule, log."""
     stop = args.max_steps or float("inf")
-    loss_sum, loss_n, last_loss, steps_run, t_train = (
-        torch.zeros((), device=device),
-        0,
-        float("nan"),
-        0,
-        0.0,
-    )
+    loss_sum = torch.zeros((), device=device)  # stays on the device until a logging step
+    losses_summed = 0
+    last_loss = float("nan")
     for epoch in range(step // len(loader), args.epochs):
         if step >= stop:
             break
         sampler.set_epoch(epoch)  # a new shuffle each epoch
         loader.dataset.set_epoch(epoch)  # and new augmentations (--shift), the same everywhere
         model.train()
-        t0 = time.perf_counter()
         bar = common.progress(loader, args, epoch)
         for i, (x, y) in enumerate(bar):
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            x = x.to(device, non_blocking=True)
+            y = y.to(device, non_blocking=True)
             loss = F.cross_entropy(
                 model(x), y
             )  # outputs are gathered on GPU 0: one loss, one backward
@@ -132,22 +127,18 @@ def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            loss_sum, loss_n, step, steps_run = (
-                loss_sum + loss.detach(),
-                loss_n + 1,
-                step + 1,
-                steps_run + 1,
-            )
+            step += 1
+            loss_sum += loss.detach()
+            losses_summed += 1
             if step % args.log_every == 0 or step >= stop or i + 1 == len(loader):
-                last_loss, loss_sum, loss_n = loss_sum.item() / loss_n, loss_sum * 0, 0
+                last_loss = loss_sum.item() / losses_summed
+                loss_sum.zero_()
+                losses_summed = 0
                 common.log_loss(bar, args, epoch, step, last_loss)
             if step >= stop:
                 break
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t_train += time.perf_counter() - t0
         common.log(f"epoch {epoch}: step {step}, train loss {last_loss:.4f}")
-    return dict(steps=step, steps_run=steps_run, loss=last_loss, train_time=t_train)
+    return dict(steps=step, loss=last_loss)
 
 
 @torch.no_grad()

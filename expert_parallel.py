@@ -219,17 +219,25 @@ def show_load(load, steps, meter, world):
 def setup(args):
     """Join the process group. torchrun (or common.launch) put RANK, WORLD_SIZE, MASTER_ADDR and
     MASTER_PORT in the environment; LOCAL_RANK picks this process's GPU."""
-    backend, device = common.pick_backend(
-        args.backend
-    )  # NCCL and a GPU per rank, else Gloo on the CPU
+    backend, device = common.pick_backend(args.backend)  # NCCL and a GPU per rank, else Gloo
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=args.timeout)
     # torchrun keeps one store across restarts (--max-restarts): prefix it per attempt, or a
     # restarted rank may read the address of a worker that died in the last attempt and hang.
     store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-    store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"attempt_{attempt}", store)
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+        # NCCL: bind the communicator to this GPU now (not lazily at the first collective), so
+        # that device meshes can split it and the first call is not a point-to-point one.
+        device_id=device if device.type == "cuda" else None,
+    )
     return rank, world, device, backend
 
 
@@ -240,46 +248,39 @@ def cleanup():
 
 def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
     """The loop every script shares: forward, loss, backward, step, schedule, log."""
-    stop, world = args.max_steps or float("inf"), dist.get_world_size()
-    loss_sum, loss_n, last_loss, steps_run, t_train = (
-        torch.zeros((), device=device),
-        0,
-        float("nan"),
-        0,
-        0.0,
-    )
+    stop = args.max_steps or float("inf")
+    world = dist.get_world_size()
+    loss_sum = torch.zeros((), device=device)  # stays on the device until a logging step
+    losses_summed = 0
+    last_loss = float("nan")
     for epoch in range(step // len(loader), args.epochs):
         if step >= stop:
             break
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
         loader.dataset.set_epoch(epoch)  # and new augmentations (--shift), the same everywhere
         model.train()
-        t0 = time.perf_counter()
         bar = common.progress(loader, args, epoch)
         for i, (x, y) in enumerate(bar):
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            x = x.to(device, non_blocking=True)
+            y = y.to(device, non_blocking=True)
             loss = F.cross_entropy(model(x), y)
             loss.backward()
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            loss_sum, loss_n, step, steps_run = (
-                loss_sum + loss.detach(),
-                loss_n + 1,
-                step + 1,
-                steps_run + 1,
-            )
+            step += 1
+            loss_sum += loss.detach()
+            losses_summed += 1
             if step % args.log_every == 0 or step >= stop or i + 1 == len(loader):
                 dist.all_reduce(loss_sum)  # each rank's loss is its slice's: average them
-                last_loss, loss_sum, loss_n = loss_sum.item() / world / loss_n, loss_sum * 0, 0
+                last_loss = loss_sum.item() / world / losses_summed
+                loss_sum.zero_()
+                losses_summed = 0
                 common.log_loss(bar, args, epoch, step, last_loss)
             if step >= stop:
                 break
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t_train += time.perf_counter() - t0
         common.log(f"epoch {epoch}: step {step}, train loss {last_loss:.4f}")
-    return dict(steps=step, steps_run=steps_run, loss=last_loss, train_time=t_train)
+    return dict(steps=step, loss=last_loss)
 
 
 @torch.no_grad()
@@ -345,7 +346,7 @@ def run(args):
         if rank == 0 and args.save:
             common.save_checkpoint(state, args.save)
             common.log(f"saved {args.save}")
-        extra = show_load(load, out["steps_run"], meter, world)
+        extra = show_load(load, meter.loop_steps, meter, world)
         common.report(
             SCRIPT,
             args,

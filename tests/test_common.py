@@ -385,12 +385,14 @@ def group(tmp_path):
 
 def test_meter_counts_collectives_and_memory_from_outside(group):
     """The instrument sees the c10d ops and their bytes, ignores the 0-d logged loss, closes its
-    window after `steps` optimizer steps, and reads memory off storages after the first step."""
+    window after `steps` steps of the loop (batches drawn through common.progress, also a step
+    whose optimizer step was skipped, as fp16's GradScaler does on an overflow), and reads memory
+    off storages after the first optimizer step."""
     model = common.build_model(parse("--dim", "32", "--depth", "1"))
     psi = sum(p.numel() for p in model.parameters())
     opt = common.make_optimizer(model.parameters(), parse())
     with common.Meter(model, opt, parse(), steps=2) as meter:
-        for step in range(3):
+        for step in common.progress([0, 1, 2], parse(), epoch=0):
             model(torch.randn(2, 1, 28, 28)).sum().backward()
             flat = torch.cat([p.grad.flatten() for p in model.parameters()])
             dist.all_reduce(flat)  # 4Ψ bytes
@@ -398,7 +400,8 @@ def test_meter_counts_collectives_and_memory_from_outside(group):
             dist.all_gather_into_tensor(out[:psi], flat)  # world 1: the output is Ψ
             dist.reduce_scatter_tensor(torch.empty(psi), flat)
             dist.all_reduce(torch.zeros(()))  # the logged loss: not counted
-            opt.step()
+            if step > 0:  # step 0: skipped, as GradScaler skips a step with inf gradients
+                opt.step()
             opt.zero_grad(set_to_none=True)
     comm, calls, steps = meter.comm()
     assert steps == 2 and calls == {"all_reduce": 2, "all_gather": 2, "reduce_scatter": 2}
@@ -409,6 +412,20 @@ def test_meter_counts_collectives_and_memory_from_outside(group):
     assert mem == dict(
         param_bytes=4 * psi, grad_bytes=4 * psi, optim_bytes=8 * psi, optim_peak_bytes=8 * psi
     )
+
+
+def test_meter_times_throughput_after_its_window():
+    """samples/s counts the steps after the observed window and one warm-up step, not those."""
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    args = parse("--batch-size", "8")
+    with common.Meter(model, opt, args, steps=2) as meter:
+        for _ in common.progress(list(range(7)), args, epoch=0):
+            model(torch.randn(8, 4)).sum().backward()
+            opt.step()
+    seconds, steps = meter.elapsed
+    assert steps == 7 - 2 - 1 and seconds > 0
+    assert meter.samples_per_s() == steps * 8 / seconds
 
 
 def test_meter_reads_what_the_first_forward_saved_for_backward():

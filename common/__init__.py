@@ -1071,13 +1071,18 @@ class SavedActivations:
 class Meter:
     """The instrument, attached from outside: `with Meter(model, optimizer, args): train(...)`.
 
-    It counts the collectives of the first `steps` optimizer steps (forward, backward and step:
-    a window closed by the optimizer's post-step hook, so the rest of training runs at full speed),
+    It counts the collectives of the first `steps` steps of the loop (forward, backward and step;
+    a step is a batch drawn through `progress`, whether or not the optimizer stepped, e.g. when
+    fp16's GradScaler skips one). After the window the dispatch mode is gone, but the hooks the
+    Meter left (a step counter) still run. Throughput is timed from one warm-up step after the
+    window to the end of training, so the observed steps do not slow it down.
     reads per-rank memory off the storages right after the first step (activations: what the first
     forward saved for backward; optimizer state also at its peak during that step), and with --profile records
     those steps with torch.profiler, one Chrome/Perfetto trace per rank. Deleting it from a
     script changes nothing the technique does. `parts={"attention": [modules]}` adds a row
     act_bytes_attention: what those modules' forwards saved for backward in the first forward."""
+
+    active = None  # the Meter inside whose `with` block training runs: progress() reports to it
 
     def __init__(self, model, optimizer, args, steps=3, parts=None):
         self.params, self.optimizer, self.steps, self.profile_dir = (
@@ -1094,6 +1099,12 @@ class Meter:
             False,
         )
         self.saved, self.packing, self.optim_peak = SavedActivations(), None, 0
+        self.loop_steps = 0  # batches drawn through progress() so far
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+        self.clock_start = None  # (time, loop steps done) when the throughput clock started
+        self.first_step = None
+        self.samples_per_step = args.batch_size
+        self.elapsed = (0.0, 0)  # (seconds, loop steps) timed
         self.counter.sample = self._sample_optimizer_state
         self.hook = optimizer.register_step_post_hook(lambda *_: self._after_step())
         self.parts, self.part_hooks = parts or {}, []
@@ -1116,6 +1127,7 @@ class Meter:
         self.optim_peak = max(self.optim_peak, storage_bytes(state))
 
     def __enter__(self):
+        Meter.active = self
         self.counter.__enter__()
         self.packing = torch.autograd.graph.saved_tensors_hooks(self.saved.pack, self.saved.unpack)
         self.packing.__enter__()
@@ -1130,6 +1142,28 @@ class Meter:
             self.profiler.__enter__()
         return self
 
+    def _now(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # twice a run: at the clock's start and its end
+        return time.perf_counter()
+
+    def loop_step_starts(self):
+        """Called by progress() as each batch is drawn: closes the window after `steps` steps and
+        starts the throughput clock one warm-up step later."""
+        if self.loop_steps == 0:
+            self.first_step = self._now()
+        if self.loop_steps == self.steps:
+            self._close()
+        if self.loop_steps == self.steps + 1:
+            self.clock_start = (self._now(), self.loop_steps)
+        self.loop_steps += 1
+
+    def samples_per_s(self):
+        """Global samples per second of the steps after the window (of all steps in a run too
+        short to have any after it)."""
+        seconds, steps = self.elapsed
+        return steps * self.samples_per_step / seconds if seconds > 0 else 0.0
+
     def _after_step(self):
         self.seen += 1
         if self.seen == 1:
@@ -1139,8 +1173,6 @@ class Meter:
             self.mem["act_bytes"] = self.saved.bytes(self.params)
             for name in self.parts:
                 self.mem[f"act_bytes_{name}"] = self.saved.bytes(self.params, name)
-        if self.seen == self.steps:
-            self._close()
 
     def _stop_packing(self):
         for h in self.part_hooks:
@@ -1166,15 +1198,20 @@ class Meter:
     def __exit__(self, *exc):
         self._close()
         self.hook.remove()
+        Meter.active = None
+        if self.loop_steps:
+            end = self._now()
+            start, steps_before = self.clock_start or (self.first_step, 0)
+            self.elapsed = (end - start, self.loop_steps - steps_before)
 
     def comm(self):
         """({kind: bytes per optimizer step}, {kind: calls in the window}, optimizer steps in the window)."""
-        n = max(min(self.seen, self.steps), 1)
+        n = max(min(self.loop_steps, self.steps), 1)
         return {k: v // n for k, v in self.counter.bytes.items()}, dict(self.counter.calls), n
 
     def comm_by_group(self):
         """{process group name: {kind: [calls in the window, bytes per optimizer step]}}."""
-        n = max(min(self.seen, self.steps), 1)
+        n = max(min(self.loop_steps, self.steps), 1)
         return {
             g: {k: [c, b // n] for k, (c, b) in kinds.items()}
             for g, kinds in self.counter.groups.items()
@@ -1191,20 +1228,44 @@ def fmt_bytes(n):
         n /= 1024
 
 
-def progress(loader, args, epoch):
-    """tqdm on a terminal; the loader itself in a log file (log_loss prints lines there)."""
+class Progress:
+    """What train() iterates: the loader's batches, through tqdm on a terminal (a plain line every
+    --log-every steps in a log file, from log_loss). Each batch drawn is one step of the loop,
+    which the active Meter counts. The first `skip` batches (trained on before a resume) are drawn,
+    so that the sampler's order stays the same, but not yielded."""
+
+    def __init__(self, loader, bar=None, skip=0):
+        self.loader = loader
+        self.bar = bar
+        self.skip = skip
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __iter__(self):
+        batches = self.bar if self.bar is not None else self.loader
+        for index, batch in enumerate(batches):
+            if index < self.skip:
+                continue
+            if Meter.active is not None:
+                Meter.active.loop_step_starts()
+            yield batch
+
+
+def progress(loader, args, epoch, skip=0):
     if args.no_progress or env_rank() != 0 or not sys.stderr.isatty():
-        return loader
+        return Progress(loader, skip=skip)
     from tqdm import tqdm
 
-    return tqdm(loader, leave=False, dynamic_ncols=True, desc=f"epoch {epoch}")
+    bar = tqdm(loader, leave=False, dynamic_ncols=True, desc=f"epoch {epoch}")
+    return Progress(loader, bar, skip)
 
 
 def log_loss(bar, args, epoch, steps, loss):
     """The windowed mean loss: on the bar's tail on a terminal, as a plain line every
     --log-every steps in a log file."""
-    if hasattr(bar, "set_postfix"):
-        bar.set_postfix(loss=f"{loss:.4f}")
+    if bar.bar is not None:
+        bar.bar.set_postfix(loss=f"{loss:.4f}")
     elif steps % args.log_every == 0:
         log(f"epoch {epoch} step {steps}: train loss {loss:.4f}")
 
@@ -1262,7 +1323,7 @@ def report(
         )
     if device.type == "cuda":
         log(f"  cuda max_memory_allocated: {fmt_bytes(torch.cuda.max_memory_allocated(device))}")
-    sps = out["steps_run"] * args.batch_size / max(out["train_time"], 1e-9)
+    sps = meter.samples_per_s()
     log(f"\ntest accuracy {acc:.4f}, final train loss {out['loss']:.4f}, {sps:.0f} samples/s")
     fields = dict(
         script=script,
