@@ -11,6 +11,8 @@ import pytest
 
 from helpers import ROOT
 
+pytestmark = pytest.mark.full  # minutes of reruns: the full tier (`python -m pytest -m full`)
+
 MUTANTS = {  # mutant -> the test that must fail under it (the promise in the README it guards)
     "sampler-same-shard": "tests/test_ddp.py::test_ddp_equals_one_process[sgd-W2-torchrun]",  # sampler
     "ddp-sum": "tests/test_ddp.py::test_ddp_equals_one_process[sgd-W2-torchrun]",  # exactness
@@ -48,6 +50,8 @@ def under(mutant, basetemp):
             "-q",
             "-p",
             "no:cacheprovider",
+            "-m",
+            "full or not full",  # the guarding test may itself be in the full tier
             "--basetemp",
             str(basetemp),
             MUTANTS[mutant],
