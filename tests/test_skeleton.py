@@ -15,7 +15,9 @@ SCRIPTS = [
     "amp_checkpoint.py",
     "fsdp.py",
     "zero.py",
+    "zero_offload.py",
     "tensor_parallel.py",
+    "tensor_parallel_zero_r.py",
     "pipeline.py",
     "dp.py",
     "context_parallel.py",
@@ -24,31 +26,62 @@ SCRIPTS = [
     "pipeline_schedules.py",
     "pipeline_pipedream.py",
 ]
+# Changed lines against ddp.py (`diff -u ddp.py X.py`, the README's side-by-side table), measured
+# on the formatted, readable code. A guard against drift, not a target: when readable code needs
+# more, raise the number in the same commit and say why.
 MAX_DIFF = {
-    "ddp_torchrun.py": 95,
-    "amp_checkpoint.py": 100,
-    "fsdp.py": 130,
-    "zero.py": 210,
-    "tensor_parallel.py": 220,
-    "pipeline.py": 210,
-    "dp.py": 210,
-    "context_parallel.py": 208,
-    "nd_parallel.py": 232,
-    "expert_parallel.py": 202,
-    "pipeline_schedules.py": 225,
-    "pipeline_pipedream.py": 202,
-}  # changed lines against ddp.py
-# the scripts that are pipeline.py's text but one thing: changed lines against pipeline.py, functions kept verbatim
-VS_PIPELINE = {
+    "ddp_torchrun.py": 0,
+    "amp_checkpoint.py": 0,
+    "fsdp.py": 0,
+    "zero.py": 0,
+    "zero_offload.py": 0,
+    "tensor_parallel.py": 0,
+    "tensor_parallel_zero_r.py": 0,
+    "pipeline.py": 0,
+    "dp.py": 0,
+    "context_parallel.py": 0,
+    "nd_parallel.py": 0,
+    "expert_parallel.py": 0,
+    "pipeline_schedules.py": 0,
+    "pipeline_pipedream.py": 0,
+}
+# A variant is its parent's text but one thing: (parent, changed lines against the parent, the
+# functions it keeps verbatim).
+VARIANTS = {
     "pipeline_schedules.py": (
-        238,
+        "pipeline.py",
+        0,
         ("def p2p(", "def full_state_dict(", "def train(", "def evaluate(", "def setup("),
     ),
     "pipeline_pipedream.py": (
-        153,
+        "pipeline.py",
+        0,
         ("def p2p(", "def infer(", "def full_state_dict(", "def evaluate(", "def setup("),
     ),
+    "zero_offload.py": (
+        "zero.py",
+        0,
+        ("def full_state_dict(", "def train(", "def evaluate(", "def setup("),
+    ),
+    "tensor_parallel_zero_r.py": (
+        "tensor_parallel.py",
+        0,
+        ("def full_state_dict(", "def train(", "def evaluate(", "def setup("),
+    ),
 }
+
+
+def changed_lines(before, after):
+    """The +/- lines of `diff -u before after`, without the two file headers."""
+    diff = difflib.unified_diff(before.splitlines(), after.splitlines(), n=0, lineterm="")
+    return sum(1 for line in diff if line[:1] in "+-" and not line.startswith(("+++", "---")))
+
+
+def function_text(name, text):
+    """The text of the top-level definition starting with `name`, up to the next top-level line."""
+    match = re.search(rf"^{re.escape(name)}.*?(?=^\S)", text, re.M | re.S)
+    assert match, f"no {name!r}"
+    return match.group(0)
 
 
 def technique(text):
@@ -80,68 +113,54 @@ def test_technique_section_is_torch_only_and_unmeasured(script):
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_diff_against_ddp_is_the_technique(script):
-    """`diff ddp.py X.py` stays within what the technique needs (the README's table), and the loop,
-    setup and cleanup outside the technique are ddp.py's lines."""
-    ddp, other = (
-        (ROOT / "ddp.py").read_text().splitlines(),
-        (ROOT / script).read_text().splitlines(),
-    )
-    changed = sum(
-        1
-        for line in difflib.unified_diff(ddp, other, n=0, lineterm="")
-        if line[:1] in "+-" and not line.startswith(("+++", "---"))
-    )
+    """`diff ddp.py X.py` stays within what the technique needs (the README's table), and the
+    loop, setup and cleanup outside the technique are ddp.py's lines."""
+    ddp = (ROOT / "ddp.py").read_text()
+    other = (ROOT / script).read_text()
+    changed = changed_lines(ddp, other)
     assert changed <= MAX_DIFF[script], f"{script}: {changed} changed lines against ddp.py"
+    lines = other.splitlines()
+    first_shared = "def cleanup():" if script != "dp.py" else "def evaluate("
     for shared in (
-        "def cleanup():" if script != "dp.py" else "def evaluate(",
+        first_shared,
         "        sampler.set_epoch(epoch)",
         "            scheduler.step()",
     ):
-        assert any(line.startswith(shared) for line in other), (
-            f"{script} lacks the skeleton's line {shared.strip()!r}"
-        )
+        present = any(line.startswith(shared) for line in lines)
+        assert present, f"{script} lacks the skeleton's line {shared.strip()!r}"
 
 
-@pytest.mark.parametrize("script", VS_PIPELINE)
-def test_pipeline_variant_is_pipeline_py_but_its_technique(script):
-    """`diff -u pipeline.py X.py` (the README's) stays within its budget, and what the variant does not
-    touch (the point-to-point group, the state_dict gathering, evaluation, setup) is pipeline.py's."""
-    pipe, sched = (ROOT / "pipeline.py").read_text(), (ROOT / script).read_text()
-    changed = sum(
-        1
-        for line in difflib.unified_diff(pipe.splitlines(), sched.splitlines(), n=0, lineterm="")
-        if line[:1] in "+-" and not line.startswith(("+++", "---"))
-    )
-    assert changed <= VS_PIPELINE[script][0], (
-        f"{script}: {changed} changed lines against pipeline.py"
-    )
-    for name in VS_PIPELINE[script][1]:
-        body = lambda text: re.search(rf"^{re.escape(name)}.*?(?=^\S)", text, re.M | re.S).group(0)
-        assert body(pipe) == body(sched), name
+@pytest.mark.parametrize("script", VARIANTS)
+def test_variant_is_its_parent_but_one_thing(script):
+    """`diff -u PARENT X.py` (the README's) stays within its budget, and what the variant does not
+    touch is the parent's text, function for function."""
+    parent, budget, verbatim = VARIANTS[script]
+    parent_text = (ROOT / parent).read_text()
+    text = (ROOT / script).read_text()
+    changed = changed_lines(parent_text, text)
+    assert changed <= budget, f"{script}: {changed} changed lines against {parent}"
+    for name in verbatim:
+        assert function_text(name, parent_text) == function_text(name, text), name
 
 
 def test_profile_writes_a_trace_per_rank_with_compute_and_collectives(tmp_path):
     ok(torchrun("ddp.py", 2, *SMALL, "--profile", tmp_path))
     for rank in (0, 1):
-        names = {
-            e.get("name", "")
-            for e in json.loads((tmp_path / f"rank{rank}.json").read_text())["traceEvents"]
-        }
-        assert any(n in names for n in ("aten::addmm", "aten::mm", "aten::linear")), sorted(names)[
-            :50
-        ]
-        assert any("allreduce" in n.lower() or "all_reduce" in n.lower() for n in names), sorted(
-            names
-        )[:50]
+        trace = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        names = sorted({event.get("name", "") for event in trace["traceEvents"]})
+        compute = ("aten::addmm", "aten::mm", "aten::linear")
+        assert any(name in compute for name in names), names[:50]
+        assert any("allreduce" in name.lower() or "all_reduce" in name.lower() for name in names), (
+            names[:50]
+        )
 
 
 def test_progress_in_a_log_file_is_plain_lines():
-    """Not a terminal (CI, SLURM, `> log`): no carriage-return redraws, a loss line every --log-every steps."""
-    r = torchrun("ddp.py", 2, *[a for a in SMALL if a != "--no-progress"], "--log-every", "2")
+    """Not a terminal (CI, SLURM, `> log`): no carriage-return redraws, a loss line every
+    --log-every steps."""
+    flags = [flag for flag in SMALL if flag != "--no-progress"]
+    r = torchrun("ddp.py", 2, *flags, "--log-every", "2")
     ok(r)
     assert "\r" not in r.stdout + r.stderr
-    assert [int(s) for s in re.findall(r"^epoch 0 step (\d+): train loss", r.stdout, re.M)] == [
-        2,
-        4,
-        6,
-    ]
+    logged = re.findall(r"^epoch 0 step (\d+): train loss", r.stdout, re.M)
+    assert [int(step) for step in logged] == [2, 4, 6]

@@ -1,0 +1,302 @@
+"""The data: MNIST (or a built-in synthetic digit set) as Datasets, and the exact evaluation loader."""
+
+import contextlib
+import io
+import math
+import os
+import socket
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from common.messages import env_rank, fail, log
+from common.model import IMAGE
+
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
+SYNTHETIC_TRAIN, SYNTHETIC_TEST, SYNTHETIC_SEED = 60_000, 10_000, 20240607
+TEST_BATCH = 512
+
+
+def _digit_strokes():
+    """Each digit as strokes (polylines) in the unit square, x right, y down."""
+
+    def arc(cx, cy, rx, ry, a0, a1, n=9):
+        return [
+            (
+                cx + rx * math.cos(math.radians(a0 + (a1 - a0) * i / (n - 1))),
+                cy + ry * math.sin(math.radians(a0 + (a1 - a0) * i / (n - 1))),
+            )
+            for i in range(n)
+        ]
+
+    return [
+        [arc(0.5, 0.5, 0.26, 0.37, 0, 360, 13)],  # 0
+        [[(0.36, 0.28), (0.52, 0.12), (0.52, 0.88)]],  # 1
+        [arc(0.5, 0.34, 0.25, 0.21, 195, 390, 8) + [(0.22, 0.88), (0.8, 0.88)]],  # 2
+        [arc(0.5, 0.31, 0.23, 0.18, 200, 450, 8), arc(0.5, 0.68, 0.27, 0.2, 270, 520, 9)],  # 3
+        [[(0.62, 0.88), (0.62, 0.12), (0.2, 0.62), (0.82, 0.62)]],  # 4
+        [[(0.74, 0.14), (0.36, 0.14), (0.32, 0.46)] + arc(0.5, 0.65, 0.25, 0.22, 220, 510, 9)],  # 5
+        [[(0.7, 0.12), (0.45, 0.3), (0.3, 0.58)] + arc(0.5, 0.68, 0.21, 0.2, 180, 540, 11)],  # 6
+        [[(0.22, 0.14), (0.78, 0.14), (0.42, 0.88)]],  # 7
+        [arc(0.5, 0.3, 0.2, 0.18, 0, 360, 11), arc(0.5, 0.68, 0.25, 0.21, 0, 360, 11)],  # 8
+        [arc(0.5, 0.34, 0.22, 0.2, 0, 360, 11), [(0.72, 0.36), (0.62, 0.88)]],  # 9
+    ]
+
+
+def _digit_templates(samples=64):
+    """Per digit: control points [10, K, 2] and a matrix [10, samples, K] whose rows place
+    `samples` points evenly along the strokes (as mixes of two control points), plus the
+    spacing between those points."""
+    digits = _digit_strokes()
+    K = max(sum(len(s) for s in d) for d in digits)
+    pts, mix, step = torch.zeros(10, K, 2), torch.zeros(10, samples, K), torch.zeros(10)
+    for d, strokes in enumerate(digits):
+        segs, k = [], 0
+        for stroke in strokes:
+            for i, p in enumerate(stroke):
+                pts[d, k + i] = torch.tensor(p)
+            segs += [(k + i, k + i + 1) for i in range(len(stroke) - 1)]
+            k += len(stroke)
+        lengths = torch.stack([(pts[d, j] - pts[d, i]).norm() for i, j in segs])
+        ends = lengths.cumsum(0)
+        step[d] = ends[-1] / samples
+        for s, at in enumerate((torch.arange(samples) + 0.5) * step[d]):
+            n = int(torch.searchsorted(ends, at))
+            t = float(1 - (ends[n] - at) / lengths[n])
+            mix[d, s, segs[n][0]], mix[d, s, segs[n][1]] = 1 - t, t
+    return pts, mix, step
+
+
+def synthetic_digits(n, seed, chunk=1000):
+    """n MNIST-shaped digits (uint8 [n, 28, 28], labels [n]), deterministic for (seed, n).
+
+    Each digit is drawn from strokes with per-point jitter, a random affine map
+    (rotation, scale, shear, shift), random stroke width and brightness, pixel noise
+    and, in half the images, a faint distractor stroke: learnable, but a small ViT needs
+    real training. A stroke is a row of Gaussian dots, and a sum of Gaussian dots is a
+    matrix product (exp(-dx^2) times exp(-dy^2)), so 60,000 digits take a few seconds.
+    Made in chunks with their own seeds, so the first n samples do not depend on n.
+    """
+    pts0, mix0, step0 = _digit_templates()
+    grid = (torch.arange(IMAGE, dtype=torch.float32) + 0.5) / IMAGE  # pixel centres
+    images, labels = [], []
+    for start in range(0, n, chunk):
+        g = torch.Generator().manual_seed(seed * 1_000_003 + start)
+        m = chunk  # always a whole chunk, cut at the end: the same draws for every n
+        u = lambda lo, hi, *shape: lo + (hi - lo) * torch.rand(m, *shape, generator=g)  # noqa: E731
+        y = torch.randint(0, 10, (m,), generator=g)
+        ctrl = (
+            pts0[y] + 0.052 * torch.randn(m, pts0.shape[1], 2, generator=g) - 0.5
+        )  # jittered, centred
+        ang, sx, sy, sh = u(-0.4, 0.4), u(0.68, 1.12), u(0.72, 1.1), u(-0.4, 0.4)
+        cos, sin = ang.cos(), ang.sin()
+        A = torch.stack(
+            [
+                torch.stack([sx * cos, sy * (sh * cos - sin)], -1),
+                torch.stack([sx * sin, sy * (sh * sin + cos)], -1),
+            ],
+            -2,
+        )  # rotate @ shear @ scale
+        dots = (mix0[y] @ ctrl) @ A.transpose(1, 2) + 0.5 + u(-0.07, 0.07, 1, 2)  # [m, 64, 2]
+        sigma = u(0.022, 0.045).view(m, 1)
+        weight = (step0[y].view(m, 1) * sx.view(m, 1) / (sigma * 2.5066)).expand(m, dots.shape[1])
+        # distractor: 12 dots on a short random segment, at 0.7 strength, in 65% of the images
+        a, b = u(0.1, 0.9, 1, 2), u(-0.15, 0.15, 1, 2)
+        extra = a + b * torch.linspace(0, 1, 12).view(1, 12, 1)
+        on = (torch.rand(m, 1, generator=g) < 0.65).float()
+        dots = torch.cat([dots, extra], 1)
+        weight = torch.cat(
+            [weight, (0.7 * on * b.norm(dim=-1) / 12 / (sigma * 2.5066)).expand(m, 12)], 1
+        )
+        gx = torch.exp(
+            -(((grid.view(1, 1, -1) - dots[..., :1]) / sigma.view(m, 1, 1)) ** 2) / 2
+        )  # [m, dots, 28]
+        gy = torch.exp(-(((grid.view(1, 1, -1) - dots[..., 1:]) / sigma.view(m, 1, 1)) ** 2) / 2)
+        ink = (gy * weight.unsqueeze(-1)).transpose(1, 2) @ gx  # [m, 28 (y), 28 (x)]
+        img = (1.6 * ink).clamp(0, 1) * u(0.75, 1.0).view(m, 1, 1) + 0.08 * torch.randn(
+            m, IMAGE, IMAGE, generator=g
+        )
+        images.append((img.clamp(0, 1) * 255).round().to(torch.uint8))
+        labels.append(y)
+    return torch.cat(images)[:n], torch.cat(labels)[:n]
+
+
+def _mnist(root, train, download):
+    from torchvision.datasets import MNIST
+
+    ds = MNIST(root, train=train, download=download)
+    return ds.data, ds.targets
+
+
+def _find_mnist(data_dir):
+    """'mnist' if MNIST is in data_dir (or could be downloaded there), else the reason it is not."""
+    try:
+        _mnist(data_dir, True, False), _mnist(data_dir, False, False)
+        return "mnist"
+    except Exception:
+        pass
+    old = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(20)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            _mnist(data_dir, True, True), _mnist(data_dir, False, True)
+        return "mnist"
+    except Exception as e:
+        return (
+            f"MNIST is not in {os.path.join(data_dir, 'MNIST', 'raw')} and could not "
+            f"be downloaded ({str(e).strip().splitlines()[-1][:120] if str(e).strip() else type(e).__name__})"
+        )
+    finally:
+        socket.setdefaulttimeout(old)
+
+
+def _agree_on_mnist(args, device):
+    """True if every node has MNIST in its own --data-dir. Local rank 0 of each node looks (and
+    downloads) in a thread; meanwhile all ranks all-reduce a "done" flag once a second, so no
+    collective waits on the download and a slow one cannot trip --timeout. A node that has no
+    MNIST says why, once."""
+    local_zero = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    found = {}
+    if local_zero:
+        threading.Thread(
+            target=lambda: found.update(source=_find_mnist(args.data_dir)), daemon=True
+        ).start()
+    while True:
+        flags = torch.tensor([0 if local_zero and not found else 1], device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        if flags.item():
+            break
+        time.sleep(0.2 if local_zero and not found else 1.0)
+    have = torch.tensor([0 if local_zero and found["source"] != "mnist" else 1], device=device)
+    dist.all_reduce(have, op=dist.ReduceOp.MIN)
+    if local_zero and found["source"] != "mnist" and env_rank() != 0:  # rank 0 says its own reason
+        print(
+            f"{'error' if args.data == 'mnist' else 'warning'} (rank {env_rank()} on {socket.gethostname()}): "
+            f"{found['source']}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return bool(have.item()), found.get("source", "")
+
+
+def load_data(args, device=torch.device("cpu")):
+    """(train_set, test_set, name): MNIST when every node has it (or can download it), else the
+    built-in synthetic digits, the same choice on every rank. Each set holds normalised float
+    images [N, 1, 28, 28] and labels; call with the process group up (or in a single process)."""
+    source = "synthetic"
+    if args.data != "synthetic":
+        if dist.is_available() and dist.is_initialized():
+            have, why = _agree_on_mnist(args, device)
+        else:
+            why = _find_mnist(args.data_dir)
+            have = why == "mnist"
+        if have:
+            source = "mnist"
+        elif args.data == "mnist":
+            fail(
+                "--data mnist: "
+                + (
+                    why
+                    if why and why != "mnist"
+                    else "MNIST is missing on another node (see its message)"
+                )
+                + ". Use --data synthetic, or put the four IDX files there."
+            )
+        else:
+            log(
+                f"warning: {why if why and why != 'mnist' else 'MNIST is missing on another node'}; "
+                f"using the built-in synthetic digit set instead (--data synthetic)"
+            )
+    limit = args.limit or None
+    if source == "mnist":
+        (xtr, ytr), (xte, yte) = (
+            _mnist(args.data_dir, True, False),
+            _mnist(args.data_dir, False, False),
+        )
+        xtr, ytr, xte, yte = xtr[:limit], ytr[:limit], xte[:limit], yte[:limit]
+    else:
+        xtr, ytr = synthetic_digits(min(limit or SYNTHETIC_TRAIN, SYNTHETIC_TRAIN), SYNTHETIC_SEED)
+        xte, yte = synthetic_digits(
+            min(limit or SYNTHETIC_TEST, SYNTHETIC_TEST), SYNTHETIC_SEED + 1
+        )
+    norm = lambda x: ((x.float() / 255 - MNIST_MEAN) / MNIST_STD).unsqueeze(1)  # noqa: E731
+    return (
+        Digits(norm(xtr), ytr.long(), args.shift, args.seed),
+        Digits(norm(xte), yte.long()),
+        source,
+    )
+
+
+class Digits(Dataset):
+    """Images and labels held as two tensors; indexed one sample at a time like any Dataset.
+
+    With shift=s (the training set, --shift), sample i in epoch e is moved by a whole number of
+    pixels in [-s, s] along each axis, drawn from (seed, e, i) alone: every world size and every
+    technique sees the same augmented batches. set_epoch(e) picks the epoch, as the sampler's does."""
+
+    def __init__(self, x, y, shift=0, seed=0):
+        self.x, self.y, self.shift, self.seed, self.epoch = x, y, shift, seed, 0
+        self.background = x.amin() if len(x) else 0.0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        x, s = self.x[i], self.shift
+        if s:
+            h = (
+                hash((self.seed, self.epoch, int(i))) & 0xFFFFFFFF
+            )  # ints hash to themselves: deterministic
+            h = (h * 2654435761) & 0xFFFFFFFF
+            dy, dx = h % (2 * s + 1) - s, (h // (2 * s + 1)) % (2 * s + 1) - s
+            x = F.pad(x, (s, s, s, s), value=float(self.background))[
+                :, s - dy : s - dy + IMAGE, s - dx : s - dx + IMAGE
+            ]
+        return x, self.y[i]
+
+
+class PaddedShards(Sampler):
+    """Evaluation sampler: rank r of W takes samples r, r+W, r+2W, ... and pads its list (with
+    index -1, masked out) to ceil(N/W) entries, so every rank runs the same number of batches of
+    the same size, and therefore the same collectives, while every sample is counted exactly once.
+    (DistributedSampler pads with repeats, which would count them twice.)"""
+
+    def __init__(self, n, rank=0, world=1):
+        self.n, self.indices = n, list(range(rank, n, world))
+        self.indices += [-1] * (-(-n // world) - len(self.indices))
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def __len__(self):
+        return len(self.indices)
+
+
+class _Masked(Dataset):
+    def __init__(self, ds):
+        self.ds = ds
+
+    def __len__(self):
+        return len(self.ds)
+
+    def __getitem__(self, i):
+        x, y = self.ds[max(i, 0)]
+        return x, y, i >= 0
+
+
+def test_loader(test_set, rank=0, world=1, batch=TEST_BATCH, pin_memory=False):
+    """Batches of (images, labels, keep): see PaddedShards. world=1 gives every rank the whole set."""
+    return DataLoader(
+        _Masked(test_set),
+        batch_size=batch,
+        sampler=PaddedShards(len(test_set), rank, world),
+        pin_memory=pin_memory,
+    )

@@ -1,0 +1,260 @@
+"""The shared flags, one-line messages from rank 0, the launcher and the backend/device choice."""
+
+import argparse
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+
+from common.messages import check, env_rank, log
+from common.model import IMAGE, ViT
+from common.training import load_state_dict_file
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that prints usage errors once, from rank 0, instead of once per process."""
+
+    def error(self, message):
+        if env_rank() == 0:
+            self.print_usage(sys.stderr)
+            print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+    def print_help(self, file=None):
+        if env_rank() == 0:
+            super().print_help(file)
+
+
+def get_parser(description):
+    p = Parser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("shared flags (common.py)")
+    g.add_argument("--epochs", type=int, default=6)
+    g.add_argument(
+        "--batch-size",
+        type=int,
+        default=128,
+        help="GLOBAL batch: each of W data-parallel ranks gets batch/W",
+    )
+    g.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="peak learning rate (default: 2e-3 for adamw, 0.05 for sgd)",
+    )
+    g.add_argument(
+        "--warmup",
+        type=float,
+        default=0.05,
+        help="fraction of the steps spent warming the lr up linearly",
+    )
+    g.add_argument(
+        "--lr-schedule",
+        choices=["cosine", "constant"],
+        default="cosine",
+        help="after warm-up: cosine decay to 0 over the run, or constant",
+    )
+    g.add_argument("--optim", choices=["adamw", "sgd"], default="adamw")
+    g.add_argument(
+        "--shift",
+        type=int,
+        default=1,
+        help="augmentation: move each training image by up to N pixels",
+    )
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--data", choices=["auto", "mnist", "synthetic"], default="auto")
+    g.add_argument("--data-dir", default="data")
+    g.add_argument(
+        "--limit",
+        type=int,
+        default=0,
+        help="use only the first N train and N test samples (0: all)",
+    )
+    g.add_argument(
+        "--max-steps", type=int, default=0, help="stop after N optimizer steps (0: no limit)"
+    )
+    g.add_argument("--dim", type=int, default=64)
+    g.add_argument("--depth", type=int, default=4)
+    g.add_argument("--heads", type=int, default=4)
+    g.add_argument(
+        "--patch", type=int, default=7, help="patch side, a divisor of 28: (28/patch)^2 tokens"
+    )
+    g.add_argument(
+        "--experts",
+        type=int,
+        default=0,
+        help="E > 0: each block's MLP becomes a mixture of E expert MLPs",
+    )
+    g.add_argument("--top-k", type=int, default=1, help="with --experts: experts per token (K)")
+    g.add_argument(
+        "--aux-loss",
+        type=float,
+        default=0.01,
+        help="with --experts: load-balancing loss coefficient",
+    )
+    g.add_argument(
+        "--save", default=None, help="write the plain, unsharded state_dict here at the end"
+    )
+    g.add_argument(
+        "--load", default=None, help="start from a state_dict written by any script's --save"
+    )
+    g.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto")
+    g.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds a collective may wait before the run fails",
+    )
+    g.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="without torchrun: processes to spawn on this machine",
+    )
+    g.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (a log line every --log-every steps)",
+    )
+    g.add_argument(
+        "--log-every", type=int, default=50, help="steps between loss lines when not on a terminal"
+    )
+    g.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="write a torch.profiler trace of a few training steps per rank to DIR/rank<r>.json",
+    )
+    return p
+
+
+def parse_args(parser, argv=None):
+    """Parse and check the shared flags; each script checks its own afterwards."""
+    args = parser.parse_args(argv)
+    for name in ("epochs", "batch_size", "dim", "depth", "heads", "patch", "log_every"):
+        check(
+            getattr(args, name) > 0,
+            f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}",
+        )
+    for name in ("limit", "max_steps", "shift"):
+        check(
+            getattr(args, name) >= 0,
+            f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}",
+        )
+    check(args.timeout > 0, f"--timeout must be positive, got {args.timeout}")
+    check(0 <= args.warmup < 1, f"--warmup is a fraction of the steps in [0, 1), got {args.warmup}")
+    check(args.dim % args.heads == 0, f"--dim {args.dim} is not divisible by --heads {args.heads}")
+    check(IMAGE % args.patch == 0, f"--patch {args.patch} does not divide the 28-pixel image side")
+    check(args.nproc is None or args.nproc >= 1, f"--nproc must be >= 1, got {args.nproc}")
+    check(args.experts >= 0, f"--experts must be >= 0 (0: the dense MLP), got {args.experts}")
+    check(
+        not args.experts or 1 <= args.top_k <= args.experts,
+        f"--top-k {args.top_k} must be between 1 and --experts {args.experts}: each token picks K distinct experts",
+    )
+    check(args.aux_loss >= 0, f"--aux-loss must be >= 0, got {args.aux_loss}")
+    check(
+        not args.experts or getattr(args, "amp", None) != "fp16",
+        "--experts with --amp fp16: the load-balancing "
+        "gradient is added inside backward, where the GradScaler's loss scale does not reach it (use bf16)",
+    )
+    if args.lr is None:
+        args.lr = 2e-3 if args.optim == "adamw" else 0.05
+    if args.load is not None:  # a bad file fails now, before any process group or data
+        check(os.path.isfile(args.load), f"--load {args.load}: no such file")
+        load_state_dict_file(
+            args.load,
+            ViT(
+                args.dim, args.depth, args.heads, args.patch, args.experts, args.top_k
+            ).state_dict(),
+        )
+    return args
+
+
+def world_size(args):
+    """The world size this launch will have, known before any process group exists."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return args.nproc or 1
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawned(local_rank, nproc, run, args):
+    os.environ.update(
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
+    )
+    run(args)
+
+
+def launch(run, args):
+    """Start `run(args)` on every rank. Under torchrun (or SLURM's srun with torchrun's variables)
+    this process is one rank. Otherwise `python X.py --nproc N` spawns N processes on this machine
+    on a free port, and plain `python X.py` is a world of one."""
+    import gc
+
+    import torch.multiprocessing as mp
+
+    if "LOCAL_RANK" not in os.environ:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    if "LOCAL_RANK" in os.environ or (args.nproc or 1) == 1:
+        for k, v in (
+            ("RANK", "0"),
+            ("LOCAL_RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("LOCAL_WORLD_SIZE", "1"),
+        ):
+            os.environ.setdefault(k, v)
+        run(args)
+    else:
+        try:
+            mp.spawn(_spawned, args=(args.nproc, run, args), nprocs=args.nproc)
+        except mp.ProcessRaisedException as e:  # the failing rank's traceback once, not a wall
+            print(f"error: rank {e.error_index} failed:\n{e}", file=sys.stderr)
+            sys.exit(1)
+        except mp.ProcessExitedException as e:
+            if e.exit_code != 2:  # 2: bad input, which rank 0 has already explained
+                print(
+                    f"error: rank {e.error_index} exited with code {e.exit_code}", file=sys.stderr
+                )
+            sys.exit(e.exit_code if e.exit_code and e.exit_code > 0 else 1)
+    # Wrappers and hooks form reference cycles that hold tensors Gloo's work touched; free them
+    # now, not during interpreter shutdown, where Gloo's threads can abort the exit.
+    gc.collect()
+
+
+def pick_backend(requested):
+    """'auto' -> NCCL on cuda:(LOCAL_RANK % visible GPUs) when GPUs are visible (a launcher may
+    show each process only its own GPU), else Gloo on the CPU. Called before the process group
+    exists, so a bad --backend fails before any rendezvous. Returns (backend, device)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if requested == "nccl":
+        check(
+            gpus > 0 and dist.is_nccl_available(),
+            "--backend nccl needs a CUDA GPU and a torch built with NCCL"
+            + (f" ({gpus} GPUs visible)" if gpus == 0 else ", and this torch has no NCCL"),
+        )
+    backend = (
+        requested
+        if requested != "auto"
+        else ("nccl" if gpus > 0 and dist.is_nccl_available() else "gloo")
+    )
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank % gpus)
+        why = f"{gpus} GPUs visible to {local_world} local ranks"
+    else:
+        device = torch.device("cpu")
+        why = "no GPUs visible" if gpus == 0 else "asked for"
+        if "OMP_NUM_THREADS" not in os.environ:  # torchrun sets it; mp.spawn and python do not
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    log(f"backend: {backend} on {device.type} ({why})")
+    return backend, device
