@@ -129,107 +129,122 @@ def synthetic_digits(n, seed, chunk=1000):
 def _mnist(root, train, download):
     from torchvision.datasets import MNIST
 
-    ds = MNIST(root, train=train, download=download)
-    return ds.data, ds.targets
+    dataset = MNIST(root, train=train, download=download)
+    return dataset.data, dataset.targets
 
 
-def _find_mnist(data_dir):
-    """'mnist' if MNIST is in data_dir (or could be downloaded there), else the reason it is not."""
+def _find_mnist(data_dir, download):
+    """'mnist' if MNIST is in data_dir (or, with download, could be downloaded there), else the
+    reason it is not."""
     try:
-        _mnist(data_dir, True, False), _mnist(data_dir, False, False)
+        _mnist(data_dir, True, False)
+        _mnist(data_dir, False, False)
         return "mnist"
-    except Exception:
-        pass
-    old = socket.getdefaulttimeout()
+    except Exception as error:
+        reason = f"MNIST is not in {os.path.join(data_dir, 'MNIST', 'raw')}"
+        if not download:
+            return f"{reason} ({type(error).__name__})"
+    old_timeout = socket.getdefaulttimeout()
     socket.setdefaulttimeout(20)
     try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            _mnist(data_dir, True, True), _mnist(data_dir, False, True)
+        quiet = io.StringIO()
+        with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+            _mnist(data_dir, True, True)
+            _mnist(data_dir, False, True)
         return "mnist"
-    except Exception as e:
-        return (
-            f"MNIST is not in {os.path.join(data_dir, 'MNIST', 'raw')} and could not "
-            f"be downloaded ({str(e).strip().splitlines()[-1][:120] if str(e).strip() else type(e).__name__})"
-        )
+    except Exception as error:
+        lines = str(error).strip().splitlines()
+        detail = lines[-1][:120] if lines else type(error).__name__
+        return f"{reason} and could not be downloaded ({detail})"
     finally:
-        socket.setdefaulttimeout(old)
+        socket.setdefaulttimeout(old_timeout)
+
+
+def _look_in_background(look, looks, device):
+    """Run look() in a thread on the ranks where `looks` holds, while every rank all-reduces a
+    "done" flag about once a second: no collective waits on a download, so a slow one cannot trip
+    --timeout. Returns look()'s answer on the ranks that looked, None on the others."""
+    answer = {}
+    if looks:
+        thread = threading.Thread(target=lambda: answer.update(found=look()), daemon=True)
+        thread.start()
+    while True:
+        done = torch.tensor([0 if looks and not answer else 1], device=device)
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        if done.item():
+            return answer.get("found")
+        time.sleep(0.2 if looks and not answer else 1.0)
 
 
 def _agree_on_mnist(args, device):
-    """True if every node has MNIST in its own --data-dir. Local rank 0 of each node looks (and
-    downloads) in a thread; meanwhile all ranks all-reduce a "done" flag once a second, so no
-    collective waits on the download and a slow one cannot trip --timeout. A node that has no
-    MNIST says why, once."""
+    """(True if every node has MNIST in its own --data-dir, rank 0's reason if not).
+
+    Rank 0 alone may download. Only when it is done does each other node's local rank 0 look in
+    its own --data-dir, without downloading: on a shared file system it finds rank 0's finished
+    files (never half-written ones), on a node-local disk it may find none and says why, once."""
+    rank = env_rank()
     local_zero = int(os.environ.get("LOCAL_RANK", "0")) == 0
-    found = {}
-    if local_zero:
-        threading.Thread(
-            target=lambda: found.update(source=_find_mnist(args.data_dir)), daemon=True
-        ).start()
-    while True:
-        flags = torch.tensor([0 if local_zero and not found else 1], device=device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-        if flags.item():
-            break
-        time.sleep(0.2 if local_zero and not found else 1.0)
-    have = torch.tensor([0 if local_zero and found["source"] != "mnist" else 1], device=device)
+
+    def download():
+        return _find_mnist(args.data_dir, download=True)
+
+    def look():
+        return _find_mnist(args.data_dir, download=False)
+
+    found_by_rank_zero = _look_in_background(download, rank == 0, device)
+    found_here = _look_in_background(look, local_zero and rank != 0, device)
+    missing_here = (found_by_rank_zero or found_here or "mnist") != "mnist"
+    have = torch.tensor([0 if missing_here else 1], device=device)
     dist.all_reduce(have, op=dist.ReduceOp.MIN)
-    if local_zero and found["source"] != "mnist" and env_rank() != 0:  # rank 0 says its own reason
-        print(
-            f"{'error' if args.data == 'mnist' else 'warning'} (rank {env_rank()} on {socket.gethostname()}): "
-            f"{found['source']}",
-            file=sys.stderr,
-            flush=True,
-        )
-    return bool(have.item()), found.get("source", "")
+    if missing_here and rank != 0:  # rank 0 gives its own reason with the decision
+        kind = "error" if args.data == "mnist" else "warning"
+        print(f"{kind} (rank {rank} on {socket.gethostname()}): {found_here}", file=sys.stderr)
+    return bool(have.item()), found_by_rank_zero or ""
 
 
-def load_data(args, device=torch.device("cpu")):
+def _normalise(images):
+    """uint8 [N, 28, 28] -> float [N, 1, 28, 28] with MNIST's mean and standard deviation."""
+    return ((images.float() / 255 - MNIST_MEAN) / MNIST_STD).unsqueeze(1)
+
+
+def _choose_source(args, device):
+    """'mnist' or 'synthetic', the same on every rank, or one clear error for --data mnist."""
+    if args.data == "synthetic":
+        return "synthetic"
+    if dist.is_available() and dist.is_initialized():
+        have, why = _agree_on_mnist(args, device)
+    else:
+        why = _find_mnist(args.data_dir, download=True)
+        have = why == "mnist"
+    if have:
+        return "mnist"
+    if not why or why == "mnist":
+        why = "MNIST is missing on another node (see its message)"
+    if args.data == "mnist":
+        fail(f"--data mnist: {why}. Use --data synthetic, or put the four IDX files there.")
+    log(f"warning: {why}; using the built-in synthetic digit set instead (--data synthetic)")
+    return "synthetic"
+
+
+def load_data(args, device=None):
     """(train_set, test_set, name): MNIST when every node has it (or can download it), else the
     built-in synthetic digits, the same choice on every rank. Each set holds normalised float
     images [N, 1, 28, 28] and labels; call with the process group up (or in a single process)."""
-    source = "synthetic"
-    if args.data != "synthetic":
-        if dist.is_available() and dist.is_initialized():
-            have, why = _agree_on_mnist(args, device)
-        else:
-            why = _find_mnist(args.data_dir)
-            have = why == "mnist"
-        if have:
-            source = "mnist"
-        elif args.data == "mnist":
-            fail(
-                "--data mnist: "
-                + (
-                    why
-                    if why and why != "mnist"
-                    else "MNIST is missing on another node (see its message)"
-                )
-                + ". Use --data synthetic, or put the four IDX files there."
-            )
-        else:
-            log(
-                f"warning: {why if why and why != 'mnist' else 'MNIST is missing on another node'}; "
-                f"using the built-in synthetic digit set instead (--data synthetic)"
-            )
+    source = _choose_source(args, device if device is not None else torch.device("cpu"))
     limit = args.limit or None
     if source == "mnist":
-        (xtr, ytr), (xte, yte) = (
-            _mnist(args.data_dir, True, False),
-            _mnist(args.data_dir, False, False),
-        )
-        xtr, ytr, xte, yte = xtr[:limit], ytr[:limit], xte[:limit], yte[:limit]
+        train_images, train_labels = _mnist(args.data_dir, True, False)
+        test_images, test_labels = _mnist(args.data_dir, False, False)
     else:
-        xtr, ytr = synthetic_digits(min(limit or SYNTHETIC_TRAIN, SYNTHETIC_TRAIN), SYNTHETIC_SEED)
-        xte, yte = synthetic_digits(
-            min(limit or SYNTHETIC_TEST, SYNTHETIC_TEST), SYNTHETIC_SEED + 1
-        )
-    norm = lambda x: ((x.float() / 255 - MNIST_MEAN) / MNIST_STD).unsqueeze(1)  # noqa: E731
-    return (
-        Digits(norm(xtr), ytr.long(), args.shift, args.seed),
-        Digits(norm(xte), yte.long()),
-        source,
+        train_size = min(limit or SYNTHETIC_TRAIN, SYNTHETIC_TRAIN)
+        test_size = min(limit or SYNTHETIC_TEST, SYNTHETIC_TEST)
+        train_images, train_labels = synthetic_digits(train_size, SYNTHETIC_SEED)
+        test_images, test_labels = synthetic_digits(test_size, SYNTHETIC_SEED + 1)
+    train_set = Digits(
+        _normalise(train_images[:limit]), train_labels[:limit].long(), args.shift, args.seed
     )
+    test_set = Digits(_normalise(test_images[:limit]), test_labels[:limit].long())
+    return train_set, test_set, source
 
 
 class Digits(Dataset):

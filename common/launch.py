@@ -233,22 +233,27 @@ def launch(run, args):
 def pick_backend(requested):
     """'auto' -> NCCL on cuda:(LOCAL_RANK % visible GPUs) when GPUs are visible (a launcher may
     show each process only its own GPU), else Gloo on the CPU. Called before the process group
-    exists, so a bad --backend fails before any rendezvous. Returns (backend, device)."""
+    exists, so bad input fails before any rendezvous. Returns (backend, device)."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    nccl = dist.is_nccl_available()
     if requested == "nccl":
-        check(
-            gpus > 0 and dist.is_nccl_available(),
-            "--backend nccl needs a CUDA GPU and a torch built with NCCL"
-            + (f" ({gpus} GPUs visible)" if gpus == 0 else ", and this torch has no NCCL"),
-        )
-    backend = (
-        requested
-        if requested != "auto"
-        else ("nccl" if gpus > 0 and dist.is_nccl_available() else "gloo")
-    )
+        why_not = f"{gpus} GPUs visible" if gpus == 0 else "this torch has no NCCL"
+        check(gpus > 0 and nccl, f"--backend nccl needs a CUDA GPU and NCCL ({why_not})")
+    if requested == "auto":
+        backend = "nccl" if gpus > 0 and nccl else "gloo"
+    else:
+        backend = requested
     if backend == "nccl":
+        # One GPU shown to every process is a per-process binding (SLURM, a launcher that sets
+        # CUDA_VISIBLE_DEVICES per rank). Several GPUs, but fewer than local ranks, would put two
+        # ranks on one GPU, which NCCL rejects mid-run ("Duplicate GPU detected").
+        check(
+            gpus == 1 or local_world <= gpus,
+            f"{local_world} processes on this node but {gpus} GPUs visible: two ranks would share "
+            f"a GPU. Use --nproc_per_node={gpus} (or --nproc {gpus}), or --backend gloo",
+        )
         device = torch.device("cuda", local_rank % gpus)
         why = f"{gpus} GPUs visible to {local_world} local ranks"
     else:

@@ -1,6 +1,7 @@
-"""Messages from rank 0: log a line, or fail with one clear error and a non-zero exit."""
+"""Messages: a line from rank 0, or one clear error and a non-zero exit instead of a traceback."""
 
 import os
+import socket
 import sys
 
 import torch.distributed as dist
@@ -20,12 +21,23 @@ def log(*args):
 
 
 def fail(message, code=2):
-    """Bad input: one clear message (from rank 0 only) and a non-zero exit, no traceback."""
-    if env_rank() == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
+    """Bad input: one clear message and a non-zero exit, no traceback.
+
+    Once the process group exists, rank 0 says it. Before that, what is wrong may be wrong on one
+    node only (a --load file, a directory missing there), and a node whose ranks all exit in
+    silence leaves the others waiting in the rendezvous: so each node's local rank 0 says it, and
+    names its host when it is not rank 0's."""
+    if dist.is_available() and dist.is_initialized():
+        speaks = dist.get_rank() == 0
+    else:
+        speaks = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    if speaks:
+        where = "" if env_rank() == 0 else f" (rank {env_rank()} on {socket.gethostname()})"
+        print(f"error{where}: {message}", file=sys.stderr, flush=True)
     sys.exit(code)
 
 
 def check(condition, message):
+    """fail(message) unless condition holds."""
     if not condition:
         fail(message)

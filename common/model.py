@@ -185,11 +185,14 @@ class ViT(nn.Module):
         return self.head(x)
 
 
-def build_model(args):
-    """The common model with weights that depend only on --seed (built on CPU, same on every rank)."""
+def build_model(args, forwards_per_step=None):
+    """The common model with weights that depend only on --seed (built on CPU, the same on every
+    rank). `forwards_per_step`: how many forwards one optimizer step sums, each with its loss
+    divided by that count (micro-batches, accumulation steps); the MoE balance loss is divided the
+    same way. The script that owns the flag passes it."""
     torch.manual_seed(args.seed)
-    # each micro-batch's loss is divided by their count (pipeline.py, amp_checkpoint.py): the aux term's too
-    forwards = getattr(args, "microbatches", 1) * getattr(args, "grad_accum", 1)
+    if forwards_per_step is None:  # TODO(lead): scripts pass it; this fallback goes at integration
+        forwards_per_step = getattr(args, "microbatches", 1) * getattr(args, "grad_accum", 1)
     model = ViT(
         args.dim,
         args.depth,
@@ -198,7 +201,7 @@ def build_model(args):
         args.experts,
         args.top_k,
         args.aux_loss,
-        forwards,
+        forwards_per_step,
     )
     for m in model.modules():
         if isinstance(m, nn.Linear):

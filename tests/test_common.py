@@ -152,9 +152,10 @@ def test_mnist_offline_without_files_is_a_clear_error(tmp_path, offline, capsys)
     )
 
 
-def two_nodes(tmp_path, cwds, *args, timeout=150):
+def two_nodes(tmp_path, cwds, *args, timeout=150, env=None):
     """Two torchrun agents as two 'nodes' of 2 processes each, each node started in its own
-    directory, so a relative --data-dir is node-local, as on a cluster without a shared disk."""
+    directory, so a relative --data-dir is node-local, as on a cluster without a shared disk (the
+    same directory twice: a shared file system). `env`: more variables for both nodes."""
     port = common.free_port()
     procs = []
     for node, cwd in enumerate(cwds):
@@ -177,6 +178,7 @@ def two_nodes(tmp_path, cwds, *args, timeout=150):
             "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": str(ROOT / "tests" / "faults"),
             "OFFLINE": "1",
+            **(env or {}),
         }
         procs.append(
             subprocess.Popen(
@@ -230,6 +232,85 @@ def test_nodes_decide_on_the_data_together(tmp_path):
     write_idx(b / "data", n_train=64, n_test=32)  # both nodes have it: MNIST everywhere
     codes, outs = two_nodes(tmp_path, [a, b], *cfg, "--data", "auto")
     assert codes == [0, 0] and '"data": "mnist"' in outs[0][0], outs
+
+
+def test_on_a_shared_disk_rank_zero_alone_downloads(tmp_path):
+    """Both nodes start in one directory (a shared file system) without MNIST. Rank 0 alone
+    downloads (slowly, file by file, see FAKE_MNIST); the other node looks only once rank 0 is
+    done, so it never reads a half-written file, and every rank trains on MNIST."""
+    source = tmp_path / "source"
+    write_idx(source, n_train=64, n_test=32)
+    for path in (source / "MNIST" / "raw").iterdir():
+        path.rename(source / path.name)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    cfg = [*"--limit 64 --batch-size 16 --dim 32 --depth 1 --max-steps 2".split()]
+    codes, outs = two_nodes(
+        tmp_path,
+        [shared, shared],
+        *cfg,
+        "--no-progress",
+        "--data",
+        "mnist",
+        env={"FAKE_MNIST": str(source)},
+    )
+    assert codes == [0, 0], outs
+    assert '"data": "mnist"' in outs[0][0], outs
+    assert (source / "downloads.log").read_text() == "rank 0\n"
+
+
+def test_an_error_found_on_one_node_is_said_on_that_node(tmp_path):
+    """The --load file is missing on node 1 only (HIDE on its local rank 0, global rank 2). The
+    error is found before any process group exists, so node 1 must say it itself: on its own,
+    rank 0 (node 0) would say nothing and node 1 would exit in silence."""
+    checkpoint = tmp_path / "start.pt"
+    torch.save(common.build_model(parse("--dim", "32", "--depth", "1")).state_dict(), checkpoint)
+    a, b = tmp_path / "node0", tmp_path / "node1"
+    a.mkdir()
+    b.mkdir()
+    cfg = [*"--data synthetic --limit 64 --batch-size 16 --dim 32 --depth 1".split()]
+    codes, outs = two_nodes(
+        tmp_path,
+        [a, b],
+        *cfg,
+        "--max-steps",
+        "2",
+        "--no-progress",
+        "--timeout",
+        "15",
+        "--load",
+        str(checkpoint),
+        env={"HIDE": str(checkpoint), "FAULT_RANK": "2"},
+        timeout=120,
+    )
+    assert codes[1] != 0, outs
+    node1_errors = [line for line in outs[1][1].splitlines() if line.startswith("error")]
+    assert len(node1_errors) == 1, outs[1][1]
+    assert "(rank 2 on " in node1_errors[0] and f"--load {checkpoint}" in node1_errors[0]
+
+
+@pytest.mark.parametrize(
+    "gpus, local_world, refused",
+    [(4, 8, True), (2, 3, True), (4, 4, False), (8, 2, False), (1, 4, False)],
+)
+def test_backend_refuses_two_ranks_on_one_gpu(monkeypatch, capsys, gpus, local_world, refused):
+    """More local ranks than visible GPUs (but more than one GPU) would put two ranks on one GPU:
+    one message, exit 2. One visible GPU is a launcher's per-process binding: allowed."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
+    if refused:
+        with pytest.raises(SystemExit) as exit_info:
+            common.pick_backend("auto")
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("error") == 1 and "two ranks would share a GPU" in err, err
+    else:
+        backend, device = common.pick_backend("auto")
+        assert backend == "nccl" and device == torch.device("cuda", 1 % gpus)
 
 
 # --------------------------------------------------------------------------- samplers

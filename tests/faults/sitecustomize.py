@@ -5,6 +5,7 @@ optimizer step (1-based), raise an exception, sleep forever, or exit(3). FAULT=e
 k-th torch.save of rank r (to an open file), write half of its bytes, then exit(3). Only on the first
 attempt of a torchrun job (TORCHELASTIC_RESTART_COUNT 0), so a restarted group runs clean.
 OFFLINE=1: no connection to any host but this one (MNIST cannot be downloaded).
+FAKE_MNIST=DIR: downloading MNIST copies DIR's IDX files, slowly, and logs who downloaded.
 HIDE=PATH FAULT_RANK=r: on rank r that file does not exist (a node without the shared file system).
 PROBE=DIR: what the first optimizer step of training did, seen from outside the script and written
 to DIR/rank<r>.json at that step: `attention`, the attention calls made with grad enabled, by the
@@ -124,6 +125,34 @@ if os.environ.get("PROBE"):
 
     F.scaled_dot_product_attention = _attention
     _probe_step = _opt.register_optimizer_step_pre_hook(_first_step)
+
+if os.environ.get("FAKE_MNIST"):
+    # "Downloading" MNIST copies the IDX files from FAKE_MNIST, each in two halves with a pause
+    # between them (a reader on another node could see a half-written file), and appends this
+    # rank to FAKE_MNIST/downloads.log: how many ranks downloaded, and which.
+    import time
+
+    from torchvision.datasets import MNIST
+
+    def _fake_download(self):
+        if self._check_exists():  # as torchvision's own download() does
+            return
+        source = os.environ["FAKE_MNIST"]
+        with open(os.path.join(source, "downloads.log"), "a") as log:
+            log.write(f"rank {os.environ.get('RANK', '0')}\n")
+        os.makedirs(self.raw_folder, exist_ok=True)
+        for name in sorted(os.listdir(source)):
+            if not name.endswith("ubyte"):
+                continue
+            with open(os.path.join(source, name), "rb") as f:
+                data = f.read()
+            with open(os.path.join(self.raw_folder, name), "wb") as f:
+                f.write(data[: len(data) // 2])
+                f.flush()
+                time.sleep(0.5)
+                f.write(data[len(data) // 2 :])
+
+    MNIST.download = _fake_download
 
 if os.environ.get("MUTANT"):
     import importlib.abc
