@@ -1,4 +1,4 @@
-"""The data: MNIST (or a built-in synthetic digit set) as Datasets, and the exact evaluation loader."""
+"""The data: MNIST (or the built-in synthetic digits) as Datasets; the exact evaluation loader."""
 
 import contextlib
 import io
@@ -88,17 +88,25 @@ def synthetic_digits(n, seed, chunk=1000):
     for start in range(0, n, chunk):
         g = torch.Generator().manual_seed(seed * 1_000_003 + start)
         m = chunk  # always a whole chunk, cut at the end: the same draws for every n
-        u = lambda lo, hi, *shape: lo + (hi - lo) * torch.rand(m, *shape, generator=g)  # noqa: E731
+
+        def u(low, high, *shape, generator=g, count=m):
+            """count draws, uniform in [low, high), in the order they are made here."""
+            return low + (high - low) * torch.rand(count, *shape, generator=generator)
+
         y = torch.randint(0, 10, (m,), generator=g)
         ctrl = (
             pts0[y] + 0.052 * torch.randn(m, pts0.shape[1], 2, generator=g) - 0.5
         )  # jittered, centred
-        ang, sx, sy, sh = u(-0.4, 0.4), u(0.68, 1.12), u(0.72, 1.1), u(-0.4, 0.4)
-        cos, sin = ang.cos(), ang.sin()
+        angle = u(-0.4, 0.4)
+        sx = u(0.68, 1.12)  # scale x
+        sy = u(0.72, 1.1)  # scale y
+        shear = u(-0.4, 0.4)
+        cos = angle.cos()
+        sin = angle.sin()
         A = torch.stack(
             [
-                torch.stack([sx * cos, sy * (sh * cos - sin)], -1),
-                torch.stack([sx * sin, sy * (sh * sin + cos)], -1),
+                torch.stack([sx * cos, sy * (shear * cos - sin)], -1),
+                torch.stack([sx * sin, sy * (shear * sin + cos)], -1),
             ],
             -2,
         )  # rotate @ shear @ scale
@@ -106,12 +114,13 @@ def synthetic_digits(n, seed, chunk=1000):
         sigma = u(0.022, 0.045).view(m, 1)
         weight = (step0[y].view(m, 1) * sx.view(m, 1) / (sigma * 2.5066)).expand(m, dots.shape[1])
         # distractor: 12 dots on a short random segment, at 0.7 strength, in 65% of the images
-        a, b = u(0.1, 0.9, 1, 2), u(-0.15, 0.15, 1, 2)
-        extra = a + b * torch.linspace(0, 1, 12).view(1, 12, 1)
+        start_point = u(0.1, 0.9, 1, 2)
+        direction = u(-0.15, 0.15, 1, 2)
+        extra = start_point + direction * torch.linspace(0, 1, 12).view(1, 12, 1)
         on = (torch.rand(m, 1, generator=g) < 0.65).float()
         dots = torch.cat([dots, extra], 1)
         weight = torch.cat(
-            [weight, (0.7 * on * b.norm(dim=-1) / 12 / (sigma * 2.5066)).expand(m, 12)], 1
+            [weight, (0.7 * on * direction.norm(dim=-1) / 12 / (sigma * 2.5066)).expand(m, 12)], 1
         )
         gx = torch.exp(
             -(((grid.view(1, 1, -1) - dots[..., :1]) / sigma.view(m, 1, 1)) ** 2) / 2
@@ -252,7 +261,8 @@ class Digits(Dataset):
 
     With shift=s (the training set, --shift), sample i in epoch e is moved by a whole number of
     pixels in [-s, s] along each axis, drawn from (seed, e, i) alone: every world size and every
-    technique sees the same augmented batches. set_epoch(e) picks the epoch, as the sampler's does."""
+    technique sees the same augmented batches. set_epoch(e) picks the epoch, as the sampler's
+    does."""
 
     def __init__(self, x, y, shift=0, seed=0):
         self.x, self.y, self.shift, self.seed, self.epoch = x, y, shift, seed, 0
@@ -308,7 +318,7 @@ class _Masked(Dataset):
 
 
 def test_loader(test_set, rank=0, world=1, batch=TEST_BATCH, pin_memory=False):
-    """Batches of (images, labels, keep): see PaddedShards. world=1 gives every rank the whole set."""
+    """Batches of (images, labels, keep): see PaddedShards. world=1: every rank the whole set."""
     return DataLoader(
         _Masked(test_set),
         batch_size=batch,

@@ -150,13 +150,14 @@ def parse_args(parser, argv=None):
     check(args.experts >= 0, f"--experts must be >= 0 (0: the dense MLP), got {args.experts}")
     check(
         not args.experts or 1 <= args.top_k <= args.experts,
-        f"--top-k {args.top_k} must be between 1 and --experts {args.experts}: each token picks K distinct experts",
+        f"--top-k {args.top_k} must be between 1 and --experts {args.experts}: "
+        "each token picks K distinct experts",
     )
     check(args.aux_loss >= 0, f"--aux-loss must be >= 0, got {args.aux_loss}")
     check(
         not args.experts or getattr(args, "amp", None) != "fp16",
-        "--experts with --amp fp16: the load-balancing "
-        "gradient is added inside backward, where the GradScaler's loss scale does not reach it (use bf16)",
+        "--experts with --amp fp16: the load-balancing gradient is added inside backward, "
+        "where the GradScaler's loss scale does not reach it (use bf16)",
     )
     if args.lr is None:
         args.lr = 2e-3 if args.optim == "adamw" else 0.05

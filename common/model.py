@@ -13,12 +13,15 @@ class PatchEmbed(nn.Module):
 
     def __init__(self, dim, patch=7):
         super().__init__()
-        self.patch, self.tokens = patch, (IMAGE // patch) ** 2
+        self.patch = patch
+        self.tokens = (IMAGE // patch) ** 2
         self.proj = nn.Linear(patch * patch, dim)
         self.pos = nn.Parameter(torch.zeros(1, self.tokens, dim))
 
     def forward(self, img):
-        B, n, p = img.shape[0], IMAGE // self.patch, self.patch
+        B = img.shape[0]
+        p = self.patch
+        n = IMAGE // p  # patches along each side
         patches = img.reshape(B, n, p, n, p).transpose(2, 3).reshape(B, self.tokens, p * p)
         return self.proj(patches) + self.pos
 
@@ -34,48 +37,60 @@ class Attention(nn.Module):
     def __init__(self, dim, heads):
         super().__init__()
         self.head_dim = dim // heads
-        self.q, self.k, self.v = (
-            nn.Linear(dim, dim),
-            nn.Linear(dim, dim, bias=False),
-            nn.Linear(dim, dim),
-        )
+        self.q = nn.Linear(dim, dim)
+        self.k = nn.Linear(dim, dim, bias=False)
+        self.v = nn.Linear(dim, dim)
         self.proj = nn.Linear(dim, dim)
+
+    def split_heads(self, t):
+        """[B, T, heads * head_dim] -> [B, heads, T, head_dim]"""
+        B, T, _ = t.shape
+        return t.view(B, T, -1, self.head_dim).transpose(1, 2)
 
     def forward(self, x):
         B, T, _ = x.shape
-        split = lambda t: t.view(B, T, -1, self.head_dim).transpose(1, 2)  # noqa: E731  [B, heads, T, hd]
-        out = F.scaled_dot_product_attention(split(self.q(x)), split(self.k(x)), split(self.v(x)))
+        q = self.split_heads(self.q(x))
+        k = self.split_heads(self.k(x))
+        v = self.split_heads(self.v(x))
+        out = F.scaled_dot_product_attention(q, k, v)
         return self.proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):
     def __init__(self, dim, hidden):
         super().__init__()
-        self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
 
     def forward(self, x):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
 class Experts(nn.ModuleList):
-    """E expert MLPs, called with the routing: tokens [N, D], the experts each token picked [N, K] and
-    their weights [N, K] -> sum_k weights[:, k] * expert_idx[:, k](token), [N, D]. A loop over the
-    experts on this process; expert_parallel.py swaps in one with the same call that sends each token
-    to the rank that owns its expert. Every expert runs, also on no token, so each always has a
-    gradient (zero if it got no token), as DDP and ZeRO expect of every parameter."""
+    """E expert MLPs, called with the routing: tokens [N, D], the expert each token picked in each
+    of its K slots [N, K] and the slots' weights [N, K] -> sum over k of weights[:, k] times the
+    output of expert chosen[:, k] on the token, [N, D].
 
-    def forward(self, h, idx, weights):
-        N, K = idx.shape
-        flat, y = idx.reshape(-1), h.new_zeros(N * K, h.shape[1])  # one row per (token, slot)
-        for e, expert in enumerate(self):
-            rows = (flat == e).nonzero().squeeze(1)
-            y = y.index_copy(0, rows, expert(h[rows // K]))
-        return (weights.unsqueeze(-1) * y.view(N, K, -1)).sum(1)
+    All experts run on this process, each on its tokens in token order; expert_parallel.py swaps in
+    a module with the same call that sends each token to the rank that owns its expert. Every
+    expert runs, also on no token, so each always has a gradient (zero if it got no token), as DDP
+    and ZeRO expect of every parameter. One host sync (the tokens per expert) per layer."""
+
+    def forward(self, tokens, chosen, weights):
+        N, K = chosen.shape
+        slots = chosen.reshape(-1)  # [N * K]: the expert of each (token, slot)
+        by_expert = slots.argsort(stable=True)  # slots grouped by expert, token order kept
+        per_expert = torch.bincount(slots, minlength=len(self)).tolist()
+        inputs = tokens[by_expert // K].split(per_expert)
+        outputs = torch.cat([expert(x) for expert, x in zip(self, inputs, strict=True)])
+        outputs = torch.empty_like(outputs).index_copy(0, by_expert, outputs)  # slot order again
+        return (weights.unsqueeze(-1) * outputs.view(N, K, -1)).sum(1)
 
 
 class AuxLossScaler(torch.autograd.Function):
     """Returns x unchanged; in backward also gives `aux` the gradient `scale` (Megatron-LM's
-    MoEAuxLossAutoScaler), as if aux * scale had been added to the loss the script backpropagates."""
+    MoEAuxLossAutoScaler), as if aux * scale had been added to the loss the script
+    backpropagates."""
 
     @staticmethod
     def forward(ctx, x, aux, scale):
@@ -100,30 +115,37 @@ class MoE(nn.Module):
     The skeleton's loss stays the cross-entropy (and so does the printed train loss): the aux term's
     gradient is added in backward by AuxLossScaler, attached to the routing weights, scaled by
     1/forwards_per_step because the scripts divide each micro-batch's loss by the micro-batch count
-    (pipeline.py --microbatches, amp_checkpoint.py --grad-accum); DDP's average over W does the rest.
+    (pipeline.py --microbatches, amp_checkpoint.py --grad-accum); DDP's average over W does the
+    rest.
     """
 
     def __init__(self, dim, hidden, experts, top_k, aux_loss=0.0, forwards_per_step=1):
         super().__init__()
-        self.top_k, self.aux_loss, self.forwards_per_step = top_k, aux_loss, forwards_per_step
+        self.top_k = top_k
+        self.aux_loss = aux_loss
+        self.forwards_per_step = forwards_per_step
         self.router = nn.Linear(dim, experts, bias=False)
         self.experts = Experts(MLP(dim, hidden) for _ in range(experts))
 
     def forward(self, x):
         B, T, D = x.shape
-        h = x.reshape(B * T, D)
-        logits = self.router(h)  # [B*T, E]
-        top, idx = logits.topk(self.top_k, dim=-1)
-        weights = top.softmax(-1)
+        tokens = x.reshape(B * T, D)
+        logits = self.router(tokens)  # [B*T, E]
+        top_logits, chosen = logits.topk(self.top_k, dim=-1)
+        weights = top_logits.softmax(-1)
         if self.training and self.aux_loss and torch.is_grad_enabled():
-            E = logits.shape[-1]
-            f = F.one_hot(idx, E).view(B, T * self.top_k, E).sum(1) * (
-                E / (self.top_k * T)
-            )  # [B, E], no grad
-            P = logits.softmax(-1).view(B, T, E).mean(1)
-            aux = self.aux_loss * (f * P).sum(-1).mean()
+            aux = self.balance_loss(logits, chosen, B, T)
             weights = AuxLossScaler.apply(weights, aux, 1.0 / self.forwards_per_step)
-        return self.experts(h, idx, weights).view(B, T, D)
+        return self.experts(tokens, chosen, weights).view(B, T, D)
+
+    def balance_loss(self, logits, chosen, B, T):
+        """coef * sum_i f_i * P_i per image, averaged over the images (see the class docstring)."""
+        E = logits.shape[-1]
+        K = self.top_k
+        routed = F.one_hot(chosen, E).view(B, T * K, E).sum(1)  # [B, E] tokens per expert
+        f = routed * (E / (K * T))  # no gradient: counts
+        P = logits.softmax(-1).view(B, T, E).mean(1)
+        return self.aux_loss * (f * P).sum(-1).mean()
 
 
 class Block(nn.Module):
@@ -133,13 +155,13 @@ class Block(nn.Module):
         self, dim, heads, mlp_ratio=4, experts=0, top_k=1, aux_loss=0.0, forwards_per_step=1
     ):
         super().__init__()
-        self.norm1, self.attn = nn.LayerNorm(dim), Attention(dim, heads)
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads)
         self.norm2 = nn.LayerNorm(dim)
-        self.mlp = (
-            MoE(dim, mlp_ratio * dim, experts, top_k, aux_loss, forwards_per_step)
-            if experts
-            else MLP(dim, mlp_ratio * dim)
-        )
+        if experts:
+            self.mlp = MoE(dim, mlp_ratio * dim, experts, top_k, aux_loss, forwards_per_step)
+        else:
+            self.mlp = MLP(dim, mlp_ratio * dim)
 
     def forward(self, x):
         x = x + self.attn(self.norm1(x))
@@ -151,7 +173,8 @@ class Head(nn.Module):
 
     def __init__(self, dim, classes=CLASSES):
         super().__init__()
-        self.norm, self.fc = nn.LayerNorm(dim), nn.Linear(dim, classes)
+        self.norm = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, classes)
 
     def forward(self, x):
         return self.fc(self.norm(x).mean(1))
@@ -213,9 +236,10 @@ def build_model(args, forwards_per_step=None):
 
 
 def saved_outside_blocks(args, batch):
-    """E: the bytes autograd keeps for backward outside the blocks in one fp32 forward and loss of the common ViT on
-    `batch` samples: the embedding's patches; the head's norm input, its mean and rstd, the pooled tokens; the
-    log-probabilities, the int64 labels and the loss's 4-byte total weight. A checkpointed model keeps E + L·B·T·D·4."""
+    """E: the bytes autograd keeps for backward outside the blocks in one fp32 forward and loss of
+    the common ViT on `batch` samples: the embedding's patches; the head's norm input, its mean and
+    rstd, the pooled tokens; the log-probabilities, the int64 labels and the loss's 4-byte total
+    weight. A checkpointed model keeps E + L·B·T·D·4."""
     tokens = (IMAGE // args.patch) ** 2
     return (
         4 * batch * (tokens * args.patch**2 + tokens * args.dim + 2 * tokens + args.dim + CLASSES)

@@ -9,6 +9,7 @@ from common.messages import check, fail
 
 
 def make_optimizer(params, args):
+    """--optim sgd: SGD with momentum 0.9; adamw: AdamW with weight decay 0.01."""
     if args.optim == "sgd":
         return torch.optim.SGD(params, lr=args.lr, momentum=0.9)
     return torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
@@ -39,10 +40,9 @@ def load_state_dict_file(path, reference):
         sd = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         fail(
-            f"--load {path}: not a checkpoint torch.load can read ({type(e).__name__}: {str(e).splitlines()[0][:100]})"
+            f"--load {path}: not a checkpoint torch.load can read "
+            f"({type(e).__name__}: {str(e).splitlines()[0][:100]})"
         )
-    if isinstance(sd, dict) and "model" in sd and isinstance(sd["model"], dict):
-        sd = sd["model"]  # a ddp_torchrun.py snapshot holds it under "model"
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         fail(
             f"--load {path}: not a state_dict (expected a dict of tensors, got {type(sd).__name__})"
@@ -51,12 +51,13 @@ def load_state_dict_file(path, reference):
     for k, shape in shapes.items():
         if k not in sd:
             fail(
-                f"--load {path}: missing tensor '{k}' (was it saved from a model with other --dim/--depth/--heads?)"
+                f"--load {path}: missing tensor '{k}' "
+                "(was it saved from a model with other --dim/--depth/--heads?)"
             )
         if tuple(sd[k].shape) != shape:
             fail(
-                f"--load {path}: tensor '{k}' has shape {tuple(sd[k].shape)}, this model needs {shape} "
-                f"(check --dim/--depth/--heads)"
+                f"--load {path}: tensor '{k}' has shape {tuple(sd[k].shape)}, "
+                f"this model needs {shape} (check --dim/--depth/--heads)"
             )
     extra = sorted(set(sd) - set(shapes))
     check(
