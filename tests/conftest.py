@@ -3,11 +3,12 @@ from pathlib import Path
 
 import pytest
 
-# the scripts and common.py live in the repository root; helpers.py beside this file
+# the scripts and common/ live in the repository root; helpers.py beside this file
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
-import common  # noqa: E402
 import torch  # noqa: E402
+
+import common  # noqa: E402
 from helpers import ddp_reference  # noqa: E402
 
 

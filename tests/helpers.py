@@ -43,7 +43,7 @@ class Run:
     @property
     def result(self):
         """The parsed `RESULT {json}` line (there must be exactly one)."""
-        lines = [l for l in self.stdout.splitlines() if l.startswith("RESULT ")]
+        lines = [line for line in self.stdout.splitlines() if line.startswith("RESULT ")]
         assert len(lines) == 1, f"expected one RESULT line, got {len(lines)}\n{self.output}"
         return json.loads(lines[0][len("RESULT ") :])
 
@@ -97,8 +97,9 @@ def ok(r):
 
 
 def ddp_reference(tmp_path_factory, cfg, optim):
-    """ddp.py at W=1 on `cfg` with `optim`: the one-process run every exact technique must reproduce.
-    Launched once per pytest session and configuration; test files with the same cfg share it."""
+    """ddp.py at W=1 on `cfg` with `optim`: the one-process run every exact technique must
+    reproduce. Launched once per pytest session and configuration; test files with the same cfg
+    share it."""
     key = hashlib.sha1(" ".join(map(str, cfg)).encode()).hexdigest()[:12]
     path = tmp_path_factory.getbasetemp() / f"reference-ddp-w1-{key}-{optim}.pt"
     if not path.exists():
@@ -107,7 +108,8 @@ def ddp_reference(tmp_path_factory, cfg, optim):
 
 
 def max_diff(path_a, path_b):
-    """Largest absolute difference between two saved state_dicts (which must have the same keys)."""
-    a, b = torch.load(path_a, weights_only=True), torch.load(path_b, weights_only=True)
+    """Largest absolute difference between two saved state_dicts (with the same keys)."""
+    a = torch.load(path_a, weights_only=True)
+    b = torch.load(path_b, weights_only=True)
     assert a.keys() == b.keys()
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)

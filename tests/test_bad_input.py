@@ -86,7 +86,8 @@ CASES = [
         "amp_checkpoint.py",
         ["--load", "{d}/dim32.pt"],
         None,
-        "--load {d}/dim32.pt: tensor 'embed.pos' has shape (1, 16, 32), this model needs (1, 16, 64)",
+        "--load {d}/dim32.pt: tensor 'embed.pos' has shape (1, 16, 32), "
+        "this model needs (1, 16, 64)",
     ),
     ("zero.py", ["--stage", "4"], None, "argument --stage: invalid choice: 4"),
     ("zero.py", ["--batch-size", "32"], as_rank0_of(3), "--batch-size 32 is not divisible"),
@@ -292,7 +293,7 @@ def outcomes(request, files):
         )
 
     with ThreadPoolExecutor(2) as pool:
-        return dict(zip(cases, pool.map(launch, cases.values())))
+        return dict(zip(cases, pool.map(launch, cases.values()), strict=True))
 
 
 @pytest.mark.parametrize("script,argv,env,message", CASES, ids=IDS)

@@ -54,7 +54,8 @@ def test_synthetic_is_deterministic_mnist_shaped_and_prefix_stable():
 
 
 def test_synthetic_classes_are_not_trivially_separable():
-    """A nearest-class-mean classifier (which solves a set of fixed templates) must not be near-perfect."""
+    """A nearest-class-mean classifier (which solves a set of fixed templates) must not be
+    near-perfect."""
     x, y = common.synthetic_digits(6000, seed=1)
     x = x.float().flatten(1)
     means = torch.stack([x[:5000][y[:5000] == c].mean(0) for c in range(10)])
@@ -112,7 +113,8 @@ def test_mnist_from_idx_files(tmp_path):
     written = write_idx(tmp_path)
     for data in ("auto", "mnist"):
         train, test, source = common.load_data(parse("--data", data, "--data-dir", str(tmp_path)))
-        (xtr, ytr), (xte, yte) = tensors(train), tensors(test)
+        _, ytr = tensors(train)
+        xte, yte = tensors(test)
         assert source == "mnist"
         assert torch.equal(ytr, written["train"][1].long()) and torch.equal(
             yte, written["t10k"][1].long()
@@ -124,7 +126,8 @@ def test_mnist_from_idx_files(tmp_path):
 
 @pytest.fixture
 def offline(monkeypatch):
-    """No MNIST download possible, even on a machine that has internet: point the mirrors at a closed port."""
+    """No MNIST download possible, even on a machine that has internet: point the mirrors at a
+    closed port."""
     from torchvision.datasets import MNIST
 
     monkeypatch.setattr(MNIST, "mirrors", ["http://127.0.0.1:9/"])
@@ -136,7 +139,7 @@ def test_auto_falls_back_to_synthetic_with_one_warning(tmp_path, offline, capsys
     )
     out = capsys.readouterr()
     assert source == "synthetic"
-    warnings = [l for l in (out.out + out.err).splitlines() if l.strip()]
+    warnings = [line for line in (out.out + out.err).splitlines() if line.strip()]
     assert (
         len(warnings) == 1 and warnings[0].startswith("warning:") and "synthetic" in warnings[0]
     ), warnings
@@ -352,9 +355,10 @@ def test_test_shards_count_every_sample_once_with_equal_batches(world):
     n = 1025
     ds = common.Digits(torch.zeros(n, 1), torch.arange(n))
     loaders = [list(common.test_loader(ds, r, world, batch=512)) for r in range(world)]
-    assert len({len(l) for l in loaders}) == 1
-    assert all([len(b[1]) for b in l] == [len(b[1]) for b in loaders[0]] for l in loaders)
-    kept = [i for l in loaders for _, y, keep in l for i in y[keep].tolist()]
+    assert len({len(loader) for loader in loaders}) == 1
+    sizes = [[len(batch[1]) for batch in loader] for loader in loaders]
+    assert all(size == sizes[0] for size in sizes)
+    kept = [i for loader in loaders for _, y, keep in loader for i in y[keep].tolist()]
     assert sorted(kept) == list(range(n))
 
 
@@ -363,7 +367,7 @@ def test_test_shards_count_every_sample_once_with_equal_batches(world):
 
 def test_model_is_seeded_and_shaped():
     a, b = common.build_model(parse("--seed", "3")), common.build_model(parse("--seed", "3"))
-    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
     c = common.build_model(parse("--seed", "4"))
     assert not torch.equal(a.blocks[0].attn.q.weight, c.blocks[0].attn.q.weight)
     assert a(torch.randn(5, 1, 28, 28)).shape == (5, 10)
@@ -444,7 +448,7 @@ def test_schedule_warms_up_then_decays_to_zero():
         [(i + 1) / 11 for i in range(10)]
     )  # linear warm-up over 10 steps
     assert lrs[10] == pytest.approx(1.0) and lrs[55] == pytest.approx(0.5, abs=0.03)
-    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:])) and lrs[-1] < 0.01
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:], strict=False)) and lrs[-1] < 0.01
     const = common.make_scheduler(
         torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0),
         parse("--lr-schedule", "constant", "--warmup", "0"),

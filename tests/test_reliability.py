@@ -28,7 +28,8 @@ def faulty(kind, rank=1, step=3):
 @pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
 def test_a_rank_that_raises_ends_the_run_at_once_with_its_message_once(launcher):
     """The launcher takes the other rank down as soon as one dies: the run ends in the time a clean
-    run takes, far inside --timeout 300 (which the survivor would otherwise sit out in its all-reduce)."""
+    run takes, far inside --timeout 300 (which the survivor would otherwise sit out in its
+    all-reduce)."""
     args = [*SMALL, "--max-steps", "0", "--epochs", "2", "--timeout", "300"]
     t0 = time.time()
     r = (
@@ -69,8 +70,9 @@ def worker_pids(parent, script):
 def test_sigkilled_worker_is_restarted_and_resumes_from_the_snapshot(tmp_path):
     """torchrun --max-restarts: SIGKILL one worker mid-epoch; the restarted group resumes from
     the last snapshot and ends with the parameters of an uninterrupted run."""
-    # Killed right after the epoch-0 snapshot, so the restart resumes from it. (Before ddp_torchrun.py
-    # prefixed its store per attempt, ~1 restart in 4 hung here: a new rank dialled the dead one.)
+    # Killed right after the epoch-0 snapshot, so the restart resumes from it. (Before
+    # ddp_torchrun.py prefixed its store per attempt, ~1 restart in 4 hung here: a new rank dialled
+    # the dead one.)
     cfg = [
         "--data",
         "synthetic",
@@ -120,7 +122,9 @@ def test_sigkilled_worker_is_restarted_and_resumes_from_the_snapshot(tmp_path):
     reader.start()
     try:
         while p.poll() is None and time.time() < deadline:
-            if killed is None and any(l.startswith("snapshot: step 64 saved") for l in list(lines)):
+            if killed is None and any(
+                line.startswith("snapshot: step 64 saved") for line in list(lines)
+            ):
                 os.kill(worker_pids(p.pid, "ddp_torchrun.py")[-1], signal.SIGKILL)
                 killed = len(lines)
             time.sleep(0.05)
@@ -164,7 +168,8 @@ common.save_checkpoint({{"w": torch.randn(4_000_000), "boom": Boom()}}, {str(pat
 
 
 def test_two_nodes_on_one_machine_equal_one_node(tmp_path):
-    """Two torchrun agents as two 'nodes' (2 processes each, c10d rendezvous) = 4 processes on one."""
+    """Two torchrun agents as two 'nodes' (2 processes each, c10d rendezvous) = 4 processes on
+    one."""
     port = common.free_port()
     args = [*SMALL, "--optim", "sgd"]
     nodes = []
@@ -201,7 +206,7 @@ def test_two_nodes_on_one_machine_equal_one_node(tmp_path):
         for p in nodes:
             p.kill()
     assert all(p.returncode == 0 for p in nodes), outs
-    results = [l for o, _ in outs for l in o.splitlines() if l.startswith("RESULT ")]
+    results = [line for out, _ in outs for line in out.splitlines() if line.startswith("RESULT ")]
     assert len(results) == 1 and '"world_size": 4' in results[0]  # one rank 0 across both nodes
     ok(torchrun("ddp.py", 4, *args, "--save", tmp_path / "one_node.pt"))
     assert max_diff(tmp_path / "two_nodes.pt", tmp_path / "one_node.pt") < 1e-6
