@@ -1,34 +1,52 @@
-"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019): each of W ranks holds 1/W of every block's weight matrices
-and sees the whole batch. Attention splits by heads (q, k, v by columns: rank r owns H/W whole heads; the output
-projection by rows), the MLP column-then-row, so each half-block needs one all-reduce forward (g) and one backward (f).
+"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019): each of W ranks holds 1/W of every
+block's weight matrices and sees the whole batch. Attention is split by heads: q, k and v are
+column-parallel (rank r computes H/W whole heads), the output projection is row-parallel; in the
+MLP, fc1 is column-parallel and fc2 row-parallel. Two conjugate operators join each half-block to
+the replicated rest: f before the column-parallel layers, g after the row-parallel one.
 
-            ┌─ X·[Q1 K1 V1] → heads 1 .. H/W  ─ ·[P1] ─┐
-    X ─ f ──┤                 ...                      ├─ g ─ + bias → + X          embedding, norms, head:
-            └─ X·[Qp Kp Vp] → last H/W heads  ─ ·[Pp] ─┘                            replicated
-    MLP:    X ─ f ─ X·[A1 … Ap] ─ gelu ─ ·[B1; …; Bp] ─ g ─ + bias → + X
-    f: identity forward, all-reduce backward;   g: all-reduce forward, identity backward
+Attention (H heads, D = H·hd), W = 2; q, k, v column-parallel, proj (P) row-parallel:
 
---sequence-parallel (Korthikanti et al. 2022): norms and residuals on T/W tokens; f becomes an all-gather of the tokens
-(reduce-scatter backward), g a reduce-scatter (all-gather backward): activations outside the split layers / W.
---checkpoint: autograd keeps each block's input x only (E + L·B·T·D·4 bytes, E: embedding, head, loss). With
---partition-activations (ZeRO-R's Pa, Rajbhandari et al. 2020) x, the same on every rank, is kept as each rank's T/W
-tokens (E + L·B·T·D·4/W) and all-gathered just before the recompute. Under SP, x already is split: no change.
-Memory per rank (fp32, Ψ = Ψs split + Ψr replicated, Ψs = depth·(12D² + 6D) here): 4(Ψr + Ψs/W) params + as much grads +
-8(Ψr + Ψs/W) AdamW. Communication per step, in B·T·D fp32 activations (B the whole batch): 4·depth all-reduces; SP:
-4·depth reduce-scatters, 4·depth + 2 all-gathers + an all-reduce of 6·D·depth grads; checkpointing adds the recompute's.
+                   ┌─ X·[Aq1 Ak1 Av1]: heads 1 .. H/2   ─ softmax(QKᵀ)V ─ Y1·P1 ─┐
+    x ─ norm1 ─ f ─┤                                                          ├─ g ─ + b ─ + x
+                   └─ X·[Aq2 Ak2 Av2]: heads H/2+1 .. H ─ softmax(QKᵀ)V ─ Y2·P2 ─┘
 
-    torchrun --standalone --nproc_per_node=2 tensor_parallel.py [--sequence-parallel] [--partition-activations]
+MLP (hidden 4D), W = 2; fc1 (A) column-parallel, fc2 (B) row-parallel:
+
+                   ┌─ X·A1: hidden 1 .. 2D    ─ gelu ─ Y1·B1 ─┐
+    x ─ norm2 ─ f ─┤                                           ├─ g ─ + b ─ + x
+                   └─ X·A2: hidden 2D+1 .. 4D ─ gelu ─ Y2·B2 ─┘
+
+    f: forward identity,   backward all-reduce   (each rank's X·A_r yields part of dX)
+    g: forward all-reduce, backward identity     (Z = Σ_r Y_r·B_r, a sum of partial products)
+    Replicated on every rank: the embedding, the norms, the row-parallel biases, the head.
+
+--sequence-parallel (Korthikanti et al. 2022): outside the split layers (norms, residuals) each
+rank keeps only its T/W tokens. f becomes an all-gather of the tokens (reduce-scatter backward),
+g a reduce-scatter (all-gather backward): the same bytes as the all-reduces, and the activations
+outside the split layers / W. The norms' and row biases' gradients are then partial sums over
+the tokens: one all-reduce sums them after backward.
+
+Memory per rank (fp32; Ψ = Ψs split + Ψr replicated, here Ψs = depth·(12D² + 6D)):
+    parameters 4(Ψr + Ψs/W), gradients 4(Ψr + Ψs/W), AdamW state 8(Ψr + Ψs/W) (SGD 4(Ψr + Ψs/W)).
+Communication per step, in [B, T, D] fp32 activations (B: the whole batch; a ring moves 2(W-1)/W
+of an all-reduce, (W-1)/W of an all-gather or a reduce-scatter):
+    4·depth all-reduces (f and g, forward and backward, in attention and MLP);
+    SP: 4·depth reduce-scatters, 4·depth + 2 all-gathers (+2: into and out of SP around the
+    blocks), and one all-reduce of the 6·D·depth norm and row-bias gradients.
+W must divide --heads (whole heads per rank) and, with --sequence-parallel, the T tokens.
+
+    torchrun --standalone --nproc_per_node=2 tensor_parallel.py
+    torchrun --standalone --nproc_per_node=2 tensor_parallel.py --sequence-parallel
+    python tensor_parallel.py --nproc 2          # the same, through mp.spawn on a free port
 """
 
 import datetime
 import os
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, DistributedSampler
 
 import common
@@ -41,185 +59,252 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 # every rank; a block is x + attn(norm1(x)), x + mlp(norm2(x)) with nn.Linear `attn.q/k/v/proj` and
 # `mlp.fc1/fc2`, heads contiguous in q, k, v's outputs, attention reading its head count off q's.
 
-
-def all_reduce(x):
-    dist.all_reduce(x := x.contiguous())  # in place, as Megatron does: x is a fresh partial sum
-    return x
+# The tensor-parallel group is every rank: the collectives below run on the default group.
 
 
-# The collectives concatenate along dim 0, so tokens go first (Megatron keeps [T, B, D] throughout).
-def all_gather_tokens(x):  # [B, T/W, D] -> [B, T, D]
-    out = x.new_empty((x.shape[1] * dist.get_world_size(), x.shape[0], *x.shape[2:]))
-    dist.all_gather_into_tensor(out, x.transpose(0, 1).contiguous())
-    return out.transpose(0, 1).contiguous()
+def shard_of(tensor, dim):
+    """This rank's 1/W of `tensor` along `dim`, copied (a view would keep the whole alive)."""
+    shard = tensor.detach().chunk(dist.get_world_size(), dim)[dist.get_rank()]
+    return shard.clone(memory_format=torch.contiguous_format)
 
 
-def reduce_scatter_tokens(x):  # [B, T, D] partial sums -> this rank's [B, T/W, D] of the sum
-    out = x.new_empty((x.shape[1] // dist.get_world_size(), x.shape[0], *x.shape[2:]))
-    dist.reduce_scatter_tensor(out, x.transpose(0, 1).contiguous())
-    return out.transpose(0, 1).contiguous()
+def all_reduce(partial):
+    """The sum over the ranks, in place (as Megatron does): `partial` is a fresh partial sum that
+    nothing else reads."""
+    partial = partial.contiguous()
+    dist.all_reduce(partial)
+    return partial
 
 
-def my_tokens(x):  # a copy (a view would keep all of x alive)
-    return x.chunk(dist.get_world_size(), 1)[dist.get_rank()].clone(
-        memory_format=torch.contiguous_format
-    )
+def all_gather_tokens(shard):
+    """Every rank's [B, T/W, D] tokens -> all [B, T, D] tokens, on every rank."""
+    batch, tokens, dim = shard.shape
+    # all_gather_into_tensor concatenates along dim 0, so the tokens go first (Megatron keeps its
+    # activations [T, B, D] throughout for this reason).
+    gathered = shard.new_empty(tokens * dist.get_world_size(), batch, dim)
+    dist.all_gather_into_tensor(gathered, shard.transpose(0, 1).contiguous())
+    return gathered.transpose(0, 1).contiguous()
 
 
-def conjugate(name, forward, backward):
-    """An autograd Function: `forward` on the activation, its conjugate `backward` on the gradient."""
-    return type(
-        name,
-        (torch.autograd.Function,),
-        dict(
-            forward=staticmethod(lambda ctx, x: forward(x)),
-            backward=staticmethod(lambda ctx, grad: backward(grad)),
-        ),
-    )
+def reduce_scatter_tokens(partial):
+    """[B, T, D] partial sums on every rank -> this rank's [B, T/W, D] tokens of their sum."""
+    batch, tokens, dim = partial.shape
+    shard = partial.new_empty(tokens // dist.get_world_size(), batch, dim)
+    dist.reduce_scatter_tensor(shard, partial.transpose(0, 1).contiguous())
+    return shard.transpose(0, 1).contiguous()
 
 
-Copy = conjugate(
-    "Copy", lambda x: x, all_reduce
-)  # f: each rank's q, k, v / fc1 give part of the grad
-Reduce = conjugate(
-    "Reduce", all_reduce, lambda grad: grad
-)  # g: sum the row-parallel partial products
-GatherTokens = conjugate("GatherTokens", all_gather_tokens, reduce_scatter_tokens)  # f under SP
-ReduceScatterTokens = conjugate(
-    "ReduceScatterTokens", reduce_scatter_tokens, all_gather_tokens
-)  # g under SP
-ScatterTokens = conjugate(
-    "ScatterTokens", my_tokens, all_gather_tokens
-)  # into SP after the embedding
-UnscatterTokens = conjugate(
-    "UnscatterTokens", all_gather_tokens, my_tokens
-)  # out of SP before the head
+# The operators, each a conjugate pair of collectives:
+#                               forward          backward
+#   f                           identity         all-reduce
+#   g                           all-reduce       identity
+#   f under --sequence-parallel all-gather       reduce-scatter
+#   g under --sequence-parallel reduce-scatter   all-gather
+
+
+class CopyToTensorParallel(torch.autograd.Function):
+    """f, before the column-parallel q, k, v (or fc1). Forward: identity, every rank has the whole
+    X. Backward: all-reduce, since rank r's X·A_r gives only its part of dX; the sum is dX."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad)
+
+
+class ReduceFromTensorParallel(torch.autograd.Function):
+    """g, after the row-parallel proj (or fc2). Forward: all-reduce, Z = Σ_r Y_r·B_r. Backward:
+    identity, the gradient of a sum is the same for each of its terms."""
+
+    @staticmethod
+    def forward(ctx, partial):
+        return all_reduce(partial)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class GatherToTensorParallel(torch.autograd.Function):
+    """f under --sequence-parallel. Forward: all-gather the tokens, the split layers need all T.
+    Backward: reduce-scatter, the partial dX of all T summed, each rank keeping its T/W."""
+
+    @staticmethod
+    def forward(ctx, shard):
+        return all_gather_tokens(shard)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_tokens(grad)
+
+
+class ReduceScatterFromTensorParallel(torch.autograd.Function):
+    """g under --sequence-parallel. Forward: reduce-scatter, the partial products summed, each
+    rank keeping its T/W tokens. Backward: all-gather, each partial product needs the gradient of
+    all T tokens."""
+
+    @staticmethod
+    def forward(ctx, partial):
+        return reduce_scatter_tokens(partial)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_tokens(grad)
+
+
+class EnterSequenceParallel(torch.autograd.Function):
+    """--sequence-parallel, after the replicated embedding. Forward: keep this rank's T/W tokens.
+    Backward: all-gather the gradient, so every rank's embedding gets the same, whole one."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return shard_of(x, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_tokens(grad)
+
+
+class LeaveSequenceParallel(torch.autograd.Function):
+    """--sequence-parallel, before the replicated head. Forward: all-gather the tokens. Backward:
+    keep this rank's T/W tokens of the gradient (the same on every rank, as the head is)."""
+
+    @staticmethod
+    def forward(ctx, shard):
+        return all_gather_tokens(shard)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return shard_of(grad, dim=1)
 
 
 class ColumnParallelLinear(nn.Module):
-    """Y_r = X·A_r: rows r·out/W .. of nn.Linear's [out, in] weight and bias; its input is f(X)."""
+    """Y_r = X·A_r: this rank's 1/W of a linear layer's output features (rows of nn.Linear's
+    [out, in] weight, and of its bias). Its input comes through f; its output stays split."""
 
-    split = dict(weight=0, bias=0)  # the dim full_state_dict concatenates along
+    shard_dims = {"weight": 0, "bias": 0}  # the dim each parameter is cut along
 
-    def __init__(self, linear, rank, world, reduce=None):
+    def __init__(self, linear):
         super().__init__()
-        cut, b, self.reduce = (
-            lambda t, d: t.detach().chunk(world, d)[rank].contiguous().clone(),
-            linear.bias,
-            reduce,
-        )
-        self.weight = nn.Parameter(cut(linear.weight, self.split["weight"]))
-        self.bias = (
-            None
-            if b is None
-            else nn.Parameter(cut(b, 0) if "bias" in self.split else b.detach().clone())
-        )
+        self.weight = nn.Parameter(shard_of(linear.weight, dim=0))
+        bias = linear.bias  # None for the key projection
+        self.bias = None if bias is None else nn.Parameter(shard_of(bias, dim=0))
 
     def forward(self, x):
         return F.linear(x, self.weight, self.bias)
 
 
-class RowParallelLinear(ColumnParallelLinear):
-    """Z = g(Σ_r Y_r·B_r) + b: columns r·in/W .. of the weight; the whole bias, added once after g."""
+class RowParallelLinear(nn.Module):
+    """Z = g(Σ_r Y_r·B_r) + b: this rank's 1/W of a linear layer's input features (columns of the
+    weight), applied to the column-parallel layer's split output Y_r. The bias is whole, added
+    once after g (added before it, the sum would count it W times)."""
 
-    split = dict(weight=1)
+    shard_dims = {"weight": 1}  # the bias is replicated
 
-    def forward(self, x):
-        return self.reduce(F.linear(x, self.weight)) + self.bias
+    def __init__(self, linear, g):
+        super().__init__()
+        self.weight = nn.Parameter(shard_of(linear.weight, dim=1))
+        self.bias = nn.Parameter(linear.bias.detach().clone())
+        self.g = g
+
+    def forward(self, y):
+        return self.g(F.linear(y, self.weight)) + self.bias
 
 
 class ParallelBlock(nn.Module):
-    """The block with its linears split; the same attribute names, so the same state_dict keys."""
+    """The common block with its linears split, under the same attribute names (so the same
+    state_dict keys): x + attn(f(norm1(x))), then x + mlp(f(norm2(x))), attn and mlp ending in g."""
 
-    def __init__(self, block, rank, world, sp, checkpointing=False, partition=False):
+    def __init__(self, block, sequence_parallel):
         super().__init__()
-        self.enter, exit_ = (
-            (GatherTokens.apply, ReduceScatterTokens.apply) if sp else (Copy.apply, Reduce.apply)
+        if sequence_parallel:
+            self.f = GatherToTensorParallel.apply
+            g = ReduceScatterFromTensorParallel.apply
+        else:
+            self.f = CopyToTensorParallel.apply
+            g = ReduceFromTensorParallel.apply
+        attn = block.attn
+        attn.q = ColumnParallelLinear(attn.q)
+        attn.k = ColumnParallelLinear(attn.k)
+        attn.v = ColumnParallelLinear(attn.v)
+        attn.proj = RowParallelLinear(attn.proj, g)
+        mlp = block.mlp
+        mlp.fc1 = ColumnParallelLinear(mlp.fc1)
+        mlp.fc2 = RowParallelLinear(mlp.fc2, g)
+        self.norm1 = block.norm1
+        self.attn = attn
+        self.norm2 = block.norm2
+        self.mlp = mlp
+
+    def forward(self, x):  # x: [B, T, D], or this rank's [B, T/W, D] under --sequence-parallel
+        x = x + self.attn(self.f(self.norm1(x)))
+        return x + self.mlp(self.f(self.norm2(x)))
+
+
+class PartialGradientSum:
+    """Under --sequence-parallel the norms and the row-parallel biases see only this rank's T/W
+    tokens, so their gradients are partial sums. Hooked on each of them: once backward has
+    accumulated the last one, sum them over the ranks in one flat all-reduce (as Megatron does)."""
+
+    def __init__(self, params):
+        self.params = params
+        self.accumulated = 0
+
+    def hook(self, param):
+        self.accumulated += 1
+        if self.accumulated < len(self.params):
+            return
+        self.accumulated = 0
+        flat = all_reduce(torch.cat([p.grad.flatten() for p in self.params]))
+        summed = flat.split([p.numel() for p in self.params])
+        for p, grad in zip(self.params, summed, strict=True):
+            p.grad.copy_(grad.view_as(p))
+
+
+def parallelize(model, device, sequence_parallel=False):
+    """Split every block's linears in place; the embedding and the head stay replicated (every
+    rank sees the whole batch, so their gradients are the same everywhere)."""
+    blocks = [ParallelBlock(block, sequence_parallel) for block in model.blocks]
+    model.blocks = nn.ModuleList(blocks)
+    if sequence_parallel:  # the blocks run on this rank's T/W tokens, the embedding and head on all
+        model.embed.register_forward_hook(
+            lambda module, args, out: EnterSequenceParallel.apply(out)
         )
-        self.checkpointing, self.partition = (
-            checkpointing or partition,
-            partition and not sp,
-        )  # SP: x is split
-        self.norm1, self.attn, self.norm2, self.mlp = (
-            block.norm1,
-            (a := block.attn),
-            block.norm2,
-            (m := block.mlp),
+        model.head.register_forward_pre_hook(
+            lambda module, args: LeaveSequenceParallel.apply(*args)
         )
-        a.q, a.k, a.v = (ColumnParallelLinear(lin, rank, world) for lin in (a.q, a.k, a.v))
-        a.proj = RowParallelLinear(a.proj, rank, world, exit_)
-        m.fc1, m.fc2 = (
-            ColumnParallelLinear(m.fc1, rank, world),
-            RowParallelLinear(m.fc2, rank, world, exit_),
-        )
-
-    def body(self, x):  # x: [B, T, D], or this rank's [B, T/W, D] under SP
-        x = x + self.attn(self.enter(self.norm1(x)))
-        return x + self.mlp(self.enter(self.norm2(x)))
-
-    def forward(self, x):
-        if not self.partition:  # checkpoint() keeps x only and runs the block again in backward
-            return (
-                checkpoint(self.body, x, use_reentrant=False)
-                if self.checkpointing
-                else self.body(x)
-            )
-        # Pa: keep this rank's tokens; run on x (in a list it empties: nothing keeps x), recompute on all tokens
-        run = lambda mine, box: self.body(
-            box.pop() if box else all_gather_tokens(mine).requires_grad_()
-        )  # noqa: E731
-        return checkpoint(run, my_tokens(x.detach()), [x], use_reentrant=False)
-
-
-def parallelize(model, device, sp=False, checkpointing=False, partition=False):
-    """Split every block's linears in place; embedding and head stay replicated (same grads everywhere)."""
-    model.blocks = nn.ModuleList(
-        ParallelBlock(block, dist.get_rank(), dist.get_world_size(), sp, checkpointing, partition)
-        for block in model.blocks
-    )
-    if sp:  # the blocks run on this rank's tokens, embed and head on all
-        model.embed.register_forward_hook(lambda module, args, out: ScatterTokens.apply(out))
-        model.head.register_forward_pre_hook(lambda module, args: UnscatterTokens.apply(*args))
-        # Norms and row biases see T/W tokens: each rank's gradient is a partial sum. When backward
-        # has accumulated the last of them, all-reduce them in one flat buffer (as Megatron does).
-        partial, ready = (
-            [
-                p
-                for b in model.blocks
-                for p in (
-                    *b.norm1.parameters(),
-                    *b.norm2.parameters(),
-                    b.attn.proj.bias,
-                    b.mlp.fc2.bias,
-                )
-            ],
-            [],
-        )
-
-        def sum_partial_grads(p):
-            ready.append(p)
-            if len(ready) == len(partial):
-                ready.clear()
-                flat = all_reduce(torch.cat([q.grad.flatten() for q in partial]))
-                for q, g in zip(partial, flat.split([q.numel() for q in partial])):
-                    q.grad.copy_(g.view_as(q))
-
-        for p in partial:
-            p.register_post_accumulate_grad_hook(sum_partial_grads)
+        partial = []
+        for block in model.blocks:
+            partial += [*block.norm1.parameters(), *block.norm2.parameters()]
+            partial += [block.attn.proj.bias, block.mlp.fc2.bias]
+        partial_sum = PartialGradientSum(partial)
+        for param in partial:
+            param.register_post_accumulate_grad_hook(partial_sum.hook)
     return model
 
 
 def full_state_dict(model):
-    """The common model's plain state_dict on rank 0 (None elsewhere): split tensors gathered to rank 0."""
-    rank, world, out = dist.get_rank(), dist.get_world_size(), {}
-    for name, module in model.named_modules():
-        for pname, t in module.named_parameters(recurse=False):
-            if pname in getattr(module, "split", {}):
-                parts = [torch.empty_like(t) for _ in range(world)] if rank == 0 else None
-                dist.gather(t.detach().contiguous(), parts, dst=0)
-                t = torch.cat(parts, module.split[pname]) if rank == 0 else t
-            out[f"{name}.{pname}"] = t.detach().cpu()
-    return {k: out[k] for k in model.state_dict()} if rank == 0 else None
+    """The common model's plain state_dict on rank 0 (None elsewhere): each split parameter is
+    gathered to rank 0 and its shards joined along the dim they were cut."""
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    state = {}
+    for module_name, module in model.named_modules():
+        shard_dims = getattr(module, "shard_dims", {})
+        for name, param in module.named_parameters(recurse=False):
+            tensor = param.detach()
+            if name in shard_dims:
+                shards = [torch.empty_like(tensor) for _ in range(world)] if rank == 0 else None
+                dist.gather(tensor.contiguous(), shards, dst=0)
+                if rank == 0:
+                    tensor = torch.cat(shards, dim=shard_dims[name])
+            state[f"{module_name}.{name}"] = tensor.cpu()
+    if rank != 0:
+        return None
+    return {key: state[key] for key in model.state_dict()}  # in the model's own order
 
 
 ### end: Tensor parallel
@@ -227,44 +312,37 @@ def full_state_dict(model):
 
 def formula(psi, world, args):
     """The paper's per-rank bytes, which the report sets next to what the Meter measured."""
-    k, d, D, B = 8 if args.optim == "adamw" else 4, args.depth, args.dim, args.batch_size
-    T, sp, pa = (
-        (common.IMAGE // args.patch) ** 2,
-        args.sequence_parallel,
-        args.partition_activations,
-    )
-    own = (
-        psi - (split := d * (12 * D**2 + 6 * D)) + split // world
-    )  # Ψr + Ψs/W (Ψs: q, k, v, proj, fc1, fc2)
-    n, c = (
-        4 * B * T * D,
-        int(args.checkpoint or pa),
-    )  # n: one [B, T, D] fp32 activation; c: blocks recomputed
-    comm = (
-        dict(
-            all_gather=(4 * d + 2 + 2 * c * d) * n,
-            reduce_scatter=(4 + c) * d * n,
-            all_reduce=4 * 6 * D * d,
-        )
-        if sp
-        else dict(all_reduce=(4 + c) * d * n, **(dict(all_gather=d * n) if pa else {}))
-    )
+    k = 8 if args.optim == "adamw" else 4
+    depth = args.depth
+    dim = args.dim
+    tokens = (common.IMAGE // args.patch) ** 2
+    # Ψs: the q, k, v, proj, fc1 and fc2 weights and the q, v and fc1 biases
+    split = depth * (12 * dim**2 + 6 * dim)
+    own = psi - split + split // world  # Ψr + Ψs/W
+    activation = 4 * args.batch_size * tokens * dim  # one [B, T, D] fp32 activation
+    # Per block and step: f and g in attention and in the MLP, forward and backward.
+    if args.sequence_parallel:
+        per_block = dict(all_gather=4, reduce_scatter=4)
+    else:
+        per_block = dict(all_reduce=4)
+    comm = {kind: n * depth * activation for kind, n in per_block.items()}
+    comm_notes = {kind: f"{n}·depth x B·T·D" for kind, n in per_block.items()}
+    if args.sequence_parallel:
+        # into SP after the embedding (its gradient gathered) and out of it before the head
+        comm["all_gather"] += 2 * activation
+        comm_notes["all_gather"] = f"({per_block['all_gather']}·depth + 2) x B·T·D"
+        comm["all_reduce"] = 4 * 6 * dim * depth  # the norms' and row biases' partial gradients
+        comm_notes["all_reduce"] = "6·D·depth norm and row-bias gradients"
     return dict(
         param_bytes=4 * own,
         grad_bytes=4 * own,
         optim_bytes=k * own,
         comm=comm,
-        act_bytes=common.saved_outside_blocks(args, B) + d * n // (world if sp or pa else 1)
-        if c
-        else None,
         notes=dict(
             param_bytes="4(Ψr + Ψs/W)",
             grad_bytes="4(Ψr + Ψs/W)",
             optim_bytes=f"{k}(Ψr + Ψs/W)",
-            all_reduce="6·D·depth norm/bias grads" if sp else f"{4 + c}·depth x B·T·D",
-            all_gather=f"{f'{4 + 2 * c}·depth + 2' if sp else 'depth'} x B·T·D",
-            reduce_scatter=f"{4 + c}·depth x B·T·D",
-            act_bytes=("E + L·B·T·D·4" + "/W" * (sp | pa)) * c,
+            **comm_notes,
         ),
     )
 
@@ -272,21 +350,20 @@ def formula(psi, world, args):
 def check_args(args, world):
     common.check(
         not args.experts,
-        "--experts: tensor_parallel.py splits MLPs by columns, not experts over ranks",
+        f"--experts: {SCRIPT}.py splits MLPs by columns, not experts over ranks",
     )
-    common.check(
+    common.check(  # then D and 4D split too
         args.heads % world == 0,
-        f"--heads {args.heads} is not divisible by the {world} tensor-parallel "
-        f"ranks: each rank must own whole attention heads",
-    )  # so D and 4D split too
-    flag, tokens = (
-        "--sequence-parallel" if args.sequence_parallel else "--partition-activations",
-        common.IMAGE**2 // args.patch**2,
+        f"--heads {args.heads} is not divisible by the {world} tensor-parallel ranks: "
+        "each rank must own whole attention heads",
     )
-    common.check(
-        not (args.sequence_parallel or args.partition_activations) or tokens % world == 0,
-        f"{flag} splits the {tokens} tokens over ranks: {world} does not divide them",
-    )
+    tokens = (common.IMAGE // args.patch) ** 2
+    if args.sequence_parallel:
+        common.check(
+            tokens % world == 0,
+            f"--sequence-parallel splits the {tokens} tokens over ranks: "
+            f"{world} does not divide them",
+        )
 
 
 def setup(args):
@@ -399,26 +476,20 @@ def run(args):
         if args.load:
             model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
         psi = sum(p.numel() for p in model.parameters())
-        model = parallelize(
-            model.to(device),
-            device,
-            args.sequence_parallel,
-            args.checkpoint,
-            args.partition_activations,
-        )
+        model = parallelize(model.to(device), device, args.sequence_parallel)
         optimizer = common.make_optimizer(model.parameters(), args)
         scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
         common.log(
-            f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data ({len(train_set)} train / "
-            f"{len(test_set)} test), batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
+            f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data "
+            f"({len(train_set)} train / {len(test_set)} test), "
+            f"batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
         )
         with common.Meter(model, optimizer, args) as meter:
             out = train(model, optimizer, scheduler, loader, sampler, args, device)
-        acc = evaluate(
-            model,
-            common.test_loader(test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"),
-            device,
+        test_loader = common.test_loader(
+            test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"
         )
+        acc = evaluate(model, test_loader, device)
         state = full_state_dict(model)  # every rank takes part; rank 0 holds the whole
         if rank == 0 and args.save:
             common.save_checkpoint(state, args.save)
@@ -444,14 +515,6 @@ def main():
     parser = common.get_parser("Tensor parallelism (Megatron) on the common ViT, written out")
     parser.add_argument(
         "--sequence-parallel", action="store_true", help="norms and residuals on T/W tokens"
-    )
-    parser.add_argument(
-        "--checkpoint", action="store_true", help="keep only each block's input for backward"
-    )
-    parser.add_argument(
-        "--partition-activations",
-        action="store_true",
-        help="ZeRO-R Pa: --checkpoint, T/W tokens kept",
     )
     args = common.parse_args(parser)
     check_args(args, common.world_size(args))

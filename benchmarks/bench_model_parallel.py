@@ -1,16 +1,17 @@
 """Step time of the written-out model parallelism against PyTorch's own, side by side in one run
 (not a test): at W=2 on the same model and batch,
 
-    tensor_parallel.py (f/g, Column/RowParallelLinear)  vs  DTensor parallelize_module with the
-                                                            same ColwiseParallel / RowwiseParallel plan
-    pipeline.py 1F1B and GPipe (batch_isend_irecv)       vs  torch.distributed.pipelining
-                                                            PipelineStage + Schedule1F1B / ScheduleGPipe
+    tensor_parallel.py (f/g, Column/RowParallelLinear)  vs  DTensor parallelize_module with
+                                                        the same Colwise / RowwiseParallel plan
+    pipeline.py 1F1B and GPipe (batch_isend_irecv)      vs  torch.distributed.pipelining
+                                                        PipelineStage + Schedule1F1B / GPipe
 
 Variants are timed in interleaved rounds (so load on a shared machine hits all alike); the
 median step time of each is reported, and the ratio written-out / PyTorch (target <= 1.05).
 
     torchrun --standalone --nproc_per_node=2 benchmarks/bench_model_parallel.py
-    torchrun --standalone --nproc_per_node=2 benchmarks/bench_model_parallel.py --dim 256 --depth 8 --heads 8
+    torchrun --standalone --nproc_per_node=2 benchmarks/bench_model_parallel.py \
+        --dim 256 --depth 8 --heads 8
     python benchmarks/bench_model_parallel.py --nproc 2        # through mp.spawn on a free port
 """
 
@@ -31,7 +32,7 @@ import tensor_parallel  # noqa: E402
 
 
 def tp_mine(args, device, rank, world):
-    model = tensor_parallel.parallelize(common.build_model(args).to(device), device, sp=False)
+    model = tensor_parallel.parallelize(common.build_model(args).to(device), device)
     opt = common.make_optimizer(model.parameters(), args)
 
     def step(x, y):
@@ -119,7 +120,8 @@ def pp_torch(schedule):
 
 
 def snapshot(state):
-    """A copy: on the CPU .cpu() returns the tensor itself, which the timed steps go on to change."""
+    """A copy: on the CPU .cpu() returns the tensor itself, which the timed steps go on to
+    change."""
     return {k: v.clone() for k, v in (state or {}).items()}
 
 
@@ -172,7 +174,8 @@ def run(args):
                 dist.barrier()
                 times[name].append((time.perf_counter() - t0) / args.steps)
         common.log(
-            f"\nW={world} {backend} on {device.type}, dim {args.dim}, depth {args.depth}, heads {args.heads}, "
+            f"\nW={world} {backend} on {device.type}, "
+            f"dim {args.dim}, depth {args.depth}, heads {args.heads}, "
             f"batch {args.batch_size}, {args.microbatches} micro-batches, {args.optim}; "
             f"median of {args.rounds} rounds x {args.steps} steps"
         )

@@ -135,7 +135,7 @@ CASES = [
         "--sequence-parallel splits the 16 tokens over ranks: 3 does not divide them",
     ),
     (
-        "tensor_parallel.py",
+        "tensor_parallel_zero_r.py",
         ["--partition-activations", "--heads", "6", "--dim", "48"],
         as_rank0_of(3),
         "--partition-activations splits the 16 tokens over ranks: 3 does not divide them",

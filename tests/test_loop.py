@@ -21,6 +21,7 @@ LAUNCHES = {
     "zero-3": ("zero.py", "--stage", "3"),
     "fsdp": ("fsdp.py",),
     "tensor_parallel": ("tensor_parallel.py", "--sequence-parallel"),
+    "tensor_parallel_zero_r": ("tensor_parallel_zero_r.py", "--partition-activations"),
     "context_parallel": ("context_parallel.py",),
     "expert_parallel": ("expert_parallel.py", "--experts", "2"),
     "pipeline-1f1b": ("pipeline.py", "--schedule", "1f1b"),

@@ -1,0 +1,609 @@
+"""tensor_parallel.py plus ZeRO-R's activation work (Rajbhandari et al. 2020): --checkpoint
+and --partition-activations, described after --sequence-parallel below.
+
+Tensor parallelism (Megatron-LM, Shoeybi et al. 2019): each of W ranks holds 1/W of every
+block's weight matrices and sees the whole batch. Attention is split by heads: q, k and v are
+column-parallel (rank r computes H/W whole heads), the output projection is row-parallel; in the
+MLP, fc1 is column-parallel and fc2 row-parallel. Two conjugate operators join each half-block to
+the replicated rest: f before the column-parallel layers, g after the row-parallel one.
+
+Attention (H heads, D = H·hd), W = 2; q, k, v column-parallel, proj (P) row-parallel:
+
+                   ┌─ X·[Aq1 Ak1 Av1]: heads 1 .. H/2   ─ softmax(QKᵀ)V ─ Y1·P1 ─┐
+    x ─ norm1 ─ f ─┤                                                          ├─ g ─ + b ─ + x
+                   └─ X·[Aq2 Ak2 Av2]: heads H/2+1 .. H ─ softmax(QKᵀ)V ─ Y2·P2 ─┘
+
+MLP (hidden 4D), W = 2; fc1 (A) column-parallel, fc2 (B) row-parallel:
+
+                   ┌─ X·A1: hidden 1 .. 2D    ─ gelu ─ Y1·B1 ─┐
+    x ─ norm2 ─ f ─┤                                           ├─ g ─ + b ─ + x
+                   └─ X·A2: hidden 2D+1 .. 4D ─ gelu ─ Y2·B2 ─┘
+
+    f: forward identity,   backward all-reduce   (each rank's X·A_r yields part of dX)
+    g: forward all-reduce, backward identity     (Z = Σ_r Y_r·B_r, a sum of partial products)
+    Replicated on every rank: the embedding, the norms, the row-parallel biases, the head.
+
+--sequence-parallel (Korthikanti et al. 2022): outside the split layers (norms, residuals) each
+rank keeps only its T/W tokens. f becomes an all-gather of the tokens (reduce-scatter backward),
+g a reduce-scatter (all-gather backward): the same bytes as the all-reduces, and the activations
+outside the split layers / W. The norms' and row biases' gradients are then partial sums over
+the tokens: one all-reduce sums them after backward.
+
+--checkpoint: autograd keeps only each block's input x; backward reruns the block's forward, up to
+its last saved tensor (fc2's input), to get the rest. --partition-activations (ZeRO-R's Pa; it
+checkpoints too): x is the same on every rank, so each keeps only its T/W tokens of it and
+all-gathers them just before the recompute. Under --sequence-parallel x already is T/W tokens: Pa
+changes nothing.
+
+Memory per rank (fp32; Ψ = Ψs split + Ψr replicated, here Ψs = depth·(12D² + 6D)):
+    parameters 4(Ψr + Ψs/W), gradients 4(Ψr + Ψs/W), AdamW state 8(Ψr + Ψs/W) (SGD 4(Ψr + Ψs/W)).
+Communication per step, in [B, T, D] fp32 activations (B: the whole batch; a ring moves 2(W-1)/W
+of an all-reduce, (W-1)/W of an all-gather or a reduce-scatter):
+    4·depth all-reduces (f and g, forward and backward, in attention and MLP);
+    SP: 4·depth reduce-scatters, 4·depth + 2 all-gathers (+2: into and out of SP around the
+    blocks), and one all-reduce of the 6·D·depth norm and row-bias gradients.
+    The recompute adds attention's g per block (SP: its f and g and the MLP's f); Pa adds one
+    all-gather of x per block.
+Activations kept for backward with --checkpoint: E + L·B·T·D·4 bytes (E: what the embedding,
+    head and loss keep; L = depth); with --partition-activations or SP, E + L·B·T·D·4/W.
+W must divide --heads (whole heads per rank) and, with --sequence-parallel or
+--partition-activations, the T tokens.
+
+    torchrun --standalone --nproc_per_node=2 tensor_parallel_zero_r.py --checkpoint
+    torchrun --standalone --nproc_per_node=2 tensor_parallel_zero_r.py --partition-activations
+    python tensor_parallel_zero_r.py --nproc 2 --partition-activations   # through mp.spawn
+"""
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader, DistributedSampler
+
+import common
+
+SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
+
+
+### begin: Tensor parallel
+# Model contract: `model.embed` -> [B, T, D] -> `model.blocks` -> `model.head`, the same weights on
+# every rank; a block is x + attn(norm1(x)), x + mlp(norm2(x)) with nn.Linear `attn.q/k/v/proj` and
+# `mlp.fc1/fc2`, heads contiguous in q, k, v's outputs, attention reading its head count off q's.
+
+# The tensor-parallel group is every rank: the collectives below run on the default group.
+
+
+def shard_of(tensor, dim):
+    """This rank's 1/W of `tensor` along `dim`, copied (a view would keep the whole alive)."""
+    shard = tensor.detach().chunk(dist.get_world_size(), dim)[dist.get_rank()]
+    return shard.clone(memory_format=torch.contiguous_format)
+
+
+def all_reduce(partial):
+    """The sum over the ranks, in place (as Megatron does): `partial` is a fresh partial sum that
+    nothing else reads."""
+    partial = partial.contiguous()
+    dist.all_reduce(partial)
+    return partial
+
+
+def all_gather_tokens(shard):
+    """Every rank's [B, T/W, D] tokens -> all [B, T, D] tokens, on every rank."""
+    batch, tokens, dim = shard.shape
+    # all_gather_into_tensor concatenates along dim 0, so the tokens go first (Megatron keeps its
+    # activations [T, B, D] throughout for this reason).
+    gathered = shard.new_empty(tokens * dist.get_world_size(), batch, dim)
+    dist.all_gather_into_tensor(gathered, shard.transpose(0, 1).contiguous())
+    return gathered.transpose(0, 1).contiguous()
+
+
+def reduce_scatter_tokens(partial):
+    """[B, T, D] partial sums on every rank -> this rank's [B, T/W, D] tokens of their sum."""
+    batch, tokens, dim = partial.shape
+    shard = partial.new_empty(tokens // dist.get_world_size(), batch, dim)
+    dist.reduce_scatter_tensor(shard, partial.transpose(0, 1).contiguous())
+    return shard.transpose(0, 1).contiguous()
+
+
+# The operators, each a conjugate pair of collectives:
+#                               forward          backward
+#   f                           identity         all-reduce
+#   g                           all-reduce       identity
+#   f under --sequence-parallel all-gather       reduce-scatter
+#   g under --sequence-parallel reduce-scatter   all-gather
+
+
+class CopyToTensorParallel(torch.autograd.Function):
+    """f, before the column-parallel q, k, v (or fc1). Forward: identity, every rank has the whole
+    X. Backward: all-reduce, since rank r's X·A_r gives only its part of dX; the sum is dX."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad)
+
+
+class ReduceFromTensorParallel(torch.autograd.Function):
+    """g, after the row-parallel proj (or fc2). Forward: all-reduce, Z = Σ_r Y_r·B_r. Backward:
+    identity, the gradient of a sum is the same for each of its terms."""
+
+    @staticmethod
+    def forward(ctx, partial):
+        return all_reduce(partial)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class GatherToTensorParallel(torch.autograd.Function):
+    """f under --sequence-parallel. Forward: all-gather the tokens, the split layers need all T.
+    Backward: reduce-scatter, the partial dX of all T summed, each rank keeping its T/W."""
+
+    @staticmethod
+    def forward(ctx, shard):
+        return all_gather_tokens(shard)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_tokens(grad)
+
+
+class ReduceScatterFromTensorParallel(torch.autograd.Function):
+    """g under --sequence-parallel. Forward: reduce-scatter, the partial products summed, each
+    rank keeping its T/W tokens. Backward: all-gather, each partial product needs the gradient of
+    all T tokens."""
+
+    @staticmethod
+    def forward(ctx, partial):
+        return reduce_scatter_tokens(partial)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_tokens(grad)
+
+
+class EnterSequenceParallel(torch.autograd.Function):
+    """--sequence-parallel, after the replicated embedding. Forward: keep this rank's T/W tokens.
+    Backward: all-gather the gradient, so every rank's embedding gets the same, whole one."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return shard_of(x, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_tokens(grad)
+
+
+class LeaveSequenceParallel(torch.autograd.Function):
+    """--sequence-parallel, before the replicated head. Forward: all-gather the tokens. Backward:
+    keep this rank's T/W tokens of the gradient (the same on every rank, as the head is)."""
+
+    @staticmethod
+    def forward(ctx, shard):
+        return all_gather_tokens(shard)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return shard_of(grad, dim=1)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y_r = X·A_r: this rank's 1/W of a linear layer's output features (rows of nn.Linear's
+    [out, in] weight, and of its bias). Its input comes through f; its output stays split."""
+
+    shard_dims = {"weight": 0, "bias": 0}  # the dim each parameter is cut along
+
+    def __init__(self, linear):
+        super().__init__()
+        self.weight = nn.Parameter(shard_of(linear.weight, dim=0))
+        bias = linear.bias  # None for the key projection
+        self.bias = None if bias is None else nn.Parameter(shard_of(bias, dim=0))
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """Z = g(Σ_r Y_r·B_r) + b: this rank's 1/W of a linear layer's input features (columns of the
+    weight), applied to the column-parallel layer's split output Y_r. The bias is whole, added
+    once after g (added before it, the sum would count it W times)."""
+
+    shard_dims = {"weight": 1}  # the bias is replicated
+
+    def __init__(self, linear, g):
+        super().__init__()
+        self.weight = nn.Parameter(shard_of(linear.weight, dim=1))
+        self.bias = nn.Parameter(linear.bias.detach().clone())
+        self.g = g
+
+    def forward(self, y):
+        return self.g(F.linear(y, self.weight)) + self.bias
+
+
+class ParallelBlock(nn.Module):
+    """The common block with its linears split, under the same attribute names (so the same
+    state_dict keys): x + attn(f(norm1(x))), then x + mlp(f(norm2(x))), attn and mlp ending in g."""
+
+    def __init__(self, block, sequence_parallel):
+        super().__init__()
+        if sequence_parallel:
+            self.f = GatherToTensorParallel.apply
+            g = ReduceScatterFromTensorParallel.apply
+        else:
+            self.f = CopyToTensorParallel.apply
+            g = ReduceFromTensorParallel.apply
+        attn = block.attn
+        attn.q = ColumnParallelLinear(attn.q)
+        attn.k = ColumnParallelLinear(attn.k)
+        attn.v = ColumnParallelLinear(attn.v)
+        attn.proj = RowParallelLinear(attn.proj, g)
+        mlp = block.mlp
+        mlp.fc1 = ColumnParallelLinear(mlp.fc1)
+        mlp.fc2 = RowParallelLinear(mlp.fc2, g)
+        self.norm1 = block.norm1
+        self.attn = attn
+        self.norm2 = block.norm2
+        self.mlp = mlp
+
+    def forward(self, x):  # x: [B, T, D], or this rank's [B, T/W, D] under --sequence-parallel
+        x = x + self.attn(self.f(self.norm1(x)))
+        return x + self.mlp(self.f(self.norm2(x)))
+
+
+class CheckpointedBlock(ParallelBlock):
+    """ZeRO-R's activation work on a ParallelBlock. --checkpoint: autograd keeps only the block's
+    input x; backward reruns the forward (up to its last saved tensor) for the rest.
+    --partition-activations (Pa): x is the same on every rank, so each keeps only its T/W tokens of
+    it, all-gathered just before the recompute. Under --sequence-parallel x already is this rank's
+    T/W tokens: Pa changes nothing."""
+
+    def __init__(self, block, sequence_parallel, partition):
+        super().__init__(block, sequence_parallel)
+        self.partition = partition and not sequence_parallel
+        self.whole_input = None  # Pa: x, handed from forward() to the first run() only
+
+    def forward(self, x):
+        if not self.partition:
+            return checkpoint(super().forward, x, use_reentrant=False)
+        # checkpoint() keeps the tensors it is passed until backward: pass it only this rank's
+        # tokens, and hand x to the forward's run beside it.
+        self.whole_input = x
+        return checkpoint(self.run, shard_of(x, dim=1), use_reentrant=False)
+
+    def run(self, shard):
+        x = self.whole_input
+        self.whole_input = None  # from here on nothing keeps the whole x
+        if x is None:  # the recompute in backward
+            # requiring grad as x did, the recompute saves what the forward saved
+            x = all_gather_tokens(shard).requires_grad_()
+        return super().forward(x)
+
+
+class PartialGradientSum:
+    """Under --sequence-parallel the norms and the row-parallel biases see only this rank's T/W
+    tokens, so their gradients are partial sums. Hooked on each of them: once backward has
+    accumulated the last one, sum them over the ranks in one flat all-reduce (as Megatron does)."""
+
+    def __init__(self, params):
+        self.params = params
+        self.accumulated = 0
+
+    def hook(self, param):
+        self.accumulated += 1
+        if self.accumulated < len(self.params):
+            return
+        self.accumulated = 0
+        flat = all_reduce(torch.cat([p.grad.flatten() for p in self.params]))
+        summed = flat.split([p.numel() for p in self.params])
+        for p, grad in zip(self.params, summed, strict=True):
+            p.grad.copy_(grad.view_as(p))
+
+
+def parallelize(model, device, sequence_parallel=False, checkpointing=False, partition=False):
+    """Split every block's linears in place; the embedding and the head stay replicated (every
+    rank sees the whole batch, so their gradients are the same everywhere)."""
+    if checkpointing or partition:
+        blocks = [CheckpointedBlock(block, sequence_parallel, partition) for block in model.blocks]
+    else:
+        blocks = [ParallelBlock(block, sequence_parallel) for block in model.blocks]
+    model.blocks = nn.ModuleList(blocks)
+    if sequence_parallel:  # the blocks run on this rank's T/W tokens, the embedding and head on all
+        model.embed.register_forward_hook(
+            lambda module, args, out: EnterSequenceParallel.apply(out)
+        )
+        model.head.register_forward_pre_hook(
+            lambda module, args: LeaveSequenceParallel.apply(*args)
+        )
+        partial = []
+        for block in model.blocks:
+            partial += [*block.norm1.parameters(), *block.norm2.parameters()]
+            partial += [block.attn.proj.bias, block.mlp.fc2.bias]
+        partial_sum = PartialGradientSum(partial)
+        for param in partial:
+            param.register_post_accumulate_grad_hook(partial_sum.hook)
+    return model
+
+
+def full_state_dict(model):
+    """The common model's plain state_dict on rank 0 (None elsewhere): each split parameter is
+    gathered to rank 0 and its shards joined along the dim they were cut."""
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    state = {}
+    for module_name, module in model.named_modules():
+        shard_dims = getattr(module, "shard_dims", {})
+        for name, param in module.named_parameters(recurse=False):
+            tensor = param.detach()
+            if name in shard_dims:
+                shards = [torch.empty_like(tensor) for _ in range(world)] if rank == 0 else None
+                dist.gather(tensor.contiguous(), shards, dst=0)
+                if rank == 0:
+                    tensor = torch.cat(shards, dim=shard_dims[name])
+            state[f"{module_name}.{name}"] = tensor.cpu()
+    if rank != 0:
+        return None
+    return {key: state[key] for key in model.state_dict()}  # in the model's own order
+
+
+### end: Tensor parallel
+
+
+def formula(psi, world, args):
+    """The paper's per-rank bytes, which the report sets next to what the Meter measured."""
+    k = 8 if args.optim == "adamw" else 4
+    depth = args.depth
+    dim = args.dim
+    tokens = (common.IMAGE // args.patch) ** 2
+    # Ψs: the q, k, v, proj, fc1 and fc2 weights and the q, v and fc1 biases
+    split = depth * (12 * dim**2 + 6 * dim)
+    own = psi - split + split // world  # Ψr + Ψs/W
+    activation = 4 * args.batch_size * tokens * dim  # one [B, T, D] fp32 activation
+    # Per block and step: f and g in attention and in the MLP, forward and backward.
+    if args.sequence_parallel:
+        per_block = dict(all_gather=4, reduce_scatter=4)
+    else:
+        per_block = dict(all_reduce=4)
+    recomputed = args.checkpoint or args.partition_activations
+    if recomputed:  # backward reruns each block's forward up to fc2's input
+        if args.sequence_parallel:
+            per_block["all_gather"] += 2  # attention's f and the MLP's f
+            per_block["reduce_scatter"] += 1  # attention's g
+        else:
+            per_block["all_reduce"] += 1  # attention's g (f is the identity forward)
+    if args.partition_activations and not args.sequence_parallel:
+        per_block["all_gather"] = 1  # each block's input, gathered just before its recompute
+    comm = {kind: n * depth * activation for kind, n in per_block.items()}
+    comm_notes = {kind: f"{n}·depth x B·T·D" for kind, n in per_block.items()}
+    if args.sequence_parallel:
+        # into SP after the embedding (its gradient gathered) and out of it before the head
+        comm["all_gather"] += 2 * activation
+        comm_notes["all_gather"] = f"({per_block['all_gather']}·depth + 2) x B·T·D"
+        comm["all_reduce"] = 4 * 6 * dim * depth  # the norms' and row biases' partial gradients
+        comm_notes["all_reduce"] = "6·D·depth norm and row-bias gradients"
+    kept = None  # no promise without checkpointing
+    kept_note = ""
+    if recomputed:  # each block's input, whole or T/W tokens of it
+        shards = world if args.sequence_parallel or args.partition_activations else 1
+        kept = common.saved_outside_blocks(args, args.batch_size) + depth * activation // shards
+        kept_note = "E + L·B·T·D·4" + ("/W" if shards > 1 else "")
+    return dict(
+        param_bytes=4 * own,
+        grad_bytes=4 * own,
+        optim_bytes=k * own,
+        comm=comm,
+        act_bytes=kept,
+        notes=dict(
+            param_bytes="4(Ψr + Ψs/W)",
+            grad_bytes="4(Ψr + Ψs/W)",
+            optim_bytes=f"{k}(Ψr + Ψs/W)",
+            act_bytes=kept_note,
+            **comm_notes,
+        ),
+    )
+
+
+def check_args(args, world):
+    common.check(
+        not args.experts,
+        f"--experts: {SCRIPT}.py splits MLPs by columns, not experts over ranks",
+    )
+    common.check(  # then D and 4D split too
+        args.heads % world == 0,
+        f"--heads {args.heads} is not divisible by the {world} tensor-parallel ranks: "
+        "each rank must own whole attention heads",
+    )
+    tokens = (common.IMAGE // args.patch) ** 2
+    if args.sequence_parallel:
+        common.check(
+            tokens % world == 0,
+            f"--sequence-parallel splits the {tokens} tokens over ranks: "
+            f"{world} does not divide them",
+        )
+    if args.partition_activations:
+        common.check(
+            tokens % world == 0,
+            f"--partition-activations splits the {tokens} tokens over ranks: "
+            f"{world} does not divide them",
+        )
+
+
+def setup(args):
+    """Join the process group. torchrun (or common.launch) put RANK, WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT in the environment; LOCAL_RANK picks this process's GPU."""
+    backend, device = common.pick_backend(args.backend)  # NCCL and a GPU per rank, else Gloo
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = datetime.timedelta(seconds=args.timeout)
+    # torchrun keeps one store across restarts (--max-restarts): prefix it per attempt, or a
+    # restarted rank may read the address of a worker that died in the last attempt and hang.
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"attempt_{attempt}", store)
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+        # NCCL: bind the communicator to this GPU now (not lazily at the first collective), so
+        # that device meshes can split it and the first call is not a point-to-point one.
+        device_id=device if device.type == "cuda" else None,
+    )
+    return rank, world, device, backend
+
+
+def cleanup():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
+    """The loop every script shares: forward, loss, backward, step, schedule, log."""
+    stop = args.max_steps or float("inf")
+    world = dist.get_world_size()
+    loss_sum = torch.zeros((), device=device)  # stays on the device until a logging step
+    losses_summed = 0
+    last_loss = float("nan")
+    for epoch in range(step // len(loader), args.epochs):
+        if step >= stop:
+            break
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        loader.dataset.set_epoch(epoch)  # and new augmentations (--shift), the same everywhere
+        model.train()
+        bar = common.progress(loader, args, epoch)
+        for i, (x, y) in enumerate(bar):
+            x = x.to(device, non_blocking=True)
+            y = y.to(device, non_blocking=True)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            loss_sum += loss.detach()
+            losses_summed += 1
+            if step % args.log_every == 0 or step >= stop or i + 1 == len(loader):
+                dist.all_reduce(loss_sum)  # every rank's loss is the whole batch's: W equal values
+                last_loss = loss_sum.item() / world / losses_summed
+                loss_sum.zero_()
+                losses_summed = 0
+                common.log_loss(bar, args, epoch, step, last_loss)
+            if step >= stop:
+                break
+        common.log(f"epoch {epoch}: step {step}, train loss {last_loss:.4f}")
+    return dict(steps=step, loss=last_loss)
+
+
+@torch.no_grad()
+def evaluate(model, loader, device):
+    """Exact: the loader pads every rank to the same number of batches (padding masked out), so
+    every rank runs the same forward passes and collectives and each sample counts once."""
+    model.eval()
+    counts = torch.zeros(2, dtype=torch.long, device=device)
+    for x, y, keep in loader:
+        x, y, keep = x.to(device), y.to(device), keep.to(device)
+        counts += torch.stack([((model(x).argmax(1) == y) & keep).sum(), keep.sum()])
+    dist.all_reduce(counts)
+    return counts[0].item() / max(counts[1].item(), 1)
+
+
+def run(args):
+    """One rank, in the seeds' order: join the group, deal the data, build the model, wrap it,
+    train, evaluate, save on rank 0, leave the group."""
+    rank, world, device, backend = setup(args)
+    try:
+        train_set, test_set, source = common.load_data(args, device)
+        dp_rank, dp_world = 0, 1  # TP: every rank sees the whole batch
+        sampler = DistributedSampler(
+            train_set,
+            num_replicas=dp_world,
+            rank=dp_rank,
+            shuffle=True,
+            seed=args.seed,
+            drop_last=True,
+        )
+        loader = DataLoader(
+            train_set,
+            batch_size=args.batch_size // dp_world,
+            sampler=sampler,
+            drop_last=True,
+            pin_memory=device.type == "cuda",
+        )
+        common.check(
+            len(loader) > 0,
+            f"{len(train_set)} training samples make no full batch of {args.batch_size}",
+        )
+        model = common.build_model(args)  # the same seeded weights on every rank
+        if args.load:
+            model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
+        psi = sum(p.numel() for p in model.parameters())
+        model = parallelize(
+            model.to(device),
+            device,
+            args.sequence_parallel,
+            args.checkpoint,
+            args.partition_activations,
+        )
+        optimizer = common.make_optimizer(model.parameters(), args)
+        scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
+        common.log(
+            f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data "
+            f"({len(train_set)} train / {len(test_set)} test), "
+            f"batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
+        )
+        with common.Meter(model, optimizer, args) as meter:
+            out = train(model, optimizer, scheduler, loader, sampler, args, device)
+        test_loader = common.test_loader(
+            test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"
+        )
+        acc = evaluate(model, test_loader, device)
+        state = full_state_dict(model)  # every rank takes part; rank 0 holds the whole
+        if rank == 0 and args.save:
+            common.save_checkpoint(state, args.save)
+            common.log(f"saved {args.save}")
+        common.report(
+            SCRIPT,
+            args,
+            world,
+            backend,
+            device,
+            source,
+            psi,
+            out,
+            acc,
+            meter,
+            formula(psi, world, args),
+        )
+    finally:
+        cleanup()
+
+
+def main():
+    parser = common.get_parser("Tensor parallelism (Megatron) with ZeRO-R's activation work")
+    parser.add_argument(
+        "--sequence-parallel", action="store_true", help="norms and residuals on T/W tokens"
+    )
+    parser.add_argument(
+        "--checkpoint", action="store_true", help="keep only each block's input for backward"
+    )
+    parser.add_argument(
+        "--partition-activations",
+        action="store_true",
+        help="ZeRO-R's Pa: --checkpoint, keeping this rank's T/W tokens of each block's input",
+    )
+    args = common.parse_args(parser)
+    check_args(args, common.world_size(args))
+    common.launch(run, args)
+
+
+if __name__ == "__main__":
+    main()
