@@ -1,28 +1,38 @@
 """Pipeline parallelism, written out: the model's blocks cut into p = W contiguous stages, one per
-rank (the embedding on the first, the head and the loss on the last). Every rank sees the whole
+rank (the embedding on the first, the head and the loss on the last). Every stage sees the whole
 batch, cut into m micro-batches; activations go forward and gradients back with batch_isend_irecv.
 
-    rank 0:  F0 F1 .  B0 F2 B1 F3 B2 .  B3      1F1B, p=2, m=4 (one slot per F or B, '.' idle)
-    rank 1:  .  F0 B0 F1 B1 F2 B2 F3 B3 .
+    rank 0: [embed, blocks 0 .. d/p-1] --activations-->  rank 1: [blocks d/p .. 2d/p-1] --> ..
+                                      <--gradients----              rank p-1: [.., head, loss]
 
---schedule naive: one micro-batch in the pipeline at a time, bubble (p-1)/p; gpipe (Huang et al.
-2019): all m forwards, then all m backwards; 1f1b (PipeDream-flush, Narayanan et al. 2021): p-s-1
-warm-up forwards, one forward one backward, then the cool-down. Both idle (p-1)/(m+p-1) of the
-slots. All are synchronous (one optimizer step per batch, each micro-batch's loss / m): exact.
+The schedules, p=2, m=4: a slot per forward F i and two per backward B i of micro-batch i, '.' idle.
+
+    gpipe   rank 0:  F0 F1 F2 F3 .  .  .  B0 B0 B1 B1 B2 B2 B3 B3    all m forwards, then all m
+            rank 1:  .  F0 F1 F2 F3 B0 B0 B1 B1 B2 B2 B3 B3 .  .     backwards (Huang et al. 2019)
+
+    1f1b    rank 0:  F0 F1 .  .  B0 B0 F2 B1 B1 F3 B2 B2 .  B3 B3    p-s-1 forwards ahead on stage
+            rank 1:  .  F0 B0 B0 F1 B1 B1 F2 B2 B2 F3 B3 B3 .  .     s, then one forward one
+                                                        backward (PipeDream-flush, Narayanan 2021)
+
+naive runs one micro-batch through the whole pipeline at a time. Idle (the bubble): (p-1)/p of the
+slots for naive, (p-1)/(m+p-1) for gpipe and 1f1b. All are synchronous (one optimizer step per
+batch, each micro-batch's loss / m): exact.
 
 Memory per rank (fp32, AdamW): 16Ψ_s bytes for its stage's Ψ_s parameters (≈ 16Ψ/p), plus the
-activations of the micro-batches in flight: m (gpipe), ≤ p-s on stage s (1f1b), 1 (naive).
-Communication per step: m activations of B/m·T·D fp32 forward and m gradients back over each of
-the p-1 stage boundaries: 2(p-1)·m messages, 2(p-1)·4·B·T·D bytes; no collectives.
+activations A_s/m of each micro-batch in flight (A_s: the stage's for the whole batch): 1 in flight
+(naive), m (gpipe), p-s on stage s (1f1b: at most p, whatever m).
+Communication per step: m activations of B/m·T·D fp32 forward and m gradients back over each of the
+p-1 stage boundaries: 2(p-1)·m messages, 4·B·T·D bytes each way per boundary. No collective in
+the step: every message a step sends is received within it (each schedule ends flushed), so the
+loop's collectives (the logged loss's all-reduce, evaluation's) never meet an open send.
 
     torchrun --standalone --nproc_per_node=2 pipeline.py --schedule 1f1b --microbatches 4
     python pipeline.py --nproc 4 --schedule gpipe --microbatches 8
-    python pipeline.py                                         # a world of one: one stage, the whole model
+    python pipeline.py                   # a world of one: one stage, the whole model
 """
 
 import datetime
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -40,22 +50,33 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 
 class Stage(torch.nn.Module):
-    """Rank s of p: blocks s·d/p .. (s+1)·d/p - 1, with the embedding on the first stage and the
-    head on the last. Blocks keep their index in the whole model, so the state_dict has its keys."""
+    """Stage `index` of `num_stages` (s of p): blocks s·d/p .. (s+1)·d/p - 1, with the embedding on
+    the first stage and the head on the last. Blocks keep their index in the whole model, so the
+    stage's state_dict has the common model's keys."""
 
-    def __init__(self, model, s, p):
+    def __init__(self, model, index, num_stages):
         super().__init__()
-        d, self.s, self.p = len(model.blocks), s, p
-        self.embed = model.embed if s == 0 else None
+        self.index = index
+        self.num_stages = num_stages
+        self.is_first = index == 0
+        self.is_last = index == num_stages - 1
+        depth = len(model.blocks)
+        first_block = index * depth // num_stages
+        end_block = (index + 1) * depth // num_stages
+        self.embed = model.embed if self.is_first else None
         self.blocks = torch.nn.ModuleDict(
-            {str(i): model.blocks[i] for i in range(s * d // p, (s + 1) * d // p)}
+            {str(i): model.blocks[i] for i in range(first_block, end_block)}
         )
-        self.head = model.head if s == p - 1 else None
+        self.head = model.head if self.is_last else None
         self.act_shape = tuple(model.embed.pos.shape[1:])  # (T, D): what crosses a stage boundary
 
     def forward(self, x):
-        for layer in [self.embed, *self.blocks.values(), self.head]:
-            x = x if layer is None else layer(x)
+        if self.embed is not None:
+            x = self.embed(x)
+        for block in self.blocks.values():
+            x = block(x)
+        if self.head is not None:
+            x = self.head(x)
         return x
 
 
@@ -64,89 +85,144 @@ def parallelize(model, device):
     return Stage(model, dist.get_rank(), dist.get_world_size()).to(device)
 
 
-def schedule(name, m, p, s):
-    """Stage s's actions for one batch, ("F", i) / ("B", i): `warm` forwards ahead, then one forward
-    one backward, then the backwards left. naive runs none ahead, gpipe all m, 1f1b p-s-1."""
-    warm = {"naive": 0, "gpipe": m}.get(name, min(p - s - 1, m))
-    steady = [a for i in range(m - warm) for a in (("F", warm + i), ("B", i))]
-    return [("F", i) for i in range(warm)] + steady + [("B", i) for i in range(m - warm, m)]
+def schedule(name, micro_batches, num_stages, index):
+    """Stage `index`'s actions for one batch, in order: ("F", i) and ("B", i) for micro-batch i.
+    First `warmup` forwards, then one forward one backward, then the backwards left. 1f1b runs
+    p-s-1 forwards ahead on stage s, what the stages after it need to fill up, so it never holds
+    more than p-s micro-batches in flight; gpipe runs all m ahead; naive none."""
+    if name == "naive":
+        warmup = 0
+    elif name == "gpipe":
+        warmup = micro_batches
+    else:
+        warmup = min(num_stages - index - 1, micro_batches)
+    actions = [("F", i) for i in range(warmup)]
+    for i in range(micro_batches - warmup):
+        actions.append(("F", warmup + i))
+        actions.append(("B", i))
+    actions += [("B", i) for i in range(micro_batches - warmup, micro_batches)]
+    return actions
 
 
 def p2p(ops):
-    """One group of [(dist.isend or dist.irecv, tensor, peer)], waited for together. NCCL runs a rank's
-    groups in order, and a send holds its stream until the peer reaches the matching receive: two
-    neighbours that both send first wait for ever. What must progress together goes in ONE group."""
-    for work in (
-        dist.batch_isend_irecv([dist.P2POp(op, t, peer) for op, t, peer in ops]) if ops else []
-    ):
+    """Post ops = [(dist.isend or dist.irecv, tensor, peer), ...] as ONE group and wait for all of
+    them. NCCL runs a rank's groups in order, and a send holds its stream until the peer posts the
+    matching receive: two neighbours that each send first, in a group of its own, wait for ever.
+    What must progress together goes in one group."""
+    if not ops:
+        return
+    group = [dist.P2POp(op, tensor, peer) for op, tensor, peer in ops]
+    for work in dist.batch_isend_irecv(group):
         work.wait()
 
 
-def train_step(stage, x, y, name, m):
-    """Forward, loss and backward of every micro-batch in the schedule's order: the batch's mean loss
-    on the last stage, 0 elsewhere. One group carries an action's output with the next one's input,
-    as in Megatron-LM and torch.distributed.pipelining (1F1B: send activation i + receive gradient j;
-    send gradient j + receive activation i+1), so no two stages ever both wait to send."""
-    s, p, xs, ys = stage.s, stage.p, x.chunk(m), y.chunk(m)
-    held, loss, sends = {}, torch.zeros((), device=x.device), []
-    for a, i in schedule(name, m, p, s):
-        if a == "F":
-            inp = xs[i] if s == 0 else torch.empty(len(xs[i]), *stage.act_shape, device=x.device)
-            p2p(sends + ([(dist.irecv, inp, s - 1)] if s > 0 else []))
-            out = stage(inp.requires_grad_() if s > 0 else inp)
-            if s == p - 1:  # mean over B/m samples, / m: the mean over the batch
-                out = F.cross_entropy(out, ys[i]) / m
-                loss += out.detach()
-            held[i] = inp, out  # activations kept until micro-batch i's backward
-            sends = [(dist.isend, out.detach(), s + 1)] if s < p - 1 else []
+def train_step(stage, x, y, name, micro_batches):
+    """Forward, loss and backward of every micro-batch in the schedule's order. Returns the batch's
+    mean loss on the last stage, 0 elsewhere.
+
+    An action's output is sent in one group with the next action's input, as Megatron-LM and
+    torch.distributed.pipelining do: in 1F1B's steady state stage s sends activation i while stage
+    s+1 sends gradient j back, and each also receives what the other sends."""
+    inputs = x.chunk(micro_batches)
+    targets = y.chunk(micro_batches)
+    loss = torch.zeros((), device=x.device)
+    kept = {}  # micro-batch -> (its input, its output), kept for its backward
+    sends = []  # the last action's output, which goes out with the next action's receive
+    for action, i in schedule(name, micro_batches, stage.num_stages, stage.index):
+        if action == "F":
+            if stage.is_first:
+                activation = inputs[i]
+                receives = []
+            else:
+                activation = torch.empty(len(inputs[i]), *stage.act_shape, device=x.device)
+                receives = [(dist.irecv, activation, stage.index - 1)]
+            p2p(sends + receives)
+            if not stage.is_first:
+                activation.requires_grad_()  # its gradient is what goes back to stage s-1
+            output = stage(activation)
+            if stage.is_last:  # the mean over B/m samples, / m: the batch's mean
+                output = F.cross_entropy(output, targets[i]) / micro_batches
+                loss += output.detach()
+                sends = []
+            else:
+                sends = [(dist.isend, output.detach(), stage.index + 1)]
+            kept[i] = (activation, output)
         else:
-            inp, out = held.pop(i)
-            grad = torch.empty_like(out) if s < p - 1 else None
-            p2p(sends + ([(dist.irecv, grad, s + 1)] if s < p - 1 else []))
-            out.backward(grad)
-            sends = [(dist.isend, inp.grad, s - 1)] if s > 0 else []
-    p2p(sends)
+            activation, output = kept.pop(i)
+            if stage.is_last:
+                grad = None  # the output is the loss
+                receives = []
+            else:
+                grad = torch.empty_like(output)
+                receives = [(dist.irecv, grad, stage.index + 1)]
+            p2p(sends + receives)
+            output.backward(grad)
+            sends = [] if stage.is_first else [(dist.isend, activation.grad, stage.index - 1)]
+    p2p(sends)  # the last backward's gradient: stage s-1 receives it in its own last backward
     return loss
 
 
 @torch.no_grad()
 def infer(stage, x):
-    """The whole batch through the stages in turn: the logits on the last stage, None on the others."""
-    s, p = stage.s, stage.p
-    x = torch.empty(len(x), *stage.act_shape, device=x.device) if s > 0 else x
-    p2p([(dist.irecv, x, s - 1)] if s > 0 else [])
-    out = stage(x)
-    p2p([(dist.isend, out, s + 1)] if s < p - 1 else [])
-    return out if s == p - 1 else None
+    """The whole batch through the stages in turn: the logits on the last stage, None on the
+    others. A chain (receive, compute, send), so a group of one op each cannot deadlock."""
+    if not stage.is_first:
+        x = torch.empty(len(x), *stage.act_shape, device=x.device)
+        p2p([(dist.irecv, x, stage.index - 1)])
+    output = stage(x)
+    if stage.is_last:
+        return output
+    p2p([(dist.isend, output, stage.index + 1)])
+    return None
 
 
 def full_state_dict(model):
-    """The plain state_dict of the common model, gathered on rank 0 (None elsewhere)."""
+    """The plain state_dict of the common model, gathered on rank 0 (None elsewhere): each stage
+    holds its part under the whole model's keys, so the parts only need merging."""
+    mine = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
     parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object({k: v.detach().cpu() for k, v in model.state_dict().items()}, parts, dst=0)
-    return {k: v for part in parts for k, v in part.items()} if parts else None
+    dist.gather_object(mine, parts, dst=0)
+    if parts is None:
+        return None
+    return {name: tensor for part in parts for name, tensor in part.items()}
 
 
 ### end: Pipeline
 
 
 def formula(psi, world, args):
-    """Rank 0's bytes: its stage's psi parameters; m activations out and m gradients in per step."""
-    k = 8 if args.optim == "adamw" else 4
-    act = (
-        4 * args.batch_size * (common.IMAGE // args.patch) ** 2 * args.dim if world > 1 else 0
-    )  # 4·B·T·D
+    """Rank 0's promises, psi its stage's parameters: its bytes; per step m activations out and m
+    gradients in (B/m·T·D fp32 each); the schedule's idle fraction of the slots; each stage's peak
+    of micro-batches in flight, whose activations it holds."""
+    optim_per_param = 8 if args.optim == "adamw" else 4
+    m = args.microbatches
+    tokens = (common.IMAGE // args.patch) ** 2
+    messages = 4 * args.batch_size * tokens * args.dim if world > 1 else 0  # 4·B·T·D
+    if args.schedule == "naive":
+        bubble = (world - 1) / world
+        bubble_text = "(p-1)/p"
+    else:
+        bubble = (world - 1) / (m + world - 1)
+        bubble_text = "(p-1)/(m+p-1)"
+    in_flight = {
+        "naive": [1] * world,
+        "gpipe": [m] * world,
+        "1f1b": [world - s for s in range(world)],
+    }
     return dict(
         param_bytes=4 * psi,
         grad_bytes=4 * psi,
-        optim_bytes=k * psi,
-        comm=dict(send=act, recv=act),
+        optim_bytes=optim_per_param * psi,
+        comm=dict(send=messages, recv=messages),
+        bubble=bubble,
+        peak_inflight=in_flight[args.schedule],
         notes=dict(
             param_bytes="4Ψ_s: this stage's",
             grad_bytes="4Ψ_s",
-            optim_bytes=f"{k}Ψ_s",
+            optim_bytes=f"{optim_per_param}Ψ_s",
             send="m activations of B/m·T·D fp32",
             recv="m gradients of B/m·T·D fp32",
+            bubble=bubble_text,
         ),
     )
 
@@ -162,58 +238,8 @@ def check_args(args, world):
     )
     common.check(
         args.schedule != "1f1b" or args.microbatches >= world,
-        f"--schedule 1f1b needs at least as many "
-        f"micro-batches as stages: --microbatches {args.microbatches} < {world} stages (or use gpipe)",
-    )
-
-
-def record_order(stage, m):
-    """The first step's forwards and backwards on this stage in the order they ran (measured from outside)."""
-    ran = []
-
-    def hook(module, inputs, out):
-        if out.requires_grad and len(ran) < 2 * m:
-            n = sum(a == "F" for a, _ in ran)
-            ran.append(("F", n))
-            out.register_hook(lambda grad: ran.append(("B", n)))
-
-    stage.register_forward_hook(hook)
-    return ran
-
-
-def show_schedule(stages, args):
-    """Rank 0: the recorded orders replayed one slot per F or B, each after its input (F i on stage
-    s after F i on s-1, B i after B i on s+1): the picture, the idle fraction, the peak in flight."""
-    orders, slot, p, m = [st["order"] for st in stages], {}, len(stages), args.microbatches
-    for _ in range(sum(map(len, orders))):  # relax until every slot is its longest path
-        for s, o in enumerate(orders):
-            for k, (a, i) in enumerate(o):
-                dep = slot.get((s - 1 if a == "F" else s + 1, a, i), -1)
-                slot[(s, a, i)] = max(dep, slot.get((s, *o[k - 1]), -1) if k else -1) + 1
-    cells, total = {(s, t): f"{a}{i}" for (s, a, i), t in slot.items()}, max(slot.values()) + 1
-    bubble, want = (
-        1 - len(slot) / (p * total),
-        (p - 1) / p if args.schedule == "naive" else (p - 1) / (m + p - 1),
-    )
-    peaks = [
-        max(sum(1 if a == "F" else -1 for a, _ in o[: k + 1]) for k in range(len(o)))
-        for o in orders
-    ]
-    common.log(
-        f"\nschedule {args.schedule}, {p} stages, {m} micro-batches, as run (one slot per F or B):"
-    )
-    common.log(
-        "\n".join(
-            f"  rank {s}:  "
-            + "".join(cells.get((s, t), ".").ljust(len(str(m)) + 2) for t in range(total)).rstrip()
-            for s in range(p)
-        )
-    )
-    common.log(
-        f"  bubble {bubble:.3f} of the slots (formula {want:.3f}), peak micro-batches in flight {peaks}"
-    )
-    return dict(
-        schedule=args.schedule, microbatches=m, bubble=bubble, peak_inflight=peaks, stages=stages
+        "--schedule 1f1b needs at least as many micro-batches as stages: "
+        f"--microbatches {args.microbatches} < {world} stages (or use gpipe)",
     )
 
 
@@ -263,9 +289,7 @@ def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
         for i, (x, y) in enumerate(bar):
             x = x.to(device, non_blocking=True)
             y = y.to(device, non_blocking=True)
-            loss = train_step(
-                model, x, y, args.schedule, args.microbatches
-            )  # forward, loss, backward
+            loss = train_step(model, x, y, args.schedule, args.microbatches)  # F, loss, B
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -292,12 +316,9 @@ def evaluate(model, loader, device):
     counts = torch.zeros(2, dtype=torch.long, device=device)
     for x, y, keep in loader:
         x, y, keep = x.to(device), y.to(device), keep.to(device)
-        logits = infer(model, x)  # stage to stage: the logits on the last, None elsewhere
-        counts += (
-            torch.stack([((logits.argmax(1) == y) & keep).sum(), keep.sum()])
-            if logits is not None
-            else 0
-        )
+        logits = infer(model, x)  # stage to stage: the logits on the last stage, None elsewhere
+        if logits is not None:
+            counts += torch.stack([((logits.argmax(1) == y) & keep).sum(), keep.sum()])
     dist.all_reduce(counts)
     return counts[0].item() / max(counts[1].item(), 1)
 
@@ -328,7 +349,9 @@ def run(args):
             len(loader) > 0,
             f"{len(train_set)} training samples make no full batch of {args.batch_size}",
         )
-        model = common.build_model(args)  # the same seeded weights on every rank
+        # the same seeded weights on every rank; a micro-batch's loss (and its MoE balance
+        # loss) is divided by the micro-batch count
+        model = common.build_model(args, forwards_per_step=args.microbatches)
         if args.load:
             model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
         psi = sum(p.numel() for p in model.parameters())
@@ -336,29 +359,23 @@ def run(args):
         optimizer = common.make_optimizer(model.parameters(), args)
         scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
         common.log(
-            f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data ({len(train_set)} train / "
-            f"{len(test_set)} test), batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
+            f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data "
+            f"({len(train_set)} train / {len(test_set)} test), "
+            f"batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
         )
-        ran = record_order(model, args.microbatches)
+        recorder = common.record_pipeline_order(model, args.microbatches)
         with common.Meter(model, optimizer, args) as meter:
             out = train(model, optimizer, scheduler, loader, sampler, args, device)
-        acc = evaluate(
-            model,
-            common.test_loader(test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"),
-            device,
+        test_loader = common.test_loader(
+            test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"
         )
+        acc = evaluate(model, test_loader, device)
         state = full_state_dict(model)  # every rank takes part; rank 0 holds the whole
         if rank == 0 and args.save:
             common.save_checkpoint(state, args.save)
             common.log(f"saved {args.save}")
-        stages = (
-            [None] * world if rank == 0 else None
-        )  # each stage's measured bytes and order, on rank 0
-        dist.gather_object(
-            dict(meter.mem, comm=meter.comm()[0], comm_calls=meter.comm()[1], order=ran),
-            stages,
-            dst=0,
-        )
+        promised = formula(sum(p.numel() for p in model.parameters()), world, args)  # Ψ_s
+        timeline = common.pipeline_timeline(recorder, meter, promised)  # every rank: a gather
         common.report(
             SCRIPT,
             args,
@@ -370,8 +387,8 @@ def run(args):
             out,
             acc,
             meter,
-            formula(sum(q.numel() for q in model.parameters()), world, args),
-            **(show_schedule(stages, args) if rank == 0 else {}),
+            promised,
+            **timeline,
         )
     finally:
         cleanup()

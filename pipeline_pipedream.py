@@ -1,16 +1,24 @@
-"""PipeDream's asynchronous 1F1B with weight stashing (Narayanan et al. 2019), written out: pipeline.py's
-stages, with no flush. The micro-batches of all batches are one stream; stage s keeps w = p-s-1 of them
-in flight across batch boundaries, and after each backward takes an optimizer step with that one micro-
-batch's gradient (its mean loss). Not one process's training, by design: micro-batch j's forward on stage
-s uses the weights after j-w updates (version max(0, j-w)), and its backward -- w updates later -- uses
-those same weights, stashed at the forward (weight stashing), while the update goes to the current ones.
+"""PipeDream's asynchronous 1F1B with weight stashing (Narayanan et al. 2019), written out:
+pipeline.py's stages with no flush. The micro-batches of all batches are one stream; stage s keeps
+w = p-s-1 of them in flight across batch boundaries and takes an optimizer step after each
+backward, with that one micro-batch's gradient (of its mean loss). Not one process's training, by
+design: micro-batch j's forward on stage s runs on the weights after max(0, j-w) updates, and its
+backward, w updates later, goes through those same weights, stashed at the forward (weight
+stashing), while the update goes to the current ones.
 
-    rank 0:  F0 F1 .  B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 ..    p=2, m=4: batch 2's F4 F5 .. fill batch 1's
-    rank 1:  .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 ..    cool-down; an update after every B
+p=2, m=4, a slot per forward F j and two per backward B j of micro-batch j of the stream, '.' idle:
 
-Idle: (p-1) slots at the start of training and at its end only; every stage busy in between. Memory per
-rank: 16Ψ_s bytes plus p-s stashed weight versions (4Ψ_s each) and the activations of p-s micro-batches.
-Per step, m activations of B/m·T·D fp32 forward and m gradients back over each stage boundary.
+    rank 0:  F0 F1 .  .  B0 B0 F2 B1 B1 F3 B2 B2 F4 B3 B3 F5 B4 B4 ..   batch 2's F4 F5 .. run in
+    rank 1:  .  F0 B0 B0 F1 B1 B1 F2 B2 B2 F3 B3 B3 F4 B4 B4 F5 B5 ..   batch 1's cool-down
+
+Idle slots: p-1 forwards' and backwards' worth at the start of training and at its end, none in
+between (slots of equal length: on a GPU a stage still waits for a slower neighbour).
+Memory per rank (fp32, AdamW): 16Ψ_s bytes plus up to p-s stashed weight versions (4Ψ_s each) and
+the activations of p-s micro-batches. Communication per step: m activations of B/m·T·D fp32
+forward and m gradients back over each stage boundary. The gradient stage s sends after a batch's
+last backward is taken by stage s-1 only in its next step: it goes out with stage s's first
+receive of that step, so no send is open while the loop runs a collective between steps (the
+logged loss's all-reduce, at an epoch's end too); the run's last batch drains the stream.
 
     torchrun --standalone --nproc_per_node=2 pipeline_pipedream.py --microbatches 4 --optim sgd
     diff -u pipeline.py pipeline_pipedream.py                 # what asynchrony and the stash change
@@ -18,7 +26,6 @@ Per step, m activations of B/m·T·D fp32 forward and m gradients back over each
 
 import datetime
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -36,24 +43,36 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 
 class Stage(torch.nn.Module):
-    """Rank s of p: blocks s·d/p .. (s+1)·d/p - 1, with the embedding on the first stage and the
-    head on the last. Blocks keep their index in the whole model, so the state_dict has its keys."""
+    """Stage `index` of `num_stages` (s of p): blocks s·d/p .. (s+1)·d/p - 1, with the embedding on
+    the first stage and the head on the last. Blocks keep their index in the whole model, so the
+    stage's state_dict has the common model's keys."""
 
-    def __init__(self, model, s, p):
+    def __init__(self, model, index, num_stages):
         super().__init__()
-        d, self.s, self.p = len(model.blocks), s, p
-        self.embed = model.embed if s == 0 else None
+        self.index = index
+        self.num_stages = num_stages
+        self.is_first = index == 0
+        self.is_last = index == num_stages - 1
+        depth = len(model.blocks)
+        first_block = index * depth // num_stages
+        end_block = (index + 1) * depth // num_stages
+        self.embed = model.embed if self.is_first else None
         self.blocks = torch.nn.ModuleDict(
-            {str(i): model.blocks[i] for i in range(s * d // p, (s + 1) * d // p)}
+            {str(i): model.blocks[i] for i in range(first_block, end_block)}
         )
-        self.head = model.head if s == p - 1 else None
+        self.head = model.head if self.is_last else None
         self.act_shape = tuple(model.embed.pos.shape[1:])  # (T, D): what crosses a stage boundary
         self.seen = 0  # micro-batches fed to the stream so far
-        self.pending = []  # the last backward's gradient send, which stage s-1 takes in its next step
+        self.kept = {}  # micro-batch -> (input, output, stashed weights) until its backward
+        self.pending = []  # the last step's closing send, which stage s-1 takes in the next step
 
     def forward(self, x):
-        for layer in [self.embed, *self.blocks.values(), self.head]:
-            x = x if layer is None else layer(x)
+        if self.embed is not None:
+            x = self.embed(x)
+        for block in self.blocks.values():
+            x = block(x)
+        if self.head is not None:
+            x = self.head(x)
         return x
 
 
@@ -62,100 +81,143 @@ def parallelize(model, device):
     return Stage(model, dist.get_rank(), dist.get_world_size()).to(device)
 
 
+def schedule(micro_batches, num_stages, index, seen, final):
+    """Stage `index`'s actions on this batch, micro-batches seen .. seen+m-1 of the stream, in
+    order: ("F", j) then ("B", j-w), w = p-s-1 the micro-batches stage s keeps in flight (across
+    batches too); the final batch then drains the w it still holds."""
+    in_flight = num_stages - index - 1
+    end = seen + micro_batches
+    actions = []
+    for j in range(seen, end):
+        actions.append(("F", j))
+        if j >= in_flight:
+            actions.append(("B", j - in_flight))
+    if final:
+        actions += [("B", j) for j in range(max(end - in_flight, 0), end)]
+    return actions
+
+
 def p2p(ops):
-    """One group of [(dist.isend or dist.irecv, tensor, peer)], waited for together. NCCL runs a rank's
-    groups in order, and a send holds its stream until the peer reaches the matching receive: two
-    neighbours that both send first wait for ever. What must progress together goes in ONE group."""
-    for work in (
-        dist.batch_isend_irecv([dist.P2POp(op, t, peer) for op, t, peer in ops]) if ops else []
-    ):
+    """Post ops = [(dist.isend or dist.irecv, tensor, peer), ...] as ONE group and wait for all of
+    them. NCCL runs a rank's groups in order, and a send holds its stream until the peer posts the
+    matching receive: two neighbours that each send first, in a group of its own, wait for ever.
+    What must progress together goes in one group."""
+    if not ops:
+        return
+    group = [dist.P2POp(op, tensor, peer) for op, tensor, peer in ops]
+    for work in dist.batch_isend_irecv(group):
         work.wait()
 
 
-def train_step(stage, x, y, m, optimizer, final=False):
-    """This batch's m micro-batches into the stream: F j then B j-w (w = p-s-1), B on the micro-batches the
-    last batches left in flight too; final drains the rest. F j runs on a copy of the weights (the stash);
-    B j's gradient, taken on that copy, goes into .grad and the optimizer steps: one update per micro-batch.
-    Returns the sum of this batch's micro-batch mean losses / m on the last stage (0 elsewhere)."""
-    s, p, xs, ys, w = stage.s, stage.p, x.chunk(m), y.chunk(m), stage.p - stage.s - 1
-    held, loss, sends, j0 = (
-        stage.__dict__.setdefault("held", {}),
-        torch.zeros((), device=x.device),
-        stage.pending,
-        stage.seen,
-    )
-    order = [a for j in range(j0, j0 + m) for a in (("F", j), ("B", j - w)) if a[1] >= 0]
-    stage.seen += m
-    for a, j in order + ([("B", j) for j in range(max(j0 + m - w, 0), j0 + m)] if final else []):
-        if a == "F":
-            inp = (
-                xs[j - j0]
-                if s == 0
-                else torch.empty(len(xs[j - j0]), *stage.act_shape, device=x.device)
-            )
-            p2p(sends + ([(dist.irecv, inp, s - 1)] if s > 0 else []))
-            stash = {n: q.detach().clone().requires_grad_() for n, q in stage.named_parameters()}
-            out = torch.func.functional_call(
-                stage, stash, (inp.requires_grad_() if s > 0 else inp,)
-            )
-            if s == p - 1:  # the mean over the micro-batch's B/m samples: its own step
-                out = F.cross_entropy(out, ys[j - j0])
-                loss += out.detach() / m
-            held[j] = inp, out, stash  # activations and weights kept until micro-batch j's backward
-            sends = [(dist.isend, out.detach(), s + 1)] if s < p - 1 else []
+def train_step(stage, x, y, micro_batches, optimizer, final=False):
+    """This batch's m micro-batches into the stream, in the schedule's order: each forward on a copy
+    of the weights (the stash), each backward through that copy, its gradient into .grad and an
+    optimizer step: one update per micro-batch. Returns the sum of this batch's micro-batch mean
+    losses / m on the last stage, 0 elsewhere. Sends are paired with receives as in pipeline.py."""
+    inputs = x.chunk(micro_batches)
+    targets = y.chunk(micro_batches)
+    loss = torch.zeros((), device=x.device)
+    first = stage.seen  # this batch's first micro-batch, numbered in the stream
+    actions = schedule(micro_batches, stage.num_stages, stage.index, first, final)
+    stage.seen += micro_batches
+    sends = stage.pending  # the last step's closing gradient, which stage s-1 takes now
+    for action, j in actions:
+        if action == "F":
+            if stage.is_first:
+                activation = inputs[j - first]
+                receives = []
+            else:
+                activation = torch.empty(len(inputs[j - first]), *stage.act_shape, device=x.device)
+                receives = [(dist.irecv, activation, stage.index - 1)]
+            p2p(sends + receives)
+            if not stage.is_first:
+                activation.requires_grad_()  # its gradient is what goes back to stage s-1
+            # The weights as they are now, copied: the backward, w updates later, goes through them.
+            stash = {
+                name: parameter.detach().clone().requires_grad_()
+                for name, parameter in stage.named_parameters()
+            }
+            output = torch.func.functional_call(stage, stash, (activation,))
+            if stage.is_last:  # the mean over the micro-batch's B/m samples: its own update
+                output = F.cross_entropy(output, targets[j - first])
+                loss += output.detach() / micro_batches
+                sends = []
+            else:
+                sends = [(dist.isend, output.detach(), stage.index + 1)]
+            stage.kept[j] = (activation, output, stash)
         else:
-            inp, out, stash = held.pop(j)
-            grad = torch.empty_like(out) if s < p - 1 else None
-            p2p(sends + ([(dist.irecv, grad, s + 1)] if s < p - 1 else []))
-            out.backward(grad)  # through the stashed weights of micro-batch j's forward
-            for n, q in stage.named_parameters():
-                q.grad = stash[n].grad
-            optimizer.step()  # this stage's weights move on; the stash stays as it was
+            activation, output, stash = stage.kept.pop(j)
+            if stage.is_last:
+                grad = None  # the output is the loss
+                receives = []
+            else:
+                grad = torch.empty_like(output)
+                receives = [(dist.irecv, grad, stage.index + 1)]
+            p2p(sends + receives)
+            output.backward(grad)  # through the weights micro-batch j's forward used
+            for name, parameter in stage.named_parameters():
+                parameter.grad = stash[name].grad
+            optimizer.step()  # the stage's weights move on; the stash is dropped with j
             optimizer.zero_grad(set_to_none=True)
-            sends = [(dist.isend, inp.grad, s - 1)] if s > 0 else []
-    # Stage s-1 takes the last backward's gradient only in its next step, after its next forward: post
-    # that send with this stage's first receive of the next step, so that no send is left waiting while
-    # the loop runs a collective between steps (NCCL and Gloo would both hang there).
-    stage.pending = sends if a == "B" and not final else []
-    p2p([] if stage.pending else sends)
+            sends = [] if stage.is_first else [(dist.isend, activation.grad, stage.index - 1)]
+    # A last forward's activation is received by stage s+1 in this step, and so is everything in
+    # the final (draining) step. A last backward's gradient is received by stage s-1 only in its
+    # next step, after its next forward: it waits for this stage's first group of that step, so
+    # that no send is open while the loop runs a collective between steps (NCCL and Gloo would
+    # both hang there: stage s-1 in the all-reduce, stage s in its send).
+    if actions[-1][0] == "B" and not final:
+        stage.pending = sends
+    else:
+        stage.pending = []
+        p2p(sends)
     return loss
 
 
 @torch.no_grad()
 def infer(stage, x):
-    """The whole batch through the stages in turn: the logits on the last stage, None on the others."""
-    s, p = stage.s, stage.p
-    x = torch.empty(len(x), *stage.act_shape, device=x.device) if s > 0 else x
-    p2p([(dist.irecv, x, s - 1)] if s > 0 else [])
-    out = stage(x)
-    p2p([(dist.isend, out, s + 1)] if s < p - 1 else [])
-    return out if s == p - 1 else None
+    """The whole batch through the stages in turn: the logits on the last stage, None on the
+    others. A chain (receive, compute, send), so a group of one op each cannot deadlock."""
+    if not stage.is_first:
+        x = torch.empty(len(x), *stage.act_shape, device=x.device)
+        p2p([(dist.irecv, x, stage.index - 1)])
+    output = stage(x)
+    if stage.is_last:
+        return output
+    p2p([(dist.isend, output, stage.index + 1)])
+    return None
 
 
 def full_state_dict(model):
-    """The plain state_dict of the common model, gathered on rank 0 (None elsewhere)."""
+    """The plain state_dict of the common model, gathered on rank 0 (None elsewhere): each stage
+    holds its part under the whole model's keys, so the parts only need merging."""
+    mine = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
     parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object({k: v.detach().cpu() for k, v in model.state_dict().items()}, parts, dst=0)
-    return {k: v for part in parts for k, v in part.items()} if parts else None
+    dist.gather_object(mine, parts, dst=0)
+    if parts is None:
+        return None
+    return {name: tensor for part in parts for name, tensor in part.items()}
 
 
 ### end: Pipeline
 
 
 def formula(psi, world, args):
-    """Rank 0's bytes: its stage's psi parameters (the stashed copies come and go with the micro-batches).
-    The Meter's steps are optimizer steps, one per micro-batch here: no per-batch promise for its bytes."""
-    k = 8 if args.optim == "adamw" else 4
+    """Rank 0's promises, psi its stage's parameters: its bytes (the stashed copies come and go
+    with the micro-batches); over the first two batches, the idle fraction of one 1F1B over 2m
+    micro-batches (no flush between them) and p-s micro-batches in flight on stage s."""
+    optim_per_param = 8 if args.optim == "adamw" else 4
+    m = args.microbatches
     return dict(
         param_bytes=4 * psi,
         grad_bytes=4 * psi,
-        optim_bytes=k * psi,
+        optim_bytes=optim_per_param * psi,
+        bubble=(world - 1) / (2 * m + world - 1),
+        peak_inflight=[world - s for s in range(world)],
         notes=dict(
             param_bytes="4Ψ_s: this stage's",
             grad_bytes="4Ψ_s",
-            optim_bytes=f"{k}Ψ_s",
-            send="an activation of B/m·T·D fp32 per micro-batch",
-            recv="a gradient per micro-batch",
+            optim_bytes=f"{optim_per_param}Ψ_s",
+            bubble="(p-1)/(2m+p-1)",
         ),
     )
 
@@ -169,40 +231,6 @@ def check_args(args, world):
         args.batch_size % args.microbatches == 0,
         f"--batch-size {args.batch_size} is not divisible by --microbatches {args.microbatches}",
     )
-
-
-def record_versions(stage, optimizer, n):
-    """Per micro-batch j < n on this stage, measured from outside: how many optimizer steps the stage had
-    taken when j's forward ran (the version stashed) and when j's backward began; and their order."""
-    steps, fwd, bwd, ran = [0], {}, {}, []
-    optimizer.register_step_post_hook(lambda *_: steps.__setitem__(0, steps[0] + 1))
-
-    def hook(module, inputs, out):
-        j = len(fwd)
-        if out.requires_grad and j < n:
-            fwd[j] = steps[0]
-            ran.append(("F", j, 0))
-            out.register_hook(lambda grad: bwd.__setitem__(j, steps[0]) or ran.append(("B", j, 0)))
-
-    stage.register_forward_hook(hook)
-    return lambda: dict(
-        fwd=[fwd[j] for j in sorted(fwd)], bwd=[bwd[j] for j in sorted(bwd)], order=ran
-    )
-
-
-def show_schedule(stages, args):
-    """Rank 0: the first two batches' forwards and backwards as run, replayed one slot per F, two per B (as
-    if training stopped there): no flush between them, so the idle fraction is one 1F1B's over 2m."""
-    p, m = len(stages), args.microbatches
-    picture, bubble, peaks = common.pipeline_timeline(
-        [[tuple(a) for a in st["versions"]["order"]] for st in stages], dict(F=1, B=2)
-    )
-    common.log(
-        f"\nPipeDream, {p} stages, the first two batches of {m} micro-batches as run (one slot per F, two "
-        f"per B):\n{picture}\n  bubble {bubble:.3f} of the slots (formula (p-1)/(2m+p-1) = "
-        f"{(p - 1) / (2 * m + p - 1):.3f}), peak micro-batches in flight {peaks}"
-    )
-    return dict(microbatches=m, bubble=bubble, peak_inflight=peaks, stages=stages)
 
 
 def setup(args):
@@ -251,14 +279,10 @@ def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
         for i, (x, y) in enumerate(bar):
             x = x.to(device, non_blocking=True)
             y = y.to(device, non_blocking=True)
-            final = step + 1 >= stop or (
-                epoch + 1 == args.epochs and i + 1 == len(loader)
-            )  # drain the pipeline
-            loss = train_step(
-                model, x, y, args.microbatches, optimizer, final
-            )  # with an update per micro-batch
+            # the run's last batch drains the pipeline
+            final = step + 1 >= stop or (epoch + 1 == args.epochs and i + 1 == len(loader))
+            loss = train_step(model, x, y, args.microbatches, optimizer, final)  # m updates
             scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
             step += 1
             loss_sum += loss.detach()
             losses_summed += 1
@@ -282,12 +306,9 @@ def evaluate(model, loader, device):
     counts = torch.zeros(2, dtype=torch.long, device=device)
     for x, y, keep in loader:
         x, y, keep = x.to(device), y.to(device), keep.to(device)
-        logits = infer(model, x)  # stage to stage: the logits on the last, None elsewhere
-        counts += (
-            torch.stack([((logits.argmax(1) == y) & keep).sum(), keep.sum()])
-            if logits is not None
-            else 0
-        )
+        logits = infer(model, x)  # stage to stage: the logits on the last stage, None elsewhere
+        if logits is not None:
+            counts += torch.stack([((logits.argmax(1) == y) & keep).sum(), keep.sum()])
     dist.all_reduce(counts)
     return counts[0].item() / max(counts[1].item(), 1)
 
@@ -318,7 +339,9 @@ def run(args):
             len(loader) > 0,
             f"{len(train_set)} training samples make no full batch of {args.batch_size}",
         )
-        model = common.build_model(args)  # the same seeded weights on every rank
+        # the same seeded weights on every rank; a micro-batch's loss (and its MoE balance
+        # loss) is divided by the micro-batch count
+        model = common.build_model(args, forwards_per_step=args.microbatches)
         if args.load:
             model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
         psi = sum(p.numel() for p in model.parameters())
@@ -326,29 +349,24 @@ def run(args):
         optimizer = common.make_optimizer(model.parameters(), args)
         scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
         common.log(
-            f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data ({len(train_set)} train / "
-            f"{len(test_set)} test), batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
+            f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data "
+            f"({len(train_set)} train / {len(test_set)} test), "
+            f"batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
         )
-        versions = record_versions(model, optimizer, 2 * args.microbatches)
+        # the first two batches: their orders, and the weight versions each F and B used
+        recorder = common.record_pipeline_order(model, 2 * args.microbatches, optimizer)
         with common.Meter(model, optimizer, args) as meter:
             out = train(model, optimizer, scheduler, loader, sampler, args, device)
-        acc = evaluate(
-            model,
-            common.test_loader(test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"),
-            device,
+        test_loader = common.test_loader(
+            test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"
         )
+        acc = evaluate(model, test_loader, device)
         state = full_state_dict(model)  # every rank takes part; rank 0 holds the whole
         if rank == 0 and args.save:
             common.save_checkpoint(state, args.save)
             common.log(f"saved {args.save}")
-        stages = (
-            [None] * world if rank == 0 else None
-        )  # each stage's measured bytes and order, on rank 0
-        dist.gather_object(
-            dict(meter.mem, comm=meter.comm()[0], comm_calls=meter.comm()[1], versions=versions()),
-            stages,
-            dst=0,
-        )
+        promised = formula(sum(p.numel() for p in model.parameters()), world, args)  # Ψ_s
+        timeline = common.pipeline_timeline(recorder, meter, promised)  # every rank: a gather
         common.report(
             SCRIPT,
             args,
@@ -360,8 +378,8 @@ def run(args):
             out,
             acc,
             meter,
-            formula(sum(q.numel() for q in model.parameters()), world, args),
-            **(show_schedule(stages, args) if rank == 0 else {}),
+            promised,
+            **timeline,
         )
     finally:
         cleanup()

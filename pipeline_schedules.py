@@ -1,28 +1,42 @@
 """Pipeline schedules past 1F1B, written out: pipeline.py's stages and paired point-to-point, with
---schedule interleaved (Megatron-LM, Narayanan et al. 2021): rank s holds V chunks, global chunks s,
-s+p, ... of the blocks cut into V·p, so a micro-batch crosses the ranks V times and the fill and drain
-cost a V-th; zb-h1 (Zero Bubble, Qi et al. 2024): each backward split into B, the input's gradient
-(the previous rank waits for it), and W, the weight gradients (nothing waits), Ws where 1F1B idles.
+--schedule interleaved (Megatron-LM, Narayanan et al. 2021): each rank holds V chunks, rank s the
+global chunks s, s+p, .., s+(V-1)p of the blocks cut into V·p, so a micro-batch crosses the ranks V
+times and the fill and drain cost a V-th; and zb-h1 (Zero Bubble, Qi et al. 2024): each backward
+split into B, the input's gradient (the previous stage waits for it), and W, the weights' gradients
+(nothing waits for them), the Ws moved into the slots where 1F1B idles.
 
-    rank 0:  F0 F1 .  B0 W0 F2 B1 W1 F3 B2 W2 B3 W3         zb-h1, p=2, m=4: one slot per F, B or W
-    rank 1:  .  F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3         (1f1b's whole backward takes two)
+    rank 0: chunks 0, p, 2p, ..    rank 1: chunks 1, p+1, ..    ..    rank p-1: chunks p-1, 2p-1, ..
+    a micro-batch: chunk 0 on rank 0 -> chunk 1 on rank 1 -> .. -> chunk p on rank 0 -> ..
 
-Idle: 1f1b (p-1)/(m+p-1) (pipeline.py's); interleaved (p-1)/(V·m+p-1); zb-h1 (p-1)/(3m+p-1): ZB's
-(p-1)(F+B-W) per rank next to 3m busy slots, a third of 1f1b's. All synchronous: exact.
-Here W goes back through the graph B kept (backward to the parameters): about a whole backward.
-Memory per rank (fp32, AdamW): 16Ψ_s bytes for its Ψ_s parameters plus the activations in flight: p-s
-micro-batches on stage s (1f1b); 2(p-s-1) + (V-1)·p + 1 chunks of 1/V stage (interleaved); p (zb-h1,
-1f1b's peak). Per step, m activations of B/m·T·D fp32 forward and m gradients back over each of the
-V·p-1 chunk boundaries (interleaved: V times 1f1b's messages); no collectives.
+The schedules, p=2, m=4: a slot per forward F i and per B or W, two per whole backward, '.' idle;
+F3' is micro-batch 3 in the rank's second chunk (interleaved V=2, each chunk half a stage's work).
 
-    torchrun --standalone --nproc_per_node=4 pipeline_schedules.py --schedule interleaved --virtual-stages 2 --depth 8
+    1f1b          rank 0:  F0 F1 .  .  B0 B0 F2 B1 B1 F3 B2 B2 .  B3 B3
+                  rank 1:  .  F0 B0 B0 F1 B1 B1 F2 B2 B2 F3 B3 B3 .  .
+    zb-h1         rank 0:  F0 F1 .  B0 W0 F2 B1 W1 F3 B2 W2 B3 W3
+                  rank 1:  .  F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3
+    interleaved   rank 0:  F0  F1  F0' F1' F2  .   B0' B0' F3  B1' B1' F2' B0  B0  F3' B1  B1  ..
+                  rank 1:  .   F0  F1  F0' B0' B0' F1' B1' B1' F2  B0  B0  F3  B1  B1  F2' B2' ..
+
+Idle (the bubble): 1f1b (p-1)/(m+p-1) (pipeline.py's); interleaved (p-1)/(V·m+p-1); zb-h1
+(p-1)/(3m+p-1): ZB's (p-1)(F+B-W) per rank next to 3m busy slots, a third of 1f1b's. All are
+synchronous: exact. Here W goes back through the graph B kept (backward to the parameters), which
+costs about a whole backward; a production W keeps B's intermediate gradients.
+
+Memory per rank (fp32, AdamW): 16Ψ_s bytes for its Ψ_s parameters plus the activations in flight:
+p-s micro-batches on stage s (1f1b); 2(p-s-1) + (V-1)·p + 1 chunks, a V-th of a stage each
+(interleaved); p on every stage (zb-h1, 1f1b's peak). Communication per step: m activations of
+B/m·T·D fp32 forward and m gradients back over each of the V·p-1 chunk boundaries (interleaved: V
+times 1f1b's messages). Every message a step sends is received within it, as in pipeline.py.
+
+    torchrun --standalone --nproc_per_node=4 pipeline_schedules.py --schedule interleaved \\
+        --virtual-stages 2 --depth 8
     torchrun --standalone --nproc_per_node=4 pipeline_schedules.py --schedule zb-h1 --microbatches 8
     diff -u pipeline.py pipeline_schedules.py                 # what the schedules change
 """
 
 import datetime
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -40,217 +54,281 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 
 class Stage(torch.nn.Module):
-    """Rank s of p: its chunk v is global chunk c = v·p + s of C = V·p (blocks c·d/C .. (c+1)·d/C - 1),
-    the embedding before chunk 0 and the head after chunk C-1. Blocks keep their index in the model."""
+    """Stage `index` of `num_stages` (s of p), holding `num_chunks` (V) chunks: its chunk v is
+    global chunk c = v·p + s of the C = V·p the blocks are cut into (blocks c·d/C .. (c+1)·d/C - 1),
+    with the embedding before global chunk 0 and the head after chunk C-1. Blocks keep their index
+    in the whole model, so the stage's state_dict has the common model's keys."""
 
-    def __init__(self, model, s, p, V=1):
+    def __init__(self, model, index, num_stages, num_chunks=1):
         super().__init__()
-        d, C, self.s, self.p, self.V = len(model.blocks), V * p, s, p, V
-        self.embed = model.embed if s == 0 else None
-        self.chunks = [range(c * d // C, (c + 1) * d // C) for c in range(s, C, p)]
+        self.index = index
+        self.num_stages = num_stages
+        self.num_chunks = num_chunks
+        self.is_first = index == 0
+        self.is_last = index == num_stages - 1
+        self.next_rank = (index + 1) % num_stages  # F sends to global chunk c+1, there
+        self.previous_rank = (index - 1) % num_stages  # B sends to global chunk c-1, there
+        depth = len(model.blocks)
+        global_chunks = num_chunks * num_stages
+        self.chunks = []  # per chunk of this stage: its blocks' indices
+        for c in range(index, global_chunks, num_stages):
+            self.chunks.append(range(c * depth // global_chunks, (c + 1) * depth // global_chunks))
+        self.embed = model.embed if self.is_first else None
         self.blocks = torch.nn.ModuleDict(
             {str(i): model.blocks[i] for chunk in self.chunks for i in chunk}
         )
-        self.head = model.head if s == p - 1 else None
+        self.head = model.head if self.is_last else None
         self.act_shape = tuple(model.embed.pos.shape[1:])  # (T, D): what crosses a chunk boundary
 
-    def forward(self, x, v=0):
-        c = v * self.p + self.s
-        for layer in [
-            self.embed if c == 0 else None,
-            *(self.blocks[str(i)] for i in self.chunks[v]),
-            self.head if c == self.V * self.p - 1 else None,
-        ]:
-            x = x if layer is None else layer(x)
+    def is_first_chunk(self, chunk):
+        return self.is_first and chunk == 0
+
+    def is_last_chunk(self, chunk):
+        return self.is_last and chunk == self.num_chunks - 1
+
+    def forward(self, x, chunk=0):
+        if self.is_first_chunk(chunk):
+            x = self.embed(x)
+        for i in self.chunks[chunk]:
+            x = self.blocks[str(i)](x)
+        if self.is_last_chunk(chunk):
+            x = self.head(x)
         return x
 
 
-def parallelize(model, device, V=1):
+def parallelize(model, device, num_chunks=1):
     """Keep this rank's chunks, on its device; the rest of the model is dropped."""
-    return Stage(model, dist.get_rank(), dist.get_world_size(), V).to(device)
+    return Stage(model, dist.get_rank(), dist.get_world_size(), num_chunks).to(device)
 
 
-def schedule(name, m, p, s, V=1):
-    """Rank s's (F|B|W, micro-batch, chunk) for one batch, in steps. 1f1b: p-s-1 forwards ahead, then one
-    forward one backward, then the rest. zb-h1: 1f1b, W of micro-batch k-s after the k-th B, the rest at
-    the end. interleaved (Megatron): the forwards in groups of p micro-batches, chunk by chunk, 2(p-s-1) +
-    (V-1)·p of them ahead, then steps of one F and one B (the same order, chunks reversed)."""
+def schedule(name, micro_batches, num_stages, index, num_chunks=1):
+    """Stage `index`'s steps for one batch: lists of actions (F | B | W, micro-batch, chunk), whose
+    sends go out in one group with the next step's receives. 1f1b as in pipeline.py, one action a
+    step; zb-h1 is 1f1b with a W after each B; interleaved has its own order."""
     if name == "interleaved":
-        fwd = [(k // (p * V) * p + k % p, k % (p * V) // p) for k in range(m * V)]
-        bwd, warm = (
-            [(i, V - 1 - v) for i, v in fwd],
-            m * V if m == p else min(2 * (p - s - 1) + (V - 1) * p, m * V),
-        )
-        return (
-            [[("F", *f)] for f in fwd[:warm]]
-            + [[("F", *f), ("B", *b)] for f, b in zip(fwd[warm:], bwd)]
-            + [[("B", *b)] for b in bwd[m * V - warm :]]
-        )
-    warm = min(p - s - 1, m)
-    order = [("F", i, 0) for i in range(warm)] + [
-        a for i in range(m - warm) for a in (("F", warm + i, 0), ("B", i, 0))
-    ]
-    order += [("B", i, 0) for i in range(m - warm, m)]
-    for j, k in reversed(
-        list(enumerate([k for k, a in enumerate(order) if a[0] == "B"][s:]))
-        if name == "zb-h1"
-        else []
-    ):
-        order.insert(k + 1, ("W", j, 0))
-    return [
-        [a] for a in order + ([("W", i, 0) for i in range(m - s, m)] if name == "zb-h1" else [])
-    ]
+        return interleaved(micro_batches, num_stages, index, num_chunks)
+    warmup = min(num_stages - index - 1, micro_batches)
+    actions = [("F", i, 0) for i in range(warmup)]
+    for i in range(micro_batches - warmup):
+        actions.append(("F", warmup + i, 0))
+        actions.append(("B", i, 0))
+    actions += [("B", i, 0) for i in range(micro_batches - warmup, micro_batches)]
+    if name == "zb-h1":
+        actions = with_weight_passes(actions, micro_batches, index)
+    return [[action] for action in actions]
+
+
+def with_weight_passes(actions, micro_batches, index):
+    """ZB-H1: stage s runs W of micro-batch k-s right after its k-th B and the last s Ws at the
+    end. 1F1B leaves stage s idle about s backwards at the end (the later stages drain first): the
+    Ws held back fill that, the others fill the steady state's waits for gradients."""
+    scheduled = []
+    backwards = 0
+    for action in actions:
+        scheduled.append(action)
+        if action[0] == "B":
+            if backwards >= index:
+                scheduled.append(("W", backwards - index, 0))
+            backwards += 1
+    scheduled += [("W", i, 0) for i in range(micro_batches - index, micro_batches)]
+    return scheduled
+
+
+def interleaved(micro_batches, num_stages, index, num_chunks):
+    """Megatron-LM's interleaved 1F1B: the forwards in rounds of p micro-batches, chunk 0 then
+    chunk 1 .. (a round goes around the ranks V times, like one pipeline V times deeper), the
+    backwards in the same rounds with the chunks reversed. Stage s runs 2(p-s-1) + (V-1)·p
+    forwards ahead (all of them when m = p), Megatron's count of what keeps it busy until the
+    first gradient comes back; then steps of one forward and one backward; then the rest."""
+    forwards = []
+    for k in range(micro_batches * num_chunks):
+        round_index, position = divmod(k, num_stages * num_chunks)
+        chunk, offset = divmod(position, num_stages)
+        forwards.append((round_index * num_stages + offset, chunk))
+    backwards = [(i, num_chunks - 1 - chunk) for i, chunk in forwards]
+    total = len(forwards)
+    if micro_batches == num_stages:
+        warmup = total
+    else:
+        warmup = min(2 * (num_stages - index - 1) + (num_chunks - 1) * num_stages, total)
+    steady = zip(forwards[warmup:], backwards[: total - warmup], strict=True)
+    steps = [[("F", *forward)] for forward in forwards[:warmup]]
+    steps += [[("F", *forward), ("B", *backward)] for forward, backward in steady]
+    steps += [[("B", *backward)] for backward in backwards[total - warmup :]]
+    return steps
 
 
 def p2p(ops):
-    """One group of [(dist.isend or dist.irecv, tensor, peer)], waited for together. NCCL runs a rank's
-    groups in order, and a send holds its stream until the peer reaches the matching receive: two
-    neighbours that both send first wait for ever. What must progress together goes in ONE group."""
-    for work in (
-        dist.batch_isend_irecv([dist.P2POp(op, t, peer) for op, t, peer in ops]) if ops else []
-    ):
+    """Post ops = [(dist.isend or dist.irecv, tensor, peer), ...] as ONE group and wait for all of
+    them. NCCL runs a rank's groups in order, and a send holds its stream until the peer posts the
+    matching receive: two neighbours that each send first, in a group of its own, wait for ever.
+    What must progress together goes in one group."""
+    if not ops:
+        return
+    group = [dist.P2POp(op, tensor, peer) for op, tensor, peer in ops]
+    for work in dist.batch_isend_irecv(group):
         work.wait()
 
 
-def train_step(stage, x, y, name, m):
-    """Forward, loss and backward of every micro-batch in the schedule's order: the batch's mean loss on
-    the last stage, 0 elsewhere. A step's sends go in one group with the next step's receives (Megatron-
-    LM, torch.distributed.pipelining), so no two ranks both wait to send."""
-    s, p, V, xs, ys, zb = stage.s, stage.p, stage.V, x.chunk(m), y.chunk(m), name == "zb-h1"
-    C, steps, got, held, grads, loss = (
-        V * p,
-        schedule(name, m, p, s, V),
-        {},
-        {},
-        {},
-        torch.zeros((), device=x.device),
-    )
-    to = lambda a, c: c + 1 if a == "F" else c - 1  # where F's output (B's input gradient) goes
+def receives(stage, step, inputs, received):
+    """The receives of a step's inputs, each into a new tensor put in `received`: an F's activation
+    from the chunk before it (none for global chunk 0), a B's gradient from the chunk after it (none
+    for the last). A W receives nothing: it takes back the gradient its B received."""
+    ops = []
+    for action, i, chunk in step:
+        if action == "F" and not stage.is_first_chunk(chunk):
+            peer = stage.previous_rank
+        elif action == "B" and not stage.is_last_chunk(chunk):
+            peer = stage.next_rank
+        else:
+            continue
+        tensor = torch.empty(len(inputs[i]), *stage.act_shape, device=inputs[i].device)
+        received[action, i, chunk] = tensor
+        ops.append((dist.irecv, tensor, peer))
+    return ops
 
-    def receives(step):  # each action's input, from chunk to(B|F, c)
-        got.update(
-            {
-                (a, i, v): torch.empty(len(xs[i]), *stage.act_shape, device=x.device)
-                for a, i, v in step
-                if a != "W" and 0 <= to("B" if a == "F" else "F", v * p + s) < C
-            }
-        )
-        return [
-            (dist.irecv, got[a, i, v], (s - 1 if a == "F" else s + 1) % p)
-            for a, i, v in step
-            if (a, i, v) in got
-        ]
 
-    p2p(receives(steps[0]))
+def train_step(stage, x, y, name, micro_batches):
+    """Forward, loss and backward of every micro-batch in the schedule's order. Returns the batch's
+    mean loss on the last stage, 0 elsewhere.
+
+    A step's sends go in one group with the next step's receives, as Megatron-LM and
+    torch.distributed.pipelining do, so no two stages both wait to send. zb-h1: B takes the input's
+    gradient only and keeps the graph; W takes the weights' gradients through it later."""
+    inputs = x.chunk(micro_batches)
+    targets = y.chunk(micro_batches)
+    steps = schedule(name, micro_batches, stage.num_stages, stage.index, stage.num_chunks)
+    split_backward = name == "zb-h1"
+    loss = torch.zeros((), device=x.device)
+    received = {}  # (action, micro-batch, chunk) -> the tensor its input arrives in
+    kept = {}  # (micro-batch, chunk) -> (its input, its output), kept for its B (zb-h1: its W)
+    output_grads = {}  # zb-h1: (micro-batch, chunk) -> the gradient its B went back with, for W
+    p2p(receives(stage, steps[0], inputs, received))
     for k, step in enumerate(steps):
         sends = []
-        for a, i, v in step:
-            c = v * p + s
-            if a == "F":
-                inp = xs[i] if c == 0 else got.pop((a, i, v)).requires_grad_()
-                out = stage(inp, v)
-                if c == C - 1:  # mean over B/m samples, / m: the mean over the batch
-                    out = F.cross_entropy(out, ys[i]) / m
-                    loss += out.detach()
-                held[i, v] = inp, out  # activations kept until micro-batch i's B (zb-h1: W)
-            elif a == "B":
-                inp, out = held[i, v] if zb else held.pop((i, v))
-                grads[i, v] = got.pop((a, i, v)) if c < C - 1 else None
-                if not zb or c > 0:  # zb-h1: the input's gradient only, the graph kept for W
-                    out.backward(grads[i, v], inputs=[inp] if zb else None, retain_graph=zb)
-            else:  # W: the weights' gradients, back through the kept graph
-                held.pop((i, v))[1].backward(grads.pop((i, v)), inputs=list(stage.parameters()))
-            if a != "W" and 0 <= to(a, c) < C:
-                sends.append((dist.isend, out.detach() if a == "F" else inp.grad, to(a, c) % p))
-        p2p(sends + (receives(steps[k + 1]) if k + 1 < len(steps) else []))
+        for action, i, chunk in step:
+            if action == "F":
+                if stage.is_first_chunk(chunk):
+                    activation = inputs[i]
+                else:
+                    activation = received.pop(("F", i, chunk))
+                    activation.requires_grad_()  # its gradient is what goes back to chunk c-1
+                output = stage(activation, chunk)
+                if stage.is_last_chunk(chunk):  # the mean over B/m samples, / m: the batch's mean
+                    output = F.cross_entropy(output, targets[i]) / micro_batches
+                    loss += output.detach()
+                else:
+                    sends.append((dist.isend, output.detach(), stage.next_rank))
+                kept[i, chunk] = (activation, output)
+            elif action == "B":
+                grad = None if stage.is_last_chunk(chunk) else received.pop(("B", i, chunk))
+                if split_backward:
+                    activation, output = kept[i, chunk]
+                    output_grads[i, chunk] = grad
+                    if not stage.is_first_chunk(chunk):  # chunk 0's input needs no gradient
+                        output.backward(grad, inputs=[activation], retain_graph=True)
+                else:
+                    activation, output = kept.pop((i, chunk))
+                    output.backward(grad)
+                if not stage.is_first_chunk(chunk):
+                    sends.append((dist.isend, activation.grad, stage.previous_rank))
+            else:  # W: the weights' gradients, back through the graph B kept
+                _, output = kept.pop((i, chunk))
+                output.backward(output_grads.pop((i, chunk)), inputs=list(stage.parameters()))
+        following = receives(stage, steps[k + 1], inputs, received) if k + 1 < len(steps) else []
+        p2p(sends + following)
     return loss
 
 
 @torch.no_grad()
 def infer(stage, x):
-    """The whole batch through the chunks in turn: the logits on the last stage, None on the others."""
-    s, p, C = stage.s, stage.p, stage.V * stage.p
-    for v in range(stage.V):
-        x = torch.empty(len(x), *stage.act_shape, device=x.device) if v * p + s > 0 else x
-        p2p([(dist.irecv, x, (s - 1) % p)] if v * p + s > 0 else [])
-        x = stage(x, v)
-        p2p([(dist.isend, x, (s + 1) % p)] if v * p + s < C - 1 else [])
-    return x if s == p - 1 else None
+    """The whole batch through the chunks in turn, around the ranks V times: the logits on the
+    last stage, None on the others. A chain (receive, compute, send): one op a group is safe."""
+    for chunk in range(stage.num_chunks):
+        if not stage.is_first_chunk(chunk):
+            x = torch.empty(len(x), *stage.act_shape, device=x.device)
+            p2p([(dist.irecv, x, stage.previous_rank)])
+        x = stage(x, chunk)
+        if not stage.is_last_chunk(chunk):
+            p2p([(dist.isend, x, stage.next_rank)])
+    return x if stage.is_last else None
 
 
 def full_state_dict(model):
-    """The plain state_dict of the common model, gathered on rank 0 (None elsewhere)."""
+    """The plain state_dict of the common model, gathered on rank 0 (None elsewhere): each stage
+    holds its part under the whole model's keys, so the parts only need merging."""
+    mine = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
     parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object({k: v.detach().cpu() for k, v in model.state_dict().items()}, parts, dst=0)
-    return {k: v for part in parts for k, v in part.items()} if parts else None
+    dist.gather_object(mine, parts, dst=0)
+    if parts is None:
+        return None
+    return {name: tensor for part in parts for name, tensor in part.items()}
 
 
 ### end: Pipeline
 
 
 def formula(psi, world, args):
-    """Rank 0's bytes: its stage's psi parameters; per micro-batch an activation out of each of its V
-    chunks and a gradient out of each but the first (2V-1), as many in."""
-    k, n = 8 if args.optim == "adamw" else 4, 2 * args.virtual_stages - 1
-    act = (
-        4 * args.batch_size * (common.IMAGE // args.patch) ** 2 * args.dim * n if world > 1 else 0
-    )  # 4·B·T·D
+    """Rank 0's promises, psi its stage's parameters: its bytes; per micro-batch an activation out
+    of each of its V chunks and a gradient out of each but the first (2V-1 messages), as many in;
+    the schedule's idle fraction of the slots; each stage's peak of micro-batch chunks in flight."""
+    optim_per_param = 8 if args.optim == "adamw" else 4
+    m = args.microbatches
+    V = args.virtual_stages
+    tokens = (common.IMAGE // args.patch) ** 2
+    per_micro_batch = 2 * V - 1
+    messages = 4 * args.batch_size * tokens * args.dim * per_micro_batch if world > 1 else 0
+    if args.schedule == "interleaved":
+        bubble = (world - 1) / (V * m + world - 1)
+        bubble_text = "(p-1)/(V·m+p-1)"
+        warmups = [
+            m * V if m == world else 2 * (world - s - 1) + (V - 1) * world for s in range(world)
+        ]
+        peaks = [min(warmup + 1, m * V) for warmup in warmups]
+    elif args.schedule == "zb-h1":
+        bubble = (world - 1) / (3 * m + world - 1)
+        bubble_text = "(p-1)/(3m+p-1)"
+        peaks = [world] * world
+    else:
+        bubble = (world - 1) / (m + world - 1)
+        bubble_text = "(p-1)/(m+p-1)"
+        peaks = [world - s for s in range(world)]
     return dict(
         param_bytes=4 * psi,
         grad_bytes=4 * psi,
-        optim_bytes=k * psi,
-        comm=dict(send=act, recv=act),
+        optim_bytes=optim_per_param * psi,
+        comm=dict(send=messages, recv=messages),
+        bubble=bubble,
+        peak_inflight=peaks,
         notes=dict(
             param_bytes="4Ψ_s: this stage's",
             grad_bytes="4Ψ_s",
-            optim_bytes=f"{k}Ψ_s",
-            send=f"{n}·m tensors of B/m·T·D fp32",
-            recv=f"{n}·m tensors of B/m·T·D fp32",
+            optim_bytes=f"{optim_per_param}Ψ_s",
+            send=f"{per_micro_batch}·m tensors of B/m·T·D fp32",
+            recv=f"{per_micro_batch}·m tensors of B/m·T·D fp32",
+            bubble=bubble_text,
         ),
     )
 
 
 def check_args(args, world):
-    name, m, V = args.schedule, args.microbatches, args.virtual_stages
+    name = args.schedule
+    m = args.microbatches
+    V = args.virtual_stages
     common.check(
         m >= world and args.batch_size % m == 0,
-        f"--schedule {name} needs --microbatches >= {world} "
-        f"stages and dividing --batch-size {args.batch_size}, got {m}",
+        f"--schedule {name} needs --microbatches >= {world} stages and dividing "
+        f"--batch-size {args.batch_size}, got {m}",
     )
     common.check(
         args.depth >= world * V >= 1,
         f"--depth {args.depth} blocks cannot fill {world} stages x {V} chunks",
     )
+    interleaved_ok = V >= 2 and world >= 2 and m % world == 0
     common.check(
-        (name == "interleaved") == (V > 1) and (V == 1 or world >= 2 and m % world == 0),
-        "--schedule "
-        f"interleaved needs --virtual-stages >= 2, >= 2 stages, --microbatches a multiple of them "
-        f"(and the others V = 1): {name}, V={V}, p={world}, m={m}",
-    )
-
-
-def show_schedule(stages, args):
-    """Rank 0: the recorded orders replayed in slots (an F, B or W one, a whole backward two): the picture,
-    the idle fraction next to its formula, the peak micro-batch chunks in flight."""
-    m, V, p, zb = args.microbatches, args.virtual_stages, len(stages), args.schedule == "zb-h1"
-    picture, bubble, peaks = common.pipeline_timeline(
-        [[tuple(a) for a in st["order"]] for st in stages], dict(F=1, B=1 if zb else 2, W=1), V
-    )
-    want = (p - 1) / ({"interleaved": V * m, "zb-h1": 3 * m}.get(args.schedule, m) + p - 1)
-    common.log(
-        f"\nschedule {args.schedule}, {p} stages x {V} chunks, {m} micro-batches, as run (one slot per F, B "
-        f"or W of a chunk, a whole backward two; F3' is micro-batch 3 in the rank's next chunk):\n{picture}"
-    )
-    common.log(
-        f"  bubble {bubble:.3f} of the slots (formula {want:.3f}), peak micro-batch chunks in flight {peaks}"
-    )
-    return dict(
-        schedule=args.schedule,
-        microbatches=m,
-        virtual_stages=V,
-        bubble=bubble,
-        peak_inflight=peaks,
-        stages=stages,
+        interleaved_ok if name == "interleaved" else V == 1,
+        f"--schedule interleaved needs --virtual-stages >= 2, >= 2 stages, --microbatches a "
+        f"multiple of them (and the others V = 1): {name}, V={V}, p={world}, m={m}",
     )
 
 
@@ -300,9 +378,7 @@ def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
         for i, (x, y) in enumerate(bar):
             x = x.to(device, non_blocking=True)
             y = y.to(device, non_blocking=True)
-            loss = train_step(
-                model, x, y, args.schedule, args.microbatches
-            )  # forward, loss, backward
+            loss = train_step(model, x, y, args.schedule, args.microbatches)  # F, loss, B
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -329,12 +405,9 @@ def evaluate(model, loader, device):
     counts = torch.zeros(2, dtype=torch.long, device=device)
     for x, y, keep in loader:
         x, y, keep = x.to(device), y.to(device), keep.to(device)
-        logits = infer(model, x)  # stage to stage: the logits on the last, None elsewhere
-        counts += (
-            torch.stack([((logits.argmax(1) == y) & keep).sum(), keep.sum()])
-            if logits is not None
-            else 0
-        )
+        logits = infer(model, x)  # stage to stage: the logits on the last stage, None elsewhere
+        if logits is not None:
+            counts += torch.stack([((logits.argmax(1) == y) & keep).sum(), keep.sum()])
     dist.all_reduce(counts)
     return counts[0].item() / max(counts[1].item(), 1)
 
@@ -365,7 +438,9 @@ def run(args):
             len(loader) > 0,
             f"{len(train_set)} training samples make no full batch of {args.batch_size}",
         )
-        model = common.build_model(args)  # the same seeded weights on every rank
+        # the same seeded weights on every rank; a micro-batch's loss (and its MoE balance
+        # loss) is divided by the micro-batch count
+        model = common.build_model(args, forwards_per_step=args.microbatches)
         if args.load:
             model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
         psi = sum(p.numel() for p in model.parameters())
@@ -373,31 +448,24 @@ def run(args):
         optimizer = common.make_optimizer(model.parameters(), args)
         scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
         common.log(
-            f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data ({len(train_set)} train / "
-            f"{len(test_set)} test), batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
+            f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data "
+            f"({len(train_set)} train / {len(test_set)} test), "
+            f"batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
         )
-        ran = common.record_pipeline_order(
-            model, args.microbatches, weights=args.schedule == "zb-h1"
-        )
+        zero_bubble = args.schedule == "zb-h1"  # its W: a pass of its own
+        recorder = common.record_pipeline_order(model, args.microbatches, weights=zero_bubble)
         with common.Meter(model, optimizer, args) as meter:
             out = train(model, optimizer, scheduler, loader, sampler, args, device)
-        acc = evaluate(
-            model,
-            common.test_loader(test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"),
-            device,
+        test_loader = common.test_loader(
+            test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"
         )
+        acc = evaluate(model, test_loader, device)
         state = full_state_dict(model)  # every rank takes part; rank 0 holds the whole
         if rank == 0 and args.save:
             common.save_checkpoint(state, args.save)
             common.log(f"saved {args.save}")
-        stages = (
-            [None] * world if rank == 0 else None
-        )  # each stage's measured bytes and order, on rank 0
-        dist.gather_object(
-            dict(meter.mem, comm=meter.comm()[0], comm_calls=meter.comm()[1], order=ran),
-            stages,
-            dst=0,
-        )
+        promised = formula(sum(p.numel() for p in model.parameters()), world, args)  # Ψ_s
+        timeline = common.pipeline_timeline(recorder, meter, promised)  # every rank: a gather
         common.report(
             SCRIPT,
             args,
@@ -409,8 +477,8 @@ def run(args):
             out,
             acc,
             meter,
-            formula(sum(q.numel() for q in model.parameters()), world, args),
-            **(show_schedule(stages, args) if rank == 0 else {}),
+            promised,
+            **timeline,
         )
     finally:
         cleanup()

@@ -4,7 +4,8 @@ bubble each one's formula gives. Variants are timed in interleaved rounds (load 
 hits all alike); the median step time of each is reported, and each one's time over 1f1b's.
 
     torchrun --standalone --nproc_per_node=4 benchmarks/bench_pipeline_schedules.py
-    torchrun --standalone --nproc_per_node=4 benchmarks/bench_pipeline_schedules.py --dim 256 --heads 8
+    torchrun --standalone --nproc_per_node=4 benchmarks/bench_pipeline_schedules.py \\
+        --dim 256 --heads 8
 """
 
 import argparse
@@ -21,67 +22,74 @@ import common  # noqa: E402
 import pipeline_schedules  # noqa: E402
 
 
-def build(args, device, name, V):
-    stage = pipeline_schedules.parallelize(common.build_model(args), device, V)
-    opt = common.make_optimizer(stage.parameters(), args)
+def build(args, device, name, num_chunks):
+    """One training step of schedule `name` on a fresh stage of the common model."""
+    model = common.build_model(args)
+    stage = pipeline_schedules.parallelize(model, device, num_chunks)
+    optimizer = common.make_optimizer(stage.parameters(), args)
 
     def step(x, y):
         pipeline_schedules.train_step(stage, x, y, name, args.microbatches)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
     return step
+
+
+def time_rounds(steps, x, y, args, device):
+    """{variant: [seconds per step in each round]}, the variants one after another in each round."""
+    times = {variant: [] for variant in steps}
+    for _ in range(args.rounds):
+        for variant, step in steps.items():
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                step(x, y)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            dist.barrier()
+            times[variant].append((time.perf_counter() - start) / args.steps)
+    return times
 
 
 def run(args):
     rank, world, device, backend = pipeline_schedules.setup(args)
     try:
-        p, m, V = world, args.microbatches, args.virtual_stages
-        variants = {
-            "1f1b": ("1f1b", 1),
-            f"interleaved V={V}": ("interleaved", V),
-            "zb-h1": ("zb-h1", 1),
-        }
+        p = world
+        m = args.microbatches
+        V = args.virtual_stages
+        interleaved = f"interleaved V={V}"
+        variants = {"1f1b": ("1f1b", 1), interleaved: ("interleaved", V), "zb-h1": ("zb-h1", 1)}
         bubble = {
             "1f1b": (p - 1) / (m + p - 1),
-            f"interleaved V={V}": (p - 1) / (V * m + p - 1),
+            interleaved: (p - 1) / (V * m + p - 1),
             "zb-h1": (p - 1) / (3 * m + p - 1),
         }
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(args.batch_size, 1, 28, 28, generator=g).to(
-            device
-        )  # every rank: the whole batch
-        y = torch.randint(0, 10, (args.batch_size,), generator=g).to(device)
-        steps = {n: build(args, device, *v) for n, v in variants.items()}
-        times = {n: [] for n in steps}
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(args.batch_size, 1, 28, 28, generator=generator).to(device)  # every rank
+        y = torch.randint(0, 10, (args.batch_size,), generator=generator).to(device)
+        steps = {variant: build(args, device, *how) for variant, how in variants.items()}
         for step in steps.values():  # warm-up
             step(x, y)
-        for _ in range(args.rounds):
-            for n, step in steps.items():
-                dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(args.steps):
-                    step(x, y)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                dist.barrier()
-                times[n].append((time.perf_counter() - t0) / args.steps)
-        med = {n: statistics.median(t) for n, t in times.items()}
+        times = time_rounds(steps, x, y, args, device)
+        median = {variant: statistics.median(seconds) for variant, seconds in times.items()}
         common.log(
-            f"\np={p} {backend} on {device.type} ({os.cpu_count()} cores), dim {args.dim}, depth {args.depth}, "
-            f"batch {args.batch_size}, m={m}, {args.optim}; median of {args.rounds} rounds x {args.steps} steps"
+            f"\np={p} {backend} on {device.type} ({os.cpu_count()} cores), dim {args.dim}, "
+            f"depth {args.depth}, batch {args.batch_size}, m={m}, {args.optim}; "
+            f"median of {args.rounds} rounds x {args.steps} steps"
         )
-        for n in steps:
+        for variant in steps:
             common.log(
-                f"  {n:<16}{1000 * med[n]:9.2f} ms/step  {med[n] / med['1f1b']:.3f}x 1f1b   "
-                f"bubble (formula) {bubble[n]:.3f}"
+                f"  {variant:<16}{1000 * median[variant]:9.2f} ms/step  "
+                f"{median[variant] / median['1f1b']:.3f}x 1f1b   "
+                f"bubble (formula) {bubble[variant]:.3f}"
             )
         common.result(
             script="bench_pipeline_schedules",
             world_size=world,
             backend=backend,
             device=device.type,
-            ms_per_step={n: 1000 * v for n, v in med.items()},
+            ms_per_step={variant: 1000 * seconds for variant, seconds in median.items()},
             bubble=bubble,
         )
     finally:
@@ -98,12 +106,10 @@ def main():
     args = common.parse_args(parser)
     world = common.world_size(args)
     for name in ("steps", "rounds"):
-        common.check(
-            getattr(args, name) > 0, f"--{name} must be positive, got {getattr(args, name)}"
-        )
-    pipeline_schedules.check_args(
-        argparse.Namespace(**{**vars(args), "schedule": "interleaved"}), world
-    )
+        value = getattr(args, name)
+        common.check(value > 0, f"--{name} must be positive, got {value}")
+    as_interleaved = argparse.Namespace(**{**vars(args), "schedule": "interleaved"})
+    pipeline_schedules.check_args(as_interleaved, world)
     common.launch(run, args)
 
 

@@ -6,6 +6,7 @@
     model.py     the Vision Transformer (and its MoE blocks) every script trains
     training.py  the optimizer, the learning-rate schedule, checkpoint files
     meter.py     the measuring instrument, attached from outside the technique
+    mesh_traffic.py  the Meter's traffic split by DeviceMesh dimension (nd_parallel.py)
     report.py    progress, loss lines, measured-next-to-formula and the RESULT line
 
 Scripts write `common.build_model(args)`: every name below is re-exported here. Process groups,
@@ -38,6 +39,7 @@ from common.launch import (  # noqa: F401
     pick_backend,
     world_size,
 )
+from common.mesh_traffic import traffic_per_mesh_dimension  # noqa: F401
 from common.messages import (  # noqa: F401
     check,
     env_rank,

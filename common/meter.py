@@ -5,6 +5,9 @@ import time
 
 import torch
 import torch.distributed as dist
+
+# TorchDispatchMode has no public home: CommDebugMode (torch.distributed.tensor.debug) is built on
+# it but counts DTensor collectives only, not the c10d ops DDP and FSDP issue from C++.
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from common.messages import env_rank
@@ -51,35 +54,42 @@ class CollectiveCounter(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.calls, self.bytes, self.sample = {}, {}, None
+        self.calls = {}  # {kind: calls}
+        self.bytes = {}  # {kind: bytes}
         self.groups = {}  # {process group name: {kind: [calls, bytes]}}: traffic per mesh dimension
+        self.sample = None  # the Meter's reading after every op (the optimizer state's peak)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if (
-            self.sample is not None
-        ):  # the Meter's reading after every op (the optimizer state's peak)
+        if self.sample is not None:
             self.sample()
         if func.namespace in ("c10d", "_c10d_functional"):
-            kind, where = COLLECTIVES.get(func._opname, (None, None))
-            if kind is not None:
-                ts = (
-                    _tensors(out)
-                    if where == -1
-                    else _tensors(args[where] if where < len(args) else [])
-                )
-                if ts and not all(t.dim() == 0 for t in ts):
-                    n = sum(_local(t).numel() * t.element_size() for t in ts)
-                    self.calls[kind] = self.calls.get(kind, 0) + 1
-                    self.bytes[kind] = self.bytes.get(kind, 0) + n
-                    seen = self.groups.setdefault(_group_name(args), {}).setdefault(kind, [0, 0])
-                    seen[0], seen[1] = seen[0] + 1, seen[1] + n
+            self.count(func.overloadpacket.__name__, args, out)
         return out
+
+    def count(self, op_name, args, out):
+        kind, where = COLLECTIVES.get(op_name, (None, None))
+        if kind is None:
+            return
+        if where == -1:
+            tensors = _tensors(out)
+        elif where < len(args):
+            tensors = _tensors(args[where])
+        else:
+            tensors = []
+        if not tensors or all(t.dim() == 0 for t in tensors):
+            return
+        size = sum(_local(t).numel() * t.element_size() for t in tensors)
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+        self.bytes[kind] = self.bytes.get(kind, 0) + size
+        per_group = self.groups.setdefault(_group_name(args), {}).setdefault(kind, [0, 0])
+        per_group[0] += 1
+        per_group[1] += size
 
 
 def _group_name(args):
-    """The process group a c10d op runs on: a functional collective names it (its last str argument),
-    a c10d op passes the ProcessGroup as a script object."""
+    """The process group a c10d op runs on: a functional collective names it (its last str
+    argument), a c10d op passes the ProcessGroup as a script object."""
     names = [a for a in args if isinstance(a, str)]
     if names:
         return names[-1]
@@ -126,25 +136,30 @@ def memory(params, optimizer):
 
 
 class SavedActivations:
-    """What autograd keeps for backward during the first forward (until the first backward begins):
-    the distinct storages of the saved tensors, parameters left out (also gathered or unsharded
-    ones: a leaf that requires grad, or a view of one). A checkpointed block keeps only its input."""
+    """What autograd keeps for backward during the first forward (until the first backward
+    begins): the distinct storages of the saved tensors, parameters left out (also gathered or
+    unsharded ones: a leaf that requires grad, or a view of one). A checkpointed block keeps only
+    its input."""
 
     def __init__(self):
-        self.kept, self.counting, self.part, self.parts = {}, True, None, {}
+        self.kept = {}  # {storage key: bytes}
+        self.counting = True  # until the first backward unpacks a tensor
+        self.part = None  # the `parts` name whose module is running its forward, if any
+        self.parts = {}  # {part name: {storage key: bytes}}
 
     def pack(self, t):
-        if self.counting:
-            base = t._base if t._base is not None else t
-            if not (base.is_leaf and base.requires_grad):
-                s = _local(t).untyped_storage()
-                self.kept[s.data_ptr() if s.nbytes() else id(s)] = s.nbytes()
-                if (
-                    self.part is not None
-                ):  # saved while inside one of the modules of Meter's `parts`
-                    self.parts.setdefault(self.part, {})[s.data_ptr() if s.nbytes() else id(s)] = (
-                        s.nbytes()
-                    )
+        if not self.counting:
+            return t
+        # A view's `_base` is the tensor it views: no public accessor tells a parameter's view
+        # (which saves nothing new) from an activation.
+        base = t._base if t._base is not None else t
+        if base.is_leaf and base.requires_grad:
+            return t
+        storage = _local(t).untyped_storage()
+        key = storage.data_ptr() if storage.nbytes() else id(storage)
+        self.kept[key] = storage.nbytes()
+        if self.part is not None:
+            self.parts.setdefault(self.part, {})[key] = storage.nbytes()
         return t
 
     def unpack(self, t):
@@ -153,11 +168,8 @@ class SavedActivations:
 
     def bytes(self, params, part=None):
         own = {_local(p).untyped_storage().data_ptr() for p in params}
-        return sum(
-            n
-            for ptr, n in (self.kept if part is None else self.parts.get(part, {})).items()
-            if ptr not in own
-        )
+        kept = self.kept if part is None else self.parts.get(part, {})
+        return sum(size for key, size in kept.items() if key not in own)
 
 
 class Meter:
@@ -167,30 +179,30 @@ class Meter:
     a step is a batch drawn through `progress`, whether or not the optimizer stepped, e.g. when
     fp16's GradScaler skips one). After the window the dispatch mode is gone, but the hooks the
     Meter left (a step counter) still run. Throughput is timed from one warm-up step after the
-    window to the end of training, so the observed steps do not slow it down.
-    reads per-rank memory off the storages right after the first step (activations: what the first
-    forward saved for backward; optimizer state also at its peak during that step), and with --profile records
-    those steps with torch.profiler, one Chrome/Perfetto trace per rank. Deleting it from a
-    script changes nothing the technique does. `parts={"attention": [modules]}` adds a row
-    act_bytes_attention: what those modules' forwards saved for backward in the first forward."""
+    window to the end of training, so the observed steps are not timed (the dispatch mode slows
+    them; what runs after the window is the script's own code and the Meter's step hook).
+    It reads per-rank memory off the storages right after the first step (activations: what the
+    first forward saved for backward; optimizer state also at its peak during that step), and with
+    --profile records those steps with torch.profiler, one Chrome/Perfetto trace per rank.
+    Deleting it from a script changes nothing the technique does. `parts={"attention": [modules]}`
+    adds a row act_bytes_attention: what those modules' forwards saved for backward in the first
+    forward."""
 
     active = None  # the Meter inside whose `with` block training runs: progress() reports to it
 
     def __init__(self, model, optimizer, args, steps=3, parts=None):
-        self.params, self.optimizer, self.steps, self.profile_dir = (
-            list(model.parameters()),
-            optimizer,
-            steps,
-            args.profile,
-        )
-        self.counter, self.profiler, self.seen, self.mem, self.open = (
-            CollectiveCounter(),
-            None,
-            0,
-            {},
-            False,
-        )
-        self.saved, self.packing, self.optim_peak = SavedActivations(), None, 0
+        self.params = list(model.parameters())
+        self.optimizer = optimizer
+        self.steps = steps  # the window: loop steps observed
+        self.profile_dir = args.profile
+        self.counter = CollectiveCounter()
+        self.profiler = None
+        self.seen = 0  # optimizer steps taken so far
+        self.mem = {}  # the memory rows, read after the first optimizer step
+        self.open = False  # the dispatch mode is active
+        self.saved = SavedActivations()
+        self.packing = None  # the saved-tensor hooks, while they count
+        self.optim_peak = 0
         self.loop_steps = 0  # batches drawn through progress() so far
         self.device = self.params[0].device if self.params else torch.device("cpu")
         self.clock_start = None  # (time, loop steps done) when the throughput clock started
@@ -199,17 +211,25 @@ class Meter:
         self.elapsed = (0.0, 0)  # (seconds, loop steps) timed
         self.counter.sample = self._sample_optimizer_state
         self.hook = optimizer.register_step_post_hook(lambda *_: self._after_step())
-        self.parts, self.part_hooks = parts or {}, []
+        self.parts = parts or {}
+        self.part_hooks = []
         for name, modules in self.parts.items():
-            for m in modules:
-                self.part_hooks += [
-                    m.register_forward_pre_hook(lambda *_, n=name: setattr(self.saved, "part", n)),
-                    m.register_forward_hook(lambda *_: setattr(self.saved, "part", None)),
-                ]
+            for module in modules:
+                self.part_hooks.append(module.register_forward_pre_hook(self._entering(name)))
+                self.part_hooks.append(module.register_forward_hook(self._leaving))
+
+    def _entering(self, name):
+        def hook(module, args):
+            self.saved.part = name
+
+        return hook
+
+    def _leaving(self, module, args, output):
+        self.saved.part = None
 
     def _sample_optimizer_state(self):
-        """The optimizer state's bytes after every op until the first step ends: its peak, also where a technique
-        brings the state in and out during the step (zero.py --offload disk, one unit at a time)."""
+        """The optimizer state's bytes after every op until the first step ends: its peak, also
+        where a technique brings the state in and out during the step (one unit at a time)."""
         state = [
             v
             for st in self.optimizer.state.values()
@@ -227,10 +247,10 @@ class Meter:
         if self.profile_dir:
             from torch.profiler import ProfilerActivity, profile
 
-            acts = [ProfilerActivity.CPU] + (
-                [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
-            )
-            self.profiler = profile(activities=acts, record_shapes=True)
+            activities = [ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(ProfilerActivity.CUDA)
+            self.profiler = profile(activities=activities, record_shapes=True)
             self.profiler.__enter__()
         return self
 
@@ -259,7 +279,8 @@ class Meter:
     def _after_step(self):
         self.seen += 1
         if self.seen == 1:
-            self.mem, self.counter.sample = memory(self.params, self.optimizer), None
+            self.mem = memory(self.params, self.optimizer)
+            self.counter.sample = None
             self.mem["optim_peak_bytes"] = max(self.optim_peak, self.mem["optim_bytes"])
             self._stop_packing()
             self.mem["act_bytes"] = self.saved.bytes(self.params)
@@ -297,9 +318,10 @@ class Meter:
             self.elapsed = (end - start, self.loop_steps - steps_before)
 
     def comm(self):
-        """({kind: bytes per optimizer step}, {kind: calls in the window}, optimizer steps in the window)."""
+        """({kind: bytes per step}, {kind: calls in the window}, loop steps in the window)."""
         n = max(min(self.loop_steps, self.steps), 1)
-        return {k: v // n for k, v in self.counter.bytes.items()}, dict(self.counter.calls), n
+        per_step = {kind: size // n for kind, size in self.counter.bytes.items()}
+        return per_step, dict(self.counter.calls), n
 
     def comm_by_group(self):
         """{process group name: {kind: [calls in the window, bytes per optimizer step]}}."""
@@ -310,23 +332,76 @@ class Meter:
         }
 
 
-def record_pipeline_order(stage, m, weights=False):
-    """A pipeline stage's first-step actions, (F | B | W, micro-batch, chunk), in the order they ran, seen
-    from outside: a forward hook (the chunk is the forward's second argument, 0 without one), a gradient
-    hook on each output (B) and, where W is a pass of its own (weights), on the stage's first parameter."""
-    ran, count = [], lambda a, v: sum(r[0] == a and r[2] == v for r in ran)
+class PipelineRecorder:
+    """What one pipeline stage ran, seen from outside through hooks: its actions (F | B | W,
+    micro-batch, chunk) in the order they ran, for the first `micro_batches` micro-batches of each
+    chunk, and, given the optimizer, how many optimizer steps the stage had taken at each forward
+    and at each backward.
 
-    def hook(module, inputs, out):
-        v = inputs[1] if len(inputs) > 1 else 0
-        if out.requires_grad and count("F", v) < m:
-            ran.append(("F", count("F", v), v))
-            out.register_hook(
-                lambda grad, b=("B", count("F", v) - 1, v): None if b in ran else ran.append(b)
-            )
+    F: a forward hook on the stage (the chunk is the forward's second argument, 0 without one). B: a
+    hook on that forward's output, which the gradient passes through. W (`weights`: a schedule that
+    takes the weights' gradients in a pass of their own, after B): a hook on the stage's first
+    parameter. Without `weights`, a backward that reaches the parameters is one whole B."""
 
-    stage.register_forward_hook(hook)
-    if weights:  # W goes back through the output too: its B counts once
-        next(stage.parameters()).register_hook(
-            lambda grad: ran.extend([("W", count("W", 0), 0)][: count("W", 0) < m])
+    def __init__(self, stage, micro_batches, optimizer=None, weights=False):
+        self.micro_batches = micro_batches
+        self.order = []  # (action, micro-batch, chunk), as they ran
+        self.forward_versions = {}  # micro-batch -> optimizer steps taken when its forward ran
+        self.backward_versions = {}  # micro-batch -> optimizer steps taken when its backward began
+        self.optimizer_steps = 0
+        self.forwards = {}  # chunk -> forwards recorded on it
+        self.weight_passes = 0
+        self.records_versions = optimizer is not None
+        stage.register_forward_hook(self._forward_ran)
+        if weights:
+            next(stage.parameters()).register_hook(self._weight_pass_ran)
+        if optimizer is not None:
+            optimizer.register_step_post_hook(self._optimizer_stepped)
+
+    def _optimizer_stepped(self, optimizer, args, kwargs):
+        self.optimizer_steps += 1
+
+    def _forward_ran(self, module, inputs, output):
+        if not output.requires_grad:  # evaluation: no backward follows
+            return
+        chunk = inputs[1] if len(inputs) > 1 else 0
+        micro_batch = self.forwards.get(chunk, 0)
+        if micro_batch >= self.micro_batches:
+            return
+        self.forwards[chunk] = micro_batch + 1
+        self.order.append(("F", micro_batch, chunk))
+        self.forward_versions[micro_batch] = self.optimizer_steps
+        output.register_hook(self._backward_hook(micro_batch, chunk))
+
+    def _backward_hook(self, micro_batch, chunk):
+        """A hook for this forward's output. ZB's W goes back through the output a second time: the
+        backward counts once, at its first pass."""
+        backward = ("B", micro_batch, chunk)
+
+        def backward_ran(grad):
+            if backward not in self.order:
+                self.order.append(backward)
+                self.backward_versions[micro_batch] = self.optimizer_steps
+
+        return backward_ran
+
+    def _weight_pass_ran(self, grad):
+        if self.weight_passes < self.micro_batches:
+            self.order.append(("W", self.weight_passes, 0))
+            self.weight_passes += 1
+
+    def recorded(self):
+        """What this stage recorded, for rank 0 to gather."""
+        if not self.records_versions:
+            return dict(order=self.order)
+        versions = dict(
+            forward=[self.forward_versions[j] for j in sorted(self.forward_versions)],
+            backward=[self.backward_versions[j] for j in sorted(self.backward_versions)],
         )
-    return ran
+        return dict(order=self.order, versions=versions)
+
+
+def record_pipeline_order(stage, micro_batches, optimizer=None, weights=False):
+    """Attach a PipelineRecorder to `stage` (before training, like the Meter); hand it to
+    common.pipeline_timeline after training."""
+    return PipelineRecorder(stage, micro_batches, optimizer, weights)

@@ -208,14 +208,12 @@ class ViT(nn.Module):
         return self.head(x)
 
 
-def build_model(args, forwards_per_step=None):
+def build_model(args, forwards_per_step=1):
     """The common model with weights that depend only on --seed (built on CPU, the same on every
     rank). `forwards_per_step`: how many forwards one optimizer step sums, each with its loss
     divided by that count (micro-batches, accumulation steps); the MoE balance loss is divided the
     same way. The script that owns the flag passes it."""
     torch.manual_seed(args.seed)
-    if forwards_per_step is None:  # TODO(lead): scripts pass it; this fallback goes at integration
-        forwards_per_step = getattr(args, "microbatches", 1) * getattr(args, "grad_accum", 1)
     model = ViT(
         args.dim,
         args.depth,

@@ -4,6 +4,7 @@ import json
 import sys
 
 import torch
+import torch.distributed as dist
 
 from common.messages import env_rank, log
 from common.meter import Meter
@@ -104,11 +105,9 @@ def report(
     log("\nper-rank memory and communication (measured from outside the technique)")
     log(f"  {'':<26}{'measured':>12}{'formula':>12}   formula")
     for what, measured, expected, text in rows:
+        promised = "" if expected is None else fmt_bytes(expected)
         flag = "" if expected is None or measured == expected else "  (differs)"
-        log(
-            f"  {what:<26}{fmt_bytes(measured):>12}{fmt_bytes(expected) if expected is not None else '':>12}"
-            f"   {text}{flag}"
-        )
+        log(f"  {what:<26}{fmt_bytes(measured):>12}{promised:>12}   {text}{flag}")
     if device.type == "cuda":
         log(f"  cuda max_memory_allocated: {fmt_bytes(torch.cuda.max_memory_allocated(device))}")
     sps = meter.samples_per_s()
@@ -141,31 +140,99 @@ def result(**fields):
     log("RESULT " + json.dumps(fields))
 
 
-def pipeline_timeline(orders, cost, V=1):
-    """Each rank's recorded actions replayed in slots, `cost` slots each, an action starting after the rank's
-    last and after its input (F of global chunk c = v·p + s after F of c-1, B of c after B of c+1). Returns
-    the picture (F3' is micro-batch 3 in the rank's chunk v=1), the idle fraction of the slots, and each
-    rank's peak of micro-batch chunks in flight (F run, its last backward action not)."""
-    end, p, last = {}, len(orders), "W" if any(a == "W" for o in orders for a, _, _ in o) else "B"
-    for _ in range(sum(map(len, orders))):  # relax until every action ends at its longest path
-        for s, o in enumerate(orders):
-            for k, (a, i, v) in enumerate(o):
-                c = v * p + s + (-1 if a == "F" else 1)
-                dep = end.get((c % p, a, i, c // p), 0) if a != "W" and 0 <= c < V * p else 0
-                end[s, a, i, v] = max(dep, end.get((s, *o[k - 1]), 0) if k else 0) + cost[a]
-    total, width = max(end.values()), max(len(str(i)) for o in orders for _, i, _ in o) + V + 1
-    cells = {
-        (s, t): f"{a}{i}" + "'" * v
-        for (s, a, i, v), e in end.items()
-        for t in range(e - cost[a], e)
-    }
-    picture = "\n".join(
-        f"  rank {s}:  "
-        + "".join(cells.get((s, t), ".").ljust(width) for t in range(total)).rstrip()
-        for s in range(p)
+def pipeline_timeline(recorder, meter, promised):
+    """Every rank calls it after training: each stage's recorded actions (record_pipeline_order)
+    and measured bytes are gathered on rank 0, which replays the actions in slots and prints the
+    picture, the idle fraction and the peak of micro-batches in flight next to the script's
+    formula (`promised["bubble"]`, `promised["peak_inflight"]`). Returns the RESULT's fields on
+    rank 0 (the bubble, the peaks, each stage's measurements as `stages`), {} on the others."""
+    comm, calls, _ = meter.comm()
+    mine = dict(meter.mem, comm=comm, comm_calls=calls, **recorder.recorded())
+    stages = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, stages, dst=0)
+    if stages is None:
+        return {}
+    orders = [[tuple(action) for action in stage["order"]] for stage in stages]
+    picture, bubble, peaks = replay_pipeline(orders)
+    chunks = 1 + max(chunk for order in orders for _, _, chunk in order)
+    micro_batches = 1 + max(micro_batch for order in orders for _, micro_batch, _ in order)
+    split = f"{len(orders)} stages" + (f" x {chunks} chunks" if chunks > 1 else "")
+    bubble_formula = promised.get("notes", {}).get("bubble", "")
+    log(f"\npipeline as run: {split}, {micro_batches} micro-batches, a slot per F, B or W")
+    log("(a whole backward B two; F3' is micro-batch 3 in the rank's next chunk)")
+    log(picture)
+    log(
+        f"  bubble {bubble:.3f} of the slots (formula {bubble_formula} = "
+        f"{promised['bubble']:.3f}), peak micro-batches in flight {peaks} "
+        f"(formula {promised['peak_inflight']})"
     )
-    peaks = [
-        max(sum({"F": 1, last: -1}.get(a, 0) for a, _, _ in o[: k + 1]) for k in range(len(o)))
-        for o in orders
-    ]
-    return picture, 1 - sum(cost[a] for o in orders for a, _, _ in o) / (p * total), peaks
+    return dict(bubble=bubble, peak_inflight=peaks, stages=stages)
+
+
+def replay_pipeline(orders):
+    """Each rank's actions (F | B | W, micro-batch, chunk), in the order it ran them, replayed in
+    slots: (the picture, the idle fraction of the slots, each rank's peak in flight)."""
+    cost = _slots_per_action(orders)
+    end = _replay_in_slots(orders, cost)
+    busy = sum(cost[action] for order in orders for action, _, _ in order)
+    bubble = 1 - busy / (len(orders) * max(end.values()))
+    peaks = [_peak_in_flight(order, cost) for order in orders]
+    return _draw(len(orders), end, cost), bubble, peaks
+
+
+def _slots_per_action(orders):
+    """A whole backward costs about two forwards, so B takes two slots; where the weights'
+    gradients are a pass of their own (W), B (the input's gradient) and W take one slot each (Zero
+    Bubble's unit)."""
+    split = any(action == "W" for order in orders for action, _, _ in order)
+    return dict(F=1, B=1 if split else 2, W=1)
+
+
+def _replay_in_slots(orders, cost):
+    """{(rank, action, micro-batch, chunk): the slot it ends in}, each action as early as it can
+    run: after the rank's previous action and after the action that makes its input (F of global
+    chunk c = v·p + s after F of chunk c-1, B of c after B of c+1; W needs only its B, earlier on
+    its rank). Repeated passes settle every action at its longest path, which holds no more
+    actions than there are."""
+    ranks = len(orders)
+    global_chunks = ranks * (1 + max(chunk for order in orders for _, _, chunk in order))
+    end = {}
+    for _ in range(sum(len(order) for order in orders)):
+        for rank, order in enumerate(orders):
+            previous_end = 0
+            for action, micro_batch, chunk in order:
+                here = chunk * ranks + rank
+                source = here - 1 if action == "F" else here + 1
+                input_ready = 0
+                if action != "W" and 0 <= source < global_chunks:
+                    producer = (source % ranks, action, micro_batch, source // ranks)
+                    input_ready = end.get(producer, 0)
+                previous_end = max(previous_end, input_ready) + cost[action]
+                end[rank, action, micro_batch, chunk] = previous_end
+    return end
+
+
+def _peak_in_flight(order, cost):
+    """The most micro-batch chunks whose forward has run and whose last backward pass has not."""
+    last_backward = "W" if cost["B"] == 1 else "B"
+    in_flight = 0
+    peak = 0
+    for action, _, _ in order:
+        if action == "F":
+            in_flight += 1
+        elif action == last_backward:
+            in_flight -= 1
+        peak = max(peak, in_flight)
+    return peak
+
+
+def _draw(ranks, end, cost):
+    """One line per rank, one cell per slot: the action in it (F3' is micro-batch 3 in chunk 1, F3''
+    in chunk 2), or '.' where the rank idles."""
+    cells = [["."] * max(end.values()) for _ in range(ranks)]
+    for (rank, action, micro_batch, chunk), finish in end.items():
+        for slot in range(finish - cost[action], finish):
+            cells[rank][slot] = f"{action}{micro_batch}" + "'" * chunk
+    width = 1 + max(len(cell) for row in cells for cell in row)
+    rows = ["".join(cell.ljust(width) for cell in row).rstrip() for row in cells]
+    return "\n".join(f"  rank {rank}:  {row}" for rank, row in enumerate(rows))

@@ -11,10 +11,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-for k, (script, flags) in enumerate(json.loads(sys.argv[1])):
+for case, (script, flags) in enumerate(json.loads(sys.argv[1])):
     # setup() prefixes the launcher's store with this variable: a fresh one per case keeps each
     # group's rendezvous keys apart from the last one's
-    os.environ["TORCHELASTIC_RESTART_COUNT"] = f"case{k}"
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = f"case{case}"
     sys.argv = [f"{script}.py", *map(str, flags)]
     importlib.import_module(script).main()
     sys.stdout.flush()

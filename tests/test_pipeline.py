@@ -1,34 +1,32 @@
 """pipeline.py: every schedule (naive with m > 1 too) ends with the same parameters as the
 one-process ddp.py run, with SGD and AdamW, at p=2 and at p=3 (4 blocks do not split 3 ways); the
-order in which each stage's forwards and backwards ran (recorded by the script from outside the
-technique) is the schedule, and its bubble and peak in flight are the schedules' formulas; each
-stage's parameter, gradient and optimizer bytes and point-to-point bytes, measured by the Meter,
-are what this test works out from the model; the saved state_dict loads in ddp.py; every
-point-to-point group the training step and the evaluation issue is safe under NCCL's rule (and the
-replay that says so does catch the one-op-per-group pairing that deadlocked); bad input is refused."""
+order in which each stage's forwards and backwards ran (recorded from outside the technique by
+common.record_pipeline_order) is the schedule, and its bubble and peak in flight are the script's
+formula; each stage's parameter, gradient, optimizer and point-to-point bytes, measured by the
+Meter, are what this test works out from the model; the saved state_dict loads in ddp.py.
+
+NCCL's rule, in-process: every communication each rank's training loop, evaluation and save issue,
+collectives included, recorded in order and replayed (`loop_calls` and `replay`, which the other
+pipeline tests share): no rank waits for ever; the replay does catch the one-op-per-group pairing
+that deadlocked, and a send left open across a collective. Bad input is refused."""
 
 import argparse
 import json
+import sys
 from collections import Counter
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler
 
 import common
 import pipeline
 from helpers import SMALL, max_diff, torchrun
 
 DEPTH = 4
-CFG = [
-    *SMALL,
-    "--depth",
-    str(DEPTH),
-]  # the same config as test_tensor_parallel.py: shared references
-TOL = {
-    "sgd": 1e-6,
-    "adamw": 5e-5,
-}  # round-off; AdamW turns it into steps on ~0 gradients: up to 1.9e-5 seen
+CFG = [*SMALL, "--depth", str(DEPTH)]  # the same config as test_tensor_parallel.py: shared refs
+TOL = {"sgd": 1e-6, "adamw": 5e-5}  # round-off; AdamW turns it into steps on ~0 gradients
 WINDOW = 3  # optimizer steps the Meter counts communication in
 SCHEDULES = ("naive", "gpipe", "1f1b")
 # (p, schedule, m, optim): every schedule with both optimizers at p=2 and p=3; m > 1 everywhere
@@ -49,158 +47,139 @@ CASES = [
 IDS = [f"p{p}-{s}-m{m}-{o}" for p, s, m, o in CASES]
 LOADED = (3, "gpipe", 4, "sgd")  # this case starts from --load of the initial weights
 
+# the docstring's picture: a slot per forward, two per backward
 TIMELINE_1F1B_2x4 = """\
-  rank 0:  F0 F1 .  B0 F2 B1 F3 B2 .  B3
-  rank 1:  .  F0 B0 F1 B1 F2 B2 F3 B3 ."""
+  rank 0:  F0 F1 .  .  B0 B0 F2 B1 B1 F3 B2 B2 .  B3 B3
+  rank 1:  .  F0 B0 B0 F1 B1 B1 F2 B2 B2 F3 B3 B3 .  ."""
 
 
 def expected_order(name, m, p, s):
     """The schedules as the docstring defines them, written out here independently."""
     if name == "naive":  # micro-batch i's backward before i+1's forward
-        return [x for i in range(m) for x in (("F", i), ("B", i))]
+        return [action for i in range(m) for action in (("F", i), ("B", i))]
     if name == "gpipe":
         return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-    order, f, b = [], 0, 0  # 1f1b: p-s-1 forwards ahead, then F B F B ..., then the Bs
-    while b < m:
-        if f < m and (f < p - s or order[-1][0] == "B"):
-            order.append(("F", f))
-            f += 1
+    order = []  # 1f1b: p-s-1 forwards ahead, then F B F B ..., then the Bs
+    forwards = 0
+    backwards = 0
+    while backwards < m:
+        if forwards < m and (forwards < p - s or order[-1][0] == "B"):
+            order.append(("F", forwards))
+            forwards += 1
         else:
-            order.append(("B", b))
-            b += 1
+            order.append(("B", backwards))
+            backwards += 1
     return order
 
 
 def stage_params(model, p):
     """Parameters per stage, the blocks cut as the script cuts them: s·d/p .. (s+1)·d/p - 1."""
-    d, count = (
-        len(model.blocks),
-        lambda mods: sum(q.numel() for mod in mods for q in mod.parameters()),
-    )
-    return [
-        count(
-            [
-                *([model.embed] if s == 0 else []),
-                *model.blocks[s * d // p : (s + 1) * d // p],
-                *([model.head] if s == p - 1 else []),
-            ]
-        )
-        for s in range(p)
-    ]
+    depth = len(model.blocks)
+    counts = []
+    for s in range(p):
+        modules = list(model.blocks[s * depth // p : (s + 1) * depth // p])
+        if s == 0:
+            modules.append(model.embed)
+        if s == p - 1:
+            modules.append(model.head)
+        counts.append(sum(q.numel() for module in modules for q in module.parameters()))
+    return counts
+
+
+def launch_cases(world, argv, timeout=400):
+    """Run [script, flags] cases one after another in ONE torchrun launch (tests/pipeline_cases.py)
+    and return each case's RESULT and its output before it."""
+    run = torchrun("tests/pipeline_cases.py", world, json.dumps(argv, default=str), timeout=timeout)
+    assert run.returncode == 0, run.output
+    chunks = run.stdout.split("\nRESULT ")  # chunk i ends with case i's output, i+1 its RESULT
+    assert len(chunks) == len(argv) + 1, run.output
+    return [(json.loads(chunks[i + 1].splitlines()[0]), chunks[i]) for i in range(len(argv))]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, initial):
-    """One launch per world size runs all its cases (tests/pipeline_cases.py), and the p=2 launch
-    ends with ddp.py loading one pipeline save with lr 0 and saving it again. Returns
-    {case: (RESULT, saved path, this case's output)} and the two paths of the ddp round trip."""
-    d, out = tmp_path_factory.mktemp("pp"), {}
-    saved = {case: d / f"{i}.pt" for i, case in enumerate(CASES)}
+    """One launch per world size runs all its cases, and the p=2 launch ends with ddp.py loading
+    one pipeline save with lr 0 and saving it again. Returns {case: (RESULT, saved path, this
+    case's output)} and the two paths of the ddp round trip."""
+    folder = tmp_path_factory.mktemp("pp")
+    saved = {case: folder / f"{i}.pt" for i, case in enumerate(CASES)}
+    out = {}
     for world in (2, 3):
-        cases = [c for c in CASES if c[0] == world]
-        argv = [
-            [
-                "pipeline",
-                [
-                    *CFG,
-                    "--schedule",
-                    s,
-                    "--microbatches",
-                    m,
-                    "--optim",
-                    o,
-                    "--save",
-                    saved[p, s, m, o],
-                    *(["--load", initial] if (p, s, m, o) == LOADED else []),
-                ],
-            ]
-            for p, s, m, o in cases
-        ]
+        cases = [case for case in CASES if case[0] == world]
+        argv = []
+        for case in cases:
+            _, schedule, m, optim = case
+            flags = [*CFG, "--schedule", schedule, "--microbatches", m, "--optim", optim]
+            flags += ["--save", saved[case]]
+            if case == LOADED:
+                flags += ["--load", initial]
+            argv.append(["pipeline", flags])
         if world == 2:
-            argv.append(
-                [
-                    "ddp",
-                    [
-                        *CFG,
-                        "--optim",
-                        "sgd",
-                        "--lr",
-                        0,
-                        "--max-steps",
-                        1,
-                        "--load",
-                        saved[CASES[0]],
-                        "--save",
-                        d / "ddp.pt",
-                    ],
-                ]
-            )
-        run = torchrun("tests/pipeline_cases.py", world, json.dumps(argv, default=str), timeout=400)
-        assert run.returncode == 0, run.output
-        chunks = run.stdout.split(
-            "\nRESULT "
-        )  # chunk i ends with case i's output, i+1 starts with its RESULT
-        assert len(chunks) == len(argv) + 1, run.output
-        for i, case in enumerate(cases):
-            out[case] = json.loads(chunks[i + 1].splitlines()[0]), saved[case], chunks[i]
-    return out, (saved[CASES[0]], d / "ddp.pt")
+            round_trip = ["--optim", "sgd", "--lr", 0, "--max-steps", 1]
+            round_trip += ["--load", saved[CASES[0]], "--save", folder / "ddp.pt"]
+            argv.append(["ddp", [*CFG, *round_trip]])
+        results = launch_cases(world, argv)
+        for case, (result, output) in zip(cases, results, strict=False):
+            out[case] = (result, saved[case], output)
+    return out, (saved[CASES[0]], folder / "ddp.pt")
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_same_parameters_as_ddp_one_process(case, runs, refs):
     p, schedule, m, optim = case
-    r, path, _ = runs[0][case]
+    result, path, _ = runs[0][case]
     diff = max_diff(refs[optim], path)
     print(f"pipeline p={p} {schedule} m={m} {optim}: max |Δparam| vs ddp.py W=1 = {diff:.3g}")
-    assert (r["world_size"], r["schedule"], r["microbatches"], r["steps"]) == (p, schedule, m, 6)
+    assert (result["world_size"], result["steps"]) == (p, 6)
     assert diff < TOL[optim]
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_recorded_order_bubble_and_in_flight(case, runs):
-    """What each stage ran, in order, as the script's hooks saw it, is the schedule; replayed one slot
-    per F or B, it idles (p-1)/p (naive) or (p-1)/(m+p-1) (gpipe, 1f1b) of the slots; and the most
-    micro-batches whose forward ran and backward did not is 1, m, or p-s on stage s."""
+    """What each stage ran, in order, as the instrument's hooks saw it, is the schedule; replayed
+    one slot per F and two per B, it idles (p-1)/p (naive) or (p-1)/(m+p-1) (gpipe, 1f1b) of the
+    slots, the script's formula; and the most micro-batches whose forward ran and backward did not
+    is 1, m, or p-s on stage s."""
     p, schedule, m, _ = case
-    r, _, output = runs[0][case]
-    ran = [[tuple(a) for a in st["order"]] for st in r["stages"]]
+    result, _, output = runs[0][case]
+    ran = [[(action, i) for action, i, _ in stage["order"]] for stage in result["stages"]]
     assert ran == [expected_order(schedule, m, p, s) for s in range(p)]
-    assert r["bubble"] == pytest.approx(
-        (p - 1) / p if schedule == "naive" else (p - 1) / (m + p - 1)
-    )
-    assert (
-        r["peak_inflight"]
-        == {"naive": [1] * p, "gpipe": [m] * p, "1f1b": [p - s for s in range(p)]}[schedule]
-    )
+    bubble = (p - 1) / p if schedule == "naive" else (p - 1) / (m + p - 1)
+    assert result["bubble"] == pytest.approx(bubble)
+    assert result["formula"]["bubble"] == pytest.approx(bubble)
+    in_flight = {"naive": [1] * p, "gpipe": [m] * p, "1f1b": [p - s for s in range(p)]}
+    assert result["peak_inflight"] == result["formula"]["peak_inflight"] == in_flight[schedule]
     if (p, schedule, m) == (2, "1f1b", 4):
         assert TIMELINE_1F1B_2x4 in output
+        for row in TIMELINE_1F1B_2x4.splitlines():  # the docstring draws what runs
+            assert row.strip() in pipeline.__doc__
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_measured_bytes_per_stage(case, runs):
-    """Stage s holds its own Ψ_s parameters, gradients and optimizer state (AdamW m, v; SGD momentum),
-    counted here off the model cut as the script cuts it (4 blocks over 3 stages: 1, 1, 2). Per step,
-    each boundary carries m activations of B/m·T·D fp32 forward and m gradients back: 2(p-1)·m
-    messages in all, and nothing else is communicated."""
+    """Stage s holds its own Ψ_s parameters, gradients and optimizer state (AdamW m, v; SGD
+    momentum), counted here off the model cut as the script cuts it (4 blocks over 3 stages: 1, 1,
+    2). Per step, each boundary carries m activations of B/m·T·D fp32 forward and m gradients back:
+    2(p-1)·m messages in all, and nothing else is communicated."""
     p, _, m, optim = case
-    r, _, _ = runs[0][case]
+    result, _, _ = runs[0][case]
     args = common.parse_args(common.get_parser("test"), CFG)
     model = common.build_model(args)
-    msg = 4 * (args.batch_size // m) * model.embed.tokens * args.dim
-    assert sum(stage_params(model, p)) == r["params"]
-    for s, (st, psi) in enumerate(zip(r["stages"], stage_params(model, p))):
-        assert (st["param_bytes"], st["grad_bytes"], st["optim_bytes"]) == (
-            4 * psi,
-            4 * psi,
-            (8 if optim == "adamw" else 4) * psi,
-        )
-        peers = (s > 0) + (s < p - 1)  # neighbours: an activation and a gradient each way per one
-        assert st["comm"] == dict(send=peers * m * msg, recv=peers * m * msg), (s, st)
-        assert st["comm_calls"] == dict(send=peers * m * WINDOW, recv=peers * m * WINDOW), (s, st)
-    assert sum(st["comm_calls"]["send"] for st in r["stages"]) == 2 * (p - 1) * m * WINDOW
-    assert (
-        r["comm"] == r["stages"][0]["comm"] and r["comm_steps"] == WINDOW
-    )  # RESULT's own fields: rank 0's
+    message = 4 * (args.batch_size // m) * model.embed.tokens * args.dim
+    optim_per_param = 8 if optim == "adamw" else 4
+    assert sum(stage_params(model, p)) == result["params"]
+    for s, (stage, psi) in enumerate(zip(result["stages"], stage_params(model, p), strict=True)):
+        measured = (stage["param_bytes"], stage["grad_bytes"], stage["optim_bytes"])
+        assert measured == (4 * psi, 4 * psi, optim_per_param * psi)
+        neighbours = (s > 0) + (s < p - 1)  # an activation and a gradient each way per neighbour
+        traffic = neighbours * m * message
+        calls = neighbours * m * WINDOW
+        assert stage["comm"] == dict(send=traffic, recv=traffic), (s, stage)
+        assert stage["comm_calls"] == dict(send=calls, recv=calls), (s, stage)
+    sends = sum(stage["comm_calls"]["send"] for stage in result["stages"])
+    assert sends == 2 * (p - 1) * m * WINDOW
+    assert result["comm"] == result["stages"][0]["comm"]  # RESULT's own fields: rank 0's
+    assert result["comm_steps"] == WINDOW
 
 
 def test_saved_state_loads_in_ddp(runs):
@@ -210,84 +189,273 @@ def test_saved_state_loads_in_ddp(runs):
     assert max_diff(pipe, again) == 0
 
 
-# --------------------------------------------------------------------------- NCCL's rule, in-process
+# ------------------------------------------------------------------------ NCCL's rule, in-process
+# A rank's communications in the order it issued them, each one of
+#   ("p2p", [(peer, "send" | "recv", numel), ...])   a group of point-to-point ops, waited for
+#                                                     together (a blocking send or receive: one op)
+#   (collective, numel)                               all_reduce, gather_object, ... (numel None
+#                                                     for objects)
 
 
-def replay(batches):
-    """NCCL's rule for point-to-point groups: each rank runs its groups in order; a group completes
-    only when the partner of every op in it (the n-th send r->q pairs with the n-th receive on q
-    from r) sits in a group its rank has reached. `batches[r]`: rank r's groups, each a list of
-    (peer, "send" | "recv", numel). Returns None when every rank gets through, else the group each
-    rank is stuck at."""
-    ends, seen = {}, Counter()
-    for r, groups in enumerate(batches):
-        for k, group in enumerate(groups):
-            for peer, kind, numel in group:
-                link = (r, peer) if kind == "send" else (peer, r)
-                ends.setdefault((*link, seen[kind, link]), {})[kind] = (r, k, numel)
-                seen[kind, link] += 1
-    needs = [[[] for _ in groups] for groups in batches]
-    for key, end in ends.items():
-        assert end.keys() == {"send", "recv"}, f"message {key} has no partner: {end}"
-        (rs, ks, ns), (rr, kr, nr) = end["send"], end["recv"]
-        assert ns == nr, f"message {key}: {ns} elements sent, {nr} received"
-        needs[rs][ks].append((rr, kr))
-        needs[rr][kr].append((rs, ks))
-    at, moved = [0] * len(batches), True
+def replay(calls):
+    """NCCL's rule on `calls[r]`, rank r's communications: each rank runs its calls in order, each
+    to completion. A point-to-point group completes once the partner of each of its ops (the n-th
+    send r->q pairs with the n-th receive on q from r) is in a call its rank has reached; a
+    collective once every rank has reached it (its n-th collective: the ranks must issue the same
+    ones in the same order). Returns None when every rank gets through, else the call each rank
+    is stuck at."""
+    waits_for = [[[] for _ in rank_calls] for rank_calls in calls]
+    pair_messages(calls, waits_for)
+    line_up_collectives(calls, waits_for)
+    reached = [0] * len(calls)
+    moved = True
     while moved:
         moved = False
-        for r, groups in enumerate(batches):
-            if at[r] < len(groups) and all(at[q] >= k for q, k in needs[r][at[r]]):
-                at[r], moved = at[r] + 1, True
-    return None if all(at[r] == len(g) for r, g in enumerate(batches)) else at
+        for rank, rank_calls in enumerate(calls):
+            at = reached[rank]
+            if at < len(rank_calls) and all(reached[q] >= k for q, k in waits_for[rank][at]):
+                reached[rank] = at + 1
+                moved = True
+    if reached == [len(rank_calls) for rank_calls in calls]:
+        return None
+    return reached
+
+
+def pair_messages(calls, waits_for):
+    """Each send with its receive, and each of their calls waiting for the other's: on a link
+    sender -> receiver, the n-th send is the n-th receive's message, and of the same size."""
+    ends = {}  # (sender, receiver, n) -> {"send": (rank, call, numel), "recv": (...)}
+    counted = Counter()
+    for rank, rank_calls in enumerate(calls):
+        for k, (kind, ops) in enumerate(rank_calls):
+            if kind != "p2p":
+                continue
+            for peer, direction, numel in ops:
+                link = (rank, peer) if direction == "send" else (peer, rank)
+                n = counted[direction, link]
+                counted[direction, link] += 1
+                ends.setdefault((*link, n), {})[direction] = (rank, k, numel)
+    for message, end in ends.items():
+        assert end.keys() == {"send", "recv"}, f"message {message} has no partner: {end}"
+        sender, send_call, sent = end["send"]
+        receiver, recv_call, expected = end["recv"]
+        assert sent == expected, f"message {message}: {sent} elements sent, {expected} received"
+        waits_for[sender][send_call].append((receiver, recv_call))
+        waits_for[receiver][recv_call].append((sender, send_call))
+
+
+def line_up_collectives(calls, waits_for):
+    """NCCL matches collectives by their order on a communicator: every rank's n-th must be the
+    same collective of the same size, and it completes when every rank has reached its n-th."""
+    positions = [
+        [k for k, call in enumerate(rank_calls) if call[0] != "p2p"] for rank_calls in calls
+    ]
+    issued = [[rank_calls[k] for k in ks] for rank_calls, ks in zip(calls, positions, strict=True)]
+    assert all(sequence == issued[0] for sequence in issued), (
+        f"the ranks' collectives differ: {issued}"
+    )
+    for rank, ks in enumerate(positions):
+        for n, k in enumerate(ks):
+            waits_for[rank][k] = [(q, positions[q][n]) for q in range(len(calls))]
+
+
+def sends(calls):
+    """The messages sent, every rank's together."""
+    count = 0
+    for rank_calls in calls:
+        for kind, ops in rank_calls:
+            if kind == "p2p":
+                count += sum(direction == "send" for _, direction, _ in ops)
+    return count
+
+
+def collectives(rank_calls):
+    """A rank's collectives, in order."""
+    return [call for call in rank_calls if call[0] != "p2p"]
 
 
 def test_replay_itself():
-    """The rule on hand-made cases: a send/receive exchange in one group each passes; each rank
-    sending first in a group of its own (the old pairing) deadlocks."""
-    send, recv = (1, "send", 4), (1, "recv", 4)
-    assert replay([[[send, recv]], [[(0, "send", 4), (0, "recv", 4)]]]) is None
-    assert replay([[[send], [recv]], [[(0, "send", 4)], [(0, "recv", 4)]]]) == [0, 0]
-    assert replay([[[send], [recv]], [[(0, "recv", 4)], [(0, "send", 4)]]]) is None
+    """The rule on hand-made cases: a send and a receive in one group on each side pass; both
+    ranks sending first, each send in a group of its own, deadlock (pipeline.py's old pairing);
+    one sending first and the other receiving first pass; a send left open across an all-reduce
+    that its receiver reaches first deadlocks (PipeDream's hang, issue 25), and posted after it
+    passes; ranks that disagree on their collectives fail."""
+    send = ("p2p", [(1, "send", 4)])
+    recv = ("p2p", [(1, "recv", 4)])
+    send_back = ("p2p", [(0, "send", 4)])
+    recv_back = ("p2p", [(0, "recv", 4)])
+    exchange = ("p2p", [(1, "send", 4), (1, "recv", 4)])
+    exchange_back = ("p2p", [(0, "send", 4), (0, "recv", 4)])
+    all_reduce = ("all_reduce", 1)
+    assert replay([[exchange], [exchange_back]]) is None
+    assert replay([[send, recv], [send_back, recv_back]]) == [0, 0]
+    assert replay([[send, recv], [recv_back, send_back]]) is None
+    assert replay([[all_reduce, recv], [send_back, all_reduce]]) == [0, 0]
+    assert replay([[all_reduce, recv], [all_reduce, send_back]]) is None
+    with pytest.raises(AssertionError, match="collectives differ"):
+        replay([[all_reduce], [("gather_object", None)]])
+    with pytest.raises(AssertionError, match="has no partner"):
+        replay([[send], []])
 
 
 class FakeOp:
     """Stands in for dist.P2POp (which needs a process group)."""
 
-    def __init__(self, op, tensor, peer):
-        self.op, self.tensor, self.peer = op, tensor, peer
+    def __init__(self, op, tensor, peer, group=None, tag=0):
+        self.op = op
+        self.tensor = tensor
+        self.peer = peer
 
 
-def record(monkeypatch, stage, work):
-    """The groups `work()` hands to dist.batch_isend_irecv on this stage, in order; received
-    tensors are filled with numbers so the stage computes on."""
-    groups = []
+class FakeWork:
+    def wait(self):
+        return True
 
-    def batch_isend_irecv(ops):
+
+class RecordedWorld:
+    """torch.distributed as rank `rank` of a world of `world` sees it, in this process: every
+    communication is appended to `calls` (the format above) and nothing is sent; received tensors
+    are filled with random numbers, so the computation goes on. A torch.distributed call this
+    does not stand in for finds no process group and raises: nothing communicates unrecorded."""
+
+    COLLECTIVES = (
+        "all_reduce",
+        "reduce",
+        "broadcast",
+        "barrier",
+        "all_gather",
+        "all_gather_into_tensor",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "all_to_all",
+        "all_to_all_single",
+        "gather",
+        "scatter",
+        "gather_object",
+        "all_gather_object",
+        "broadcast_object_list",
+        "scatter_object_list",
+    )
+
+    def __init__(self, monkeypatch, world):
+        self.world = world
+        self.rank = 0
+        self.calls = []
+        monkeypatch.setattr(dist, "get_rank", lambda group=None: self.rank)
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: self.world)
+        monkeypatch.setattr(dist, "P2POp", FakeOp)
+        monkeypatch.setattr(dist, "batch_isend_irecv", self.batch_isend_irecv)
+        for name in ("isend", "send"):
+            monkeypatch.setattr(dist, name, self.one_op("send"))
+        for name in ("irecv", "recv"):
+            monkeypatch.setattr(dist, name, self.one_op("recv"))
+        for name in self.COLLECTIVES:
+            monkeypatch.setattr(dist, name, self.collective(name))
+
+    def start(self, rank):
+        """From now on, record as rank `rank`, in a fresh list."""
+        self.rank = rank
+        self.calls = []
+
+    def batch_isend_irecv(self, ops):
         assert ops, "an empty group"
-        groups.append(
-            [(o.peer, "send" if o.op is dist.isend else "recv", o.tensor.numel()) for o in ops]
+        group = []
+        for op in ops:
+            direction = "send" if op.op is dist.isend else "recv"
+            group.append((op.peer, direction, op.tensor.numel()))
+            if direction == "recv":
+                op.tensor.normal_()
+        self.calls.append(("p2p", group))
+        return [FakeWork() for _ in ops]
+
+    def one_op(self, direction):
+        """dist.isend / dist.send (direction "send") or dist.irecv / dist.recv: a group of one."""
+
+        def point_to_point(tensor, peer=None, group=None, tag=0, **kwargs):
+            self.calls.append(("p2p", [(peer, direction, tensor.numel())]))
+            if direction == "recv":
+                tensor.normal_()
+            return FakeWork()
+
+        return point_to_point
+
+    def collective(self, name):
+        def issue(*args, **kwargs):
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            self.calls.append((name, tensors[0].numel() if tensors else None))
+            if name == "gather_object" and len(args) > 1 and args[1] is not None:
+                args[1][:] = [args[0]] * len(args[1])  # every rank's part, as rank 0 gets them
+            return FakeWork() if kwargs.get("async_op") else None
+
+        return issue
+
+
+def script_args(module, flags, world, monkeypatch):
+    """The script's args for `flags`, parsed and checked by its own main() for a world of `world`
+    (common.launch stood in for: nothing starts)."""
+    launched = []
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    argv = [f"{module.__name__}.py", *map(str, flags), "--nproc", str(world)]
+    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.setattr(common, "launch", lambda run, args: launched.append(args))
+    module.main()
+    return launched[0]
+
+
+# The loop the replay runs: 2 batches an epoch, 3 steps, each with its logged loss (an all-reduce
+# between every two steps, and at the epoch boundary), evaluation in 2 batches, the save's gather.
+LOOP = [*"--epochs 2 --max-steps 3 --log-every 1 --dim 8 --heads 2 --patch 14".split()]
+LOOP += [*"--optim sgd --no-progress".split()]
+LOOP_STEPS = 3
+EVAL_BATCHES = 2
+LOOP_COLLECTIVES = [("all_reduce", 1)] * LOOP_STEPS + [("all_reduce", 2), ("gather_object", None)]
+
+
+def loop_calls(module, flags, world, monkeypatch, parallelize=None):
+    """Every communication `module`'s loop issues on each rank of a world of `world`, in order:
+    its train() (past logging steps and an epoch boundary), evaluate() and full_state_dict(),
+    run in this process one rank after the other, on random data, the stage, optimizer and loader
+    built as the script's run() builds them (`parallelize(model, args)` where the script's
+    parallelize takes more than the model and the device)."""
+    args = script_args(module, flags, world, monkeypatch)
+    world_view = RecordedWorld(monkeypatch, world)
+    cpu = torch.device("cpu")
+    samples = 2 * args.batch_size
+    train_set = common.Digits(torch.randn(samples, 1, 28, 28), torch.randint(0, 10, (samples,)))
+    test_set = common.Digits(torch.randn(6, 1, 28, 28), torch.randint(0, 10, (6,)))
+    calls = []
+    for rank in range(world):
+        world_view.start(rank)
+        model = common.build_model(args)
+        if parallelize is None:
+            stage = module.parallelize(model, cpu)
+        else:
+            stage = parallelize(model, args)
+        sampler = DistributedSampler(
+            train_set, num_replicas=1, rank=0, shuffle=True, seed=args.seed, drop_last=True
         )
-        for o in ops:
-            if o.op is dist.irecv:
-                o.tensor.normal_()
-        return []
+        loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+        optimizer = common.make_optimizer(stage.parameters(), args)
+        steps = common.total_steps(args, len(loader))
+        scheduler = common.make_scheduler(optimizer, args, steps)
+        module.train(stage, optimizer, scheduler, loader, sampler, args, cpu)
+        module.evaluate(stage, common.test_loader(test_set, batch=4), cpu)
+        module.full_state_dict(stage)
+        calls.append(world_view.calls)
+    return calls
 
-    monkeypatch.setattr(dist, "P2POp", FakeOp)
-    monkeypatch.setattr(dist, "batch_isend_irecv", batch_isend_irecv)
-    work()
-    return groups
 
-
-def old_pairing(order, s, p, msg):
-    """Today's pipeline.py before this fix (git history): every send and receive a group of its own,
-    a forward's receive before it and its send after it, the same for a backward."""
-    groups = []
-    for a, _ in order:
-        prev, nxt = (s - 1, s + 1) if a == "F" else (s + 1, s - 1)
-        groups += [[(prev, "recv", msg)]] if 0 <= prev < p else []
-        groups += [[(nxt, "send", msg)]] if 0 <= nxt < p else []
-    return groups
+def old_pairing(order, s, p, message):
+    """pipeline.py before the pairing (git history): every send and receive a group of its own, a
+    forward's receive before it and its send after it, the same for a backward."""
+    calls = []
+    for action, _ in order:
+        source, destination = (s - 1, s + 1) if action == "F" else (s + 1, s - 1)
+        if 0 <= source < p:
+            calls.append(("p2p", [(source, "recv", message)]))
+        if 0 <= destination < p:
+            calls.append(("p2p", [(destination, "send", message)]))
+    return calls
 
 
 @pytest.fixture
@@ -301,34 +469,22 @@ def one_thread():
 
 @pytest.mark.parametrize("p", [2, 3, 4])
 def test_p2p_order_is_nccl_safe(p, monkeypatch, one_thread):
-    """For every schedule and m in {p, p+1, 2p}: each stage's own train_step (two steps) and
-    evaluation (two batches) run in-process, their groups recorded at dist.batch_isend_irecv, then
-    replayed under NCCL's rule: no stage waits for ever, every message has a partner of its size,
-    and a step carries 2(p-1)·m messages. The same replay finds the deadlock of the old pairing
-    (one op per group) in 1F1B, for every p and m here."""
-    torch.manual_seed(0)
-    model = common.ViT(dim=8, depth=4, heads=2, patch=14)
-    stages = [pipeline.Stage(model, s, p) for s in range(p)]
-    msg = 2 * model.embed.tokens * 8  # 2 samples a micro-batch
+    """For every schedule and m in {p, p+1, 2p}: every communication each rank's loop issues
+    (loop_calls), replayed under NCCL's rule: no rank waits for ever, every message has a partner
+    of its size, a step carries 2(p-1)·m messages and an evaluation batch p-1, and every rank
+    issues the loop's collectives (3 logged losses, evaluation's counts, the save's gather) in the
+    same order. The same replay finds the deadlock of the old pairing (one op a group) in 1F1B."""
     for name in SCHEDULES:
         for m in (p, p + 1, 2 * p):
-            x, y = torch.randn(2 * m, 1, 28, 28), torch.randint(0, 10, (2 * m,))
-            train, test = [], []
-            for st in stages:
-                train.append(
-                    record(
-                        monkeypatch,
-                        st,
-                        lambda: [pipeline.train_step(st, x, y, name, m) for _ in "12"],
-                    )
-                )
-                test.append(record(monkeypatch, st, lambda: [pipeline.infer(st, x) for _ in "12"]))
-            monkeypatch.undo()
-            assert sum(op[1] == "send" for g in train for b in g for op in b) == 2 * 2 * (p - 1) * m
-            assert replay(train) is None, (name, p, m, train)
-            assert replay(test) is None, (name, p, m, test)
-            assert replay([a + b for a, b in zip(train, test)]) is None, (name, p, m)
-            old = replay([old_pairing(expected_order(name, m, p, s), s, p, msg) for s in range(p)])
+            flags = [*LOOP, "--depth", DEPTH, "--batch-size", 2 * m]
+            flags += ["--schedule", name, "--microbatches", m]
+            calls = loop_calls(pipeline, flags, p, monkeypatch)
+            assert sends(calls) == LOOP_STEPS * 2 * (p - 1) * m + EVAL_BATCHES * (p - 1)
+            assert [collectives(rank_calls) for rank_calls in calls] == [LOOP_COLLECTIVES] * p
+            assert replay(calls) is None, (name, p, m)
+            message = 2 * 4 * 8  # 2 samples a micro-batch, 4 tokens, dim 8
+            orders = [old_pairing(expected_order(name, m, p, s), s, p, message) for s in range(p)]
+            old = replay(orders)
             assert (old is not None) == (name == "1f1b"), (name, p, m, old)
 
 
@@ -344,7 +500,8 @@ def test_p2p_order_is_nccl_safe(p, monkeypatch, one_thread):
         (
             4,
             dict(schedule="1f1b", microbatches=2),
-            "--schedule 1f1b needs at least as many micro-batches as stages: --microbatches 2 < 4 stages",
+            "--schedule 1f1b needs at least as many micro-batches as stages: "
+            "--microbatches 2 < 4 stages",
         ),
         (2, dict(microbatches=0), "--microbatches must be >= 1, got 0"),
     ],

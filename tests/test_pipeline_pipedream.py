@@ -1,57 +1,55 @@
 """pipeline_pipedream.py against its own definition (it is not one process's training, by design):
-micro-batch j's forward on stage s ran after max(0, j-w) of the stage's optimizer steps (w = p-s-1)
-and its backward after j, so it ran w steps stale; and the final parameters are those of a one-process
-simulation of the same staleness -- the forward of micro-batch j through each stage's weights after
-max(0, j-w) updates, the backward through those same weights (the stash), the update on the current
-ones -- with SGD (momentum 0.9) and AdamW. A simulation without the staleness does not match (the test
-can fail). One launch at p=3 for both optimizers."""
+micro-batch j's forward on stage s ran after max(0, j-w) of the stage's optimizer steps (w =
+p-s-1) and its backward after j, so it ran w steps stale; and the final parameters are those of a
+one-process simulation of the same staleness -- the forward of micro-batch j through each stage's
+weights after max(0, j-w) updates, the backward through those same weights (the stash), the update
+on the current ones -- with SGD (momentum 0.9) and AdamW. A simulation without the staleness does
+not match (the test can fail). One launch at p=3 for both optimizers.
+
+NCCL's rule: every communication the loop issues, collectives included, replayed in-process
+(test_pipeline's replay) across batch and epoch boundaries; the same replay fails when the last
+backward's gradient is sent at the end of its step (the code before the fix of issue 25)."""
 
 import functools
-import json
 
 import pytest
 import torch
 import torch.nn.functional as F
+from test_pipeline import (
+    LOOP,
+    LOOP_COLLECTIVES,
+    LOOP_STEPS,
+    collectives,
+    launch_cases,
+    loop_calls,
+    replay,
+    sends,
+)
 from torch.utils.data import DataLoader, DistributedSampler
 
 import common
 import pipeline_pipedream
-from helpers import SMALL, max_diff, torchrun
+from helpers import SMALL, max_diff
 
-P, M, STEPS = 3, 4, 3
-CFG = [
-    *SMALL,
-    "--dim",
-    "16",
-    "--depth",
-    "3",
-    "--heads",
-    "2",
-    "--max-steps",
-    str(STEPS),
-    "--lr-schedule",
-    "constant",
-    "--warmup",
-    "0",
-]
+P = 3
+M = 4
+STEPS = 3
+CFG = [*SMALL, "--dim", "16", "--depth", "3", "--heads", "2", "--max-steps", str(STEPS)]
+CFG += ["--lr-schedule", "constant", "--warmup", "0"]
 TOL = {"sgd": 1e-6, "adamw": 5e-5}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    d = tmp_path_factory.mktemp("pd")
-    argv = [
-        ["pipeline_pipedream", [*CFG, "--microbatches", M, "--optim", o, "--save", d / f"{o}.pt"]]
-        for o in ("sgd", "adamw")
-    ]
-    run = torchrun("tests/pipeline_cases.py", P, json.dumps(argv, default=str), timeout=400)
-    assert run.returncode == 0, run.output
-    chunks = run.stdout.split("\nRESULT ")
-    assert len(chunks) == 3, run.output
-    return {
-        o: (json.loads(chunks[i + 1].splitlines()[0]), d / f"{o}.pt")
-        for i, o in enumerate(("sgd", "adamw"))
-    }
+    """Both optimizers in one launch: {optim: (RESULT, saved path)}."""
+    folder = tmp_path_factory.mktemp("pd")
+    optims = ("sgd", "adamw")
+    argv = []
+    for optim in optims:
+        flags = [*CFG, "--microbatches", M, "--optim", optim, "--save", folder / f"{optim}.pt"]
+        argv.append(["pipeline_pipedream", flags])
+    results = launch_cases(P, argv)
+    return {optim: (results[k][0], folder / f"{optim}.pt") for k, optim in enumerate(optims)}
 
 
 @functools.lru_cache(maxsize=1)
@@ -65,75 +63,71 @@ def micro_batches():
     sampler.set_epoch(0)  # the script's first epoch: its shuffle and its augmentation
     train_set.set_epoch(0)
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True)
-    return [mb for (x, y), _ in zip(loader, range(STEPS)) for mb in zip(x.chunk(M), y.chunk(M))]
+    stream = []
+    for (x, y), _ in zip(loader, range(STEPS), strict=False):
+        stream += zip(x.chunk(M), y.chunk(M), strict=True)
+    return stream
+
+
+def weights(stage):
+    return {name: parameter.detach().clone() for name, parameter in stage.named_parameters()}
 
 
 def simulate(optim, stale=True):
-    """One process: every micro-batch in turn through p stages, stage s's weights those after max(0, j-w)
-    of its updates (all of them if not stale), the gradient on them, then the stage's update of its
-    current weights. Returns the final state_dict."""
+    """One process: every micro-batch in turn through the p stages, stage s's weights those after
+    max(0, j-w) of its updates (all of them if not stale), the gradient on them, then the stage's
+    update of its current weights. Returns the final state_dict."""
     args = common.parse_args(common.get_parser("test"), [*CFG, "--optim", optim])
     model = common.build_model(args)
     stages = [pipeline_pipedream.Stage(model, s, P) for s in range(P)]
-    opts = [common.make_optimizer(st.parameters(), args) for st in stages]
-    versions = [[{n: q.detach().clone() for n, q in st.named_parameters()}] for st in stages]
+    optimizers = [common.make_optimizer(stage.parameters(), args) for stage in stages]
+    versions = [[weights(stage)] for stage in stages]  # stage s's weights after each update
     for j, (x, y) in enumerate(micro_batches()):
-        used = []
-        for s, st in enumerate(stages):
-            v = max(0, j - (P - s - 1)) if stale else j
-            used.append({n: t.clone().requires_grad_() for n, t in versions[s][v].items()})
-            x = torch.func.functional_call(st, used[s], (x,))
+        stashes = []
+        for s, stage in enumerate(stages):
+            version = max(0, j - (P - s - 1)) if stale else j
+            stash = {name: t.clone().requires_grad_() for name, t in versions[s][version].items()}
+            stashes.append(stash)
+            x = torch.func.functional_call(stage, stash, (x,))
         F.cross_entropy(x, y).backward()
-        for s, st in enumerate(stages):
-            for n, q in st.named_parameters():
-                q.grad = used[s][n].grad
-            opts[s].step()
-            opts[s].zero_grad(set_to_none=True)
-            versions[s].append({n: q.detach().clone() for n, q in st.named_parameters()})
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+        for stage, stash, optimizer, history in zip(
+            stages, stashes, optimizers, versions, strict=True
+        ):
+            for name, parameter in stage.named_parameters():
+                parameter.grad = stash[name].grad
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            history.append(weights(stage))
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
 
 
 def test_every_backward_uses_its_forwards_weights_w_steps_stale(runs):
-    """Stage s (w = p-s-1): micro-batch j's forward after max(0, j-w) updates (the weights it stashes),
-    its backward after j: the stage moved on min(j, w) updates in between, which the stash undoes."""
-    r = runs["sgd"][0]
-    for s, st in enumerate(r["stages"]):
+    """Stage s (w = p-s-1): micro-batch j's forward after max(0, j-w) updates (the weights it
+    stashes), its backward after j: the stage moved on min(j, w) updates in between, which the
+    stash undoes."""
+    result = runs["sgd"][0]
+    for s, stage in enumerate(result["stages"]):
         w = P - s - 1
-        assert st["versions"]["fwd"] == [max(0, j - w) for j in range(2 * M)], (s, st["versions"])
-        assert st["versions"]["bwd"] == list(range(2 * M)), (s, st["versions"])
-    assert r["steps"] == STEPS and r["world_size"] == P
+        assert stage["versions"]["forward"] == [max(0, j - w) for j in range(2 * M)], s
+        assert stage["versions"]["backward"] == list(range(2 * M)), s
+    assert result["steps"] == STEPS and result["world_size"] == P
 
 
 def test_no_flush_between_batches(runs):
-    """The first two batches as each stage ran them are one 1F1B stream, F j then B j-w, through the batch
-    boundary; replayed one slot per F, two per B, they idle (p-1)/(2m+p-1) of the slots (one 1F1B over
-    2m micro-batches, not two over m) with p-s micro-batches in flight on stage s."""
-    r = runs["sgd"][0]
-    for s, st in enumerate(r["stages"]):
-        stream = [
-            a
-            for j in range(STEPS * M)
-            for a in (("F", j, 0), ("B", j - (P - s - 1), 0))
-            if 0 <= a[1] < 2 * M
-        ]
-        assert [tuple(a) for a in st["versions"]["order"]] == stream, s
-    assert r["bubble"] == pytest.approx((P - 1) / (2 * M + P - 1))
-    assert r["peak_inflight"] == [P - s for s in range(P)]
-
-
-@pytest.mark.parametrize("optim", ["sgd", "adamw"])
-def test_same_parameters_as_the_one_process_simulation(optim, runs, tmp_path, one_thread):
-    torch.save(simulate(optim), tmp_path / "sim.pt")
-    torch.save(simulate(optim, stale=False), tmp_path / "fresh.pt")
-    diff, fresh = (
-        max_diff(runs[optim][1], tmp_path / "sim.pt"),
-        max_diff(runs[optim][1], tmp_path / "fresh.pt"),
-    )
-    print(
-        f"pipedream p={P} {optim}: max |Δparam| vs simulation {diff:.3g}, vs no staleness {fresh:.3g}"
-    )
-    assert diff < TOL[optim]
-    assert fresh > 100 * TOL[optim]
+    """The first two batches as each stage ran them are one 1F1B stream, F j then B j-w, through
+    the batch boundary; replayed one slot per F, two per B, they idle (p-1)/(2m+p-1) of the slots
+    (one 1F1B over 2m micro-batches, not two over m), the script's formula, with p-s micro-batches
+    in flight on stage s."""
+    result = runs["sgd"][0]
+    for s, stage in enumerate(result["stages"]):
+        stream = []
+        for j in range(STEPS * M):
+            stream += [("F", j, 0), ("B", j - (P - s - 1), 0)]
+        recorded = [action for action in stream if 0 <= action[1] < 2 * M]
+        assert [tuple(action) for action in stage["order"]] == recorded, s
+    assert result["bubble"] == pytest.approx((P - 1) / (2 * M + P - 1))
+    assert result["formula"]["bubble"] == pytest.approx((P - 1) / (2 * M + P - 1))
+    assert result["peak_inflight"] == result["formula"]["peak_inflight"] == [3, 2, 1]
 
 
 @pytest.fixture
@@ -145,34 +139,52 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+def test_same_parameters_as_the_one_process_simulation(optim, runs, tmp_path, one_thread):
+    torch.save(simulate(optim), tmp_path / "sim.pt")
+    torch.save(simulate(optim, stale=False), tmp_path / "fresh.pt")
+    diff = max_diff(runs[optim][1], tmp_path / "sim.pt")
+    fresh = max_diff(runs[optim][1], tmp_path / "fresh.pt")
+    print(f"pipedream p={P} {optim}: max |Δparam| vs simulation {diff:.3g}, unstale {fresh:.3g}")
+    assert diff < TOL[optim]
+    assert fresh > 100 * TOL[optim]
+
+
+def pipedream_loop(p, m, monkeypatch, *flags):
+    flags = [*LOOP, "--depth", p, "--batch-size", 2 * m, "--microbatches", m, *flags]
+    return loop_calls(pipeline_pipedream, flags, p, monkeypatch)
+
+
+# p=4, m=1: stage 0 (w=3) takes its first update in the fourth batch, while the learning-rate
+# schedule steps every batch on every stage (the same rate for the same batch): torch warns.
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
 @pytest.mark.parametrize("p", [2, 3, 4])
 def test_p2p_order_is_nccl_safe(p, monkeypatch, one_thread):
-    """Each stage's own train_step over three batches (the last one draining) and an evaluation, run
-    in-process, their groups recorded at dist.batch_isend_irecv and replayed under NCCL's rule
-    (test_pipeline.replay): across the batch boundaries too, no stage waits for ever."""
-    from test_pipeline import record, replay
+    """m in {1, p+1}: every communication each rank's loop issues (test_pipeline.loop_calls: train
+    past logging steps and an epoch boundary, evaluation, the save), replayed under NCCL's rule:
+    across batch and epoch boundaries and the loop's all-reduces no stage waits for ever; every
+    micro-batch's activation and gradient crosses each boundary once; every rank issues the
+    loop's collectives in the same order. The last batch drains the stream: the run's last step
+    by --max-steps (m = 1), or the last epoch's last batch (m = p+1, no --max-steps: 4 steps)."""
+    for m, flags, steps in ((1, [], LOOP_STEPS), (p + 1, ["--max-steps", 0], 4)):
+        calls = pipedream_loop(p, m, monkeypatch, *flags)
+        assert sends(calls) == steps * 2 * (p - 1) * m + 2 * (p - 1)
+        logged = [("all_reduce", 1)] * (steps - LOOP_STEPS)
+        assert [collectives(rank_calls) for rank_calls in calls] == [logged + LOOP_COLLECTIVES] * p
+        assert replay(calls) is None, (p, m)
 
-    args = common.parse_args(common.get_parser("test"), ["--optim", "sgd"])
-    for m in (1, p + 1):
-        torch.manual_seed(0)
-        model = common.ViT(dim=8, depth=p, heads=2, patch=14)
-        stages = [pipeline_pipedream.Stage(model, s, p) for s in range(p)]
-        x, y = torch.randn(2 * m, 1, 28, 28), torch.randint(0, 10, (2 * m,))
-        groups = []
-        for st in stages:
-            opt = common.make_optimizer(st.parameters(), args)
-            groups.append(
-                record(
-                    monkeypatch,
-                    st,
-                    lambda: (
-                        [pipeline_pipedream.train_step(st, x, y, m, opt, k == 2) for k in range(3)]
-                        + [pipeline_pipedream.infer(st, x)]
-                    ),
-                )
-            )
-        monkeypatch.undo()
-        assert sum(op[1] == "send" for g in groups for b in g for op in b) == 3 * 2 * (
-            p - 1
-        ) * m + (p - 1)
-        assert replay(groups) is None, (p, m, groups)
+
+def test_the_replay_catches_a_send_left_open_across_the_loops_all_reduce(monkeypatch, one_thread):
+    """The code before the fix of issue 25 sent a batch's last gradient at the end of its step,
+    which stage s-1 receives only in its next step, after the loop's all-reduce: the replay of the
+    loop finds that deadlock (the test above can fail)."""
+    train_step = pipeline_pipedream.train_step
+
+    def closing_send_at_once(stage, *args, **kwargs):
+        loss = train_step(stage, *args, **kwargs)
+        pipeline_pipedream.p2p(stage.pending)
+        stage.pending = []
+        return loss
+
+    monkeypatch.setattr(pipeline_pipedream, "train_step", closing_send_at_once)
+    assert replay(pipedream_loop(2, 2, monkeypatch)) is not None
