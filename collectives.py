@@ -1,18 +1,19 @@
-"""Collectives: the communication primitives every other script is built from, each run on
-small tensors with every rank's tensor before -> after printed in rank order, then a ring
-all-reduce written out with send/recv and a naive one through a single root.
+"""Collectives: the communication primitives every other script is built from, each run on small
+tensors with every rank's tensor before -> after printed in rank order and checked against its
+definition; then an all-reduce written out around a ring with send/recv, and a naive one through
+a single root, both checked against dist.all_reduce.
 
 p ranks; each rank's tensor has N elements (for scatter, reduce-scatter and all-to-all: p chunks).
 Bytes each rank sends in the usual bandwidth-optimal algorithm (x4 for fp32):
 
-    broadcast(root)   every rank gets the root's x                                 ~N
-    scatter(root)     rank r gets chunk r of the root's x                           root: (p-1)/p·N
-    gather(root)      the root gets [x_0, ..., x_p-1]                               N (root receives (p-1)·N)
-    reduce(root)      the root gets x_0 + ... + x_p-1                               ~N
-    all-gather        every rank gets [x_0, ..., x_p-1]                             (p-1)·N
-    all-reduce        every rank gets x_0 + ... + x_p-1  (DDP's gradient sync)      2(p-1)/p·N
-    reduce-scatter    rank r gets chunk r of x_0 + ... + x_p-1 (ZeRO-2, FSDP)       (p-1)/p·N
-    all-to-all        rank r gets chunk r of every rank's x: a transpose (MoE)      (p-1)/p·N
+    broadcast(root)  every rank gets the root's x                              ~N
+    scatter(root)    rank r gets chunk r of the root's x                       root: (p-1)/p·N
+    gather(root)     the root gets [x_0, ..., x_p-1]                           N (root gets (p-1)·N)
+    reduce(root)     the root gets x_0 + ... + x_p-1                           ~N
+    all-gather       every rank gets [x_0, ..., x_p-1]                         (p-1)·N
+    all-reduce       every rank gets x_0 + ... + x_p-1 (DDP's gradient sync)   2(p-1)/p·N
+    reduce-scatter   rank r gets chunk r of x_0 + ... + x_p-1 (ZeRO-2, FSDP)   (p-1)/p·N
+    all-to-all       rank r gets chunk r of every rank's x: a transpose (MoE)  (p-1)/p·N
 
 Ring all-reduce: cut x into p chunks (sizes differing by at most one when p does not divide N).
 Reduce-scatter phase: p-1 steps, each rank sends one chunk to its right neighbour and adds the one
@@ -25,28 +26,54 @@ to the root, the root adds and sends the sum back) makes the root send and recei
     torchrun --standalone --nproc_per_node=4 collectives.py --numel 7 --ring-numel 10000019 --root 2
     python collectives.py                                           # one process: world size 1
 
-A backend that lacks scatter, reduce-scatter or all-to-all (Gloo in torch 2.11 has no all_to_all) gets
-it built from collectives that exist, and says so; the built versions are always checked too.
+A backend that lacks scatter, reduce-scatter or all-to-all (Gloo in torch 2.11 has no all_to_all)
+gets it built from collectives that exist, and says so; the built versions are always checked too.
 """
 
 import argparse
 import datetime
+import os
 import re
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 import common
 
+# How a backend says it lacks a collective (the words differ between backends and versions).
 UNSUPPORTED = re.compile(
     r"does not support|not supported|not implemented|unsupported", re.IGNORECASE
 )
 
 
-def rank_tensor(r, n, device):
-    """Rank r's input: 100·r + [0, 1, ..., n-1], whole numbers, so any summation order is exact."""
-    return 100.0 * r + torch.arange(n, dtype=torch.float32, device=device)
+@dataclass
+class Built:
+    """A primitive built from other collectives, for backends that lack it."""
+
+    how: str  # from what, in words
+    result: torch.Tensor  # what the built version gave this rank
+    native: bool  # whether the backend ran the primitive itself too
+
+
+@dataclass
+class Outcome:
+    """One primitive as this rank saw it. `before` and `after` are None where the rank has no
+    input or no result (a non-root rank of scatter's input, of gather's or reduce's result)."""
+
+    name: str
+    meaning: str
+    before: torch.Tensor | None
+    after: torch.Tensor | None
+    expected: torch.Tensor | None  # the definition, worked out on this rank from every input
+    built: Built | None = None
+
+
+def rank_tensor(rank, numel, device):
+    """Rank `rank`'s input: 100·rank + [0, 1, ..., numel-1], whole numbers, so any order of
+    summation is exact and every rank can work out every other rank's input."""
+    return 100.0 * rank + torch.arange(numel, dtype=torch.float32, device=device)
 
 
 def try_native(name, call, args):
@@ -56,230 +83,454 @@ def try_native(name, call, args):
         return False
     try:
         call()
-        return True
-    except (RuntimeError, NotImplementedError, ValueError) as e:
-        if not UNSUPPORTED.search(str(e)):
+    except (RuntimeError, NotImplementedError, ValueError) as error:
+        if not UNSUPPORTED.search(str(error)):
             raise
         return False
+    return True
 
 
-# --------------------------------------------------------------------------- the primitives
+# ---------------------------------------------------------------- the primitives
+# Each function runs one primitive on this rank's input and returns its Outcome. The inputs:
+# rank j holds N elements, rank_tensor(j, N), or p chunks of k, rank_tensor(j, p·k).
 
 
-def primitives(args, device):
-    """(name, meaning, before, after, expected, built) per primitive on this rank; None where there is no result
-    (a non-root rank of gather/reduce); `built` is (how, result of the built version, native exists)."""
-    r, p, root, n, k = dist.get_rank(), dist.get_world_size(), args.root, args.numel, args.chunk
-    x = lambda j: rank_tensor(j, n, device)  # noqa: E731  rank j's N elements
-    xs = lambda j: rank_tensor(j, p * k, device)  # noqa: E731  rank j's p chunks of k
-    total, xall, out = sum(x(j) for j in range(p)), torch.cat([x(j) for j in range(p)]), []
+def show_broadcast(args, device):
+    rank = dist.get_rank()
+    mine = rank_tensor(rank, args.numel, device)
+    received = mine.clone()  # the broadcast overwrites it with the root's
+    dist.broadcast(received, src=args.root)
+    expected = rank_tensor(args.root, args.numel, device)
+    meaning = f"every rank gets rank {args.root}'s tensor"
+    return Outcome("broadcast", meaning, mine, received, expected)
 
-    t = x(r)
-    dist.broadcast(t, src=root)
-    out.append(("broadcast", f"every rank gets rank {root}'s tensor", x(r), t, x(root), None))
 
-    mine = torch.empty(k, device=device)
-    chunks = list(xs(root).chunk(p)) if r == root else None
-    native = try_native("scatter", lambda: dist.scatter(mine, chunks, src=root), args)
-    whole = xs(r)  # built: broadcast all, keep own chunk
+def show_scatter(args, device):
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    root = args.root
+    root_chunks = rank_tensor(root, world * args.chunk, device).chunk(world)
+    received = torch.empty(args.chunk, device=device)
+    to_send = list(root_chunks) if rank == root else None
+    native = try_native("scatter", lambda: dist.scatter(received, to_send, src=root), args)
+    # Built: the root broadcasts its whole tensor and each rank keeps its own chunk (p times the
+    # bytes). Every rank starts from its own input, which only the root's survives.
+    whole = rank_tensor(rank, world * args.chunk, device)
     dist.broadcast(whole, src=root)
-    built = whole.chunk(p)[r]
-    out.append(
-        (
-            "scatter",
-            f"rank r gets chunk r of rank {root}'s tensor",
-            xs(r) if r == root else None,
-            mine if native else built,
-            xs(root).chunk(p)[r],
-            (
-                "broadcast of the whole tensor, each rank keeping its chunk (p times the bytes)",
-                built,
-                native,
-            ),
-        )
+    built = Built(
+        "broadcast of the whole tensor, each rank keeping its chunk (p times the bytes)",
+        whole.chunk(world)[rank],
+        native,
     )
+    before = rank_tensor(root, world * args.chunk, device) if rank == root else None
+    after = received if native else built.result
+    meaning = f"rank r gets chunk r of rank {root}'s tensor"
+    return Outcome("scatter", meaning, before, after, root_chunks[rank], built)
 
-    parts = [torch.empty(n, device=device) for _ in range(p)] if r == root else None
-    dist.gather(x(r), parts, dst=root)
-    out.append(
-        (
-            "gather",
-            f"rank {root} gets every rank's tensor, in rank order",
-            x(r),
-            torch.cat(parts) if r == root else None,
-            xall if r == root else None,
-            None,
-        )
+
+def show_gather(args, device):
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    root = args.root
+    mine = rank_tensor(rank, args.numel, device)
+    parts = None
+    if rank == root:
+        parts = [torch.empty(args.numel, device=device) for _ in range(world)]
+    dist.gather(mine, parts, dst=root)
+    after = None
+    expected = None
+    if rank == root:
+        after = torch.cat(parts)
+        expected = torch.cat([rank_tensor(j, args.numel, device) for j in range(world)])
+    meaning = f"rank {root} gets every rank's tensor, in rank order"
+    return Outcome("gather", meaning, mine, after, expected)
+
+
+def show_reduce(args, device):
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    root = args.root
+    mine = rank_tensor(rank, args.numel, device)
+    total = mine.clone()
+    dist.reduce(total, dst=root)  # on the other ranks `total` is left undefined
+    after = None
+    expected = None
+    if rank == root:
+        after = total
+        expected = sum(rank_tensor(j, args.numel, device) for j in range(world))
+    meaning = f"rank {root} gets the sum of all ranks' tensors"
+    return Outcome("reduce", meaning, mine, after, expected)
+
+
+def show_all_gather(args, device):
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    mine = rank_tensor(rank, args.numel, device)
+    parts = [torch.empty(args.numel, device=device) for _ in range(world)]
+    dist.all_gather(parts, mine)
+    expected = torch.cat([rank_tensor(j, args.numel, device) for j in range(world)])
+    meaning = "every rank gets all ranks' tensors, in rank order"
+    return Outcome("all_gather", meaning, mine, torch.cat(parts), expected)
+
+
+def show_all_reduce(args, device):
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    mine = rank_tensor(rank, args.numel, device)
+    total = mine.clone()
+    dist.all_reduce(total)
+    expected = sum(rank_tensor(j, args.numel, device) for j in range(world))
+    meaning = "every rank gets the sum of all ranks' tensors"
+    return Outcome("all_reduce", meaning, mine, total, expected)
+
+
+def show_reduce_scatter(args, device):
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    mine = rank_tensor(rank, world * args.chunk, device)
+    received = torch.empty(args.chunk, device=device)
+    chunks = list(mine.chunk(world))
+    native = try_native("reduce_scatter", lambda: dist.reduce_scatter(received, chunks), args)
+    # Built: an all-reduce of the whole tensor, each rank keeping its chunk (twice the bytes).
+    total = mine.clone()
+    dist.all_reduce(total)
+    built = Built(
+        "all_reduce, each rank keeping its chunk (twice the bytes)",
+        total.chunk(world)[rank],
+        native,
     )
-
-    t = x(r)
-    dist.reduce(t, dst=root)  # other ranks' t is left undefined
-    out.append(
-        (
-            "reduce",
-            f"rank {root} gets the sum of all ranks' tensors",
-            x(r),
-            t if r == root else None,
-            total if r == root else None,
-            None,
-        )
-    )
-
-    parts = [torch.empty(n, device=device) for _ in range(p)]
-    dist.all_gather(parts, x(r))
-    out.append(
-        (
-            "all_gather",
-            "every rank gets all ranks' tensors, in rank order",
-            x(r),
-            torch.cat(parts),
-            xall,
-            None,
-        )
-    )
-
-    t = x(r)
-    dist.all_reduce(t)
-    out.append(
-        ("all_reduce", "every rank gets the sum of all ranks' tensors", x(r), t, total, None)
-    )
-
-    mine = torch.empty(k, device=device)
-    native = try_native(
-        "reduce_scatter", lambda: dist.reduce_scatter(mine, list(xs(r).chunk(p))), args
-    )
-    built = xs(r)  # built: all-reduce, keep own chunk
-    dist.all_reduce(built)
-    built = built.chunk(p)[r]
-    out.append(
-        (
-            "reduce_scatter",
-            "rank r gets chunk r of the sum of all ranks' tensors",
-            xs(r),
-            mine if native else built,
-            sum(xs(j) for j in range(p)).chunk(p)[r],
-            ("all_reduce, each rank keeping its chunk (twice the bytes)", built, native),
-        )
-    )
-
-    got = [torch.empty(k, device=device) for _ in range(p)]
-    native = try_native("all_to_all", lambda: dist.all_to_all(got, list(xs(r).chunk(p))), args)
-    pieces = [
-        torch.empty(k, device=device) for _ in range(p)
-    ]  # built: p scatters, rank j's in turn
-    for j in range(p):
-        dist.scatter(pieces[j], list(xs(j).chunk(p)) if r == j else None, src=j)
-    out.append(
-        (
-            "all_to_all",
-            "rank r gets chunk r of every rank's tensor (a transpose)",
-            xs(r),
-            torch.cat(got) if native else torch.cat(pieces),
-            torch.cat([xs(j).chunk(p)[r] for j in range(p)]),
-            ("p scatters, one from each rank (the same bytes)", torch.cat(pieces), native),
-        )
-    )
-    return out
+    everyone = sum(rank_tensor(j, world * args.chunk, device) for j in range(world))
+    after = received if native else built.result
+    meaning = "rank r gets chunk r of the sum of all ranks' tensors"
+    return Outcome("reduce_scatter", meaning, mine, after, everyone.chunk(world)[rank], built)
 
 
-# --------------------------------------------------------------------------- all-reduce, written out
+def show_all_to_all(args, device):
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    mine = rank_tensor(rank, world * args.chunk, device)
+    received = [torch.empty(args.chunk, device=device) for _ in range(world)]
+    chunks = list(mine.chunk(world))
+    native = try_native("all_to_all", lambda: dist.all_to_all(received, chunks), args)
+    # Built: p scatters, each rank the root of one in turn, so chunk r of rank j lands on rank r.
+    pieces = [torch.empty(args.chunk, device=device) for _ in range(world)]
+    for source in range(world):
+        to_send = chunks if rank == source else None
+        dist.scatter(pieces[source], to_send, src=source)
+    built = Built("p scatters, one from each rank (the same bytes)", torch.cat(pieces), native)
+    inputs = [rank_tensor(j, world * args.chunk, device) for j in range(world)]
+    expected = torch.cat([tensor.chunk(world)[rank] for tensor in inputs])
+    after = torch.cat(received) if native else built.result
+    meaning = "rank r gets chunk r of every rank's tensor (a transpose)"
+    return Outcome("all_to_all", meaning, mine, after, expected, built)
 
 
-def exchange(send, to, recv, frm, sent):
-    """Send `send` to rank `to` while receiving `recv` from rank `frm`. Both posted at once (a
-    batch), so a ring of ranks all sending first cannot deadlock. Empty chunks (N < p) are skipped
-    on both sides: the receiver's chunk index is the sender's, so both know it is empty."""
-    ops = ([dist.P2POp(dist.isend, send, to)] if send.numel() else []) + (
-        [dist.P2POp(dist.irecv, recv, frm)] if recv.numel() else []
-    )
-    for req in dist.batch_isend_irecv(ops) if ops else []:
-        req.wait()
-    sent[0] += send.numel() * send.element_size()
+PRIMITIVES = (
+    show_broadcast,
+    show_scatter,
+    show_gather,
+    show_reduce,
+    show_all_gather,
+    show_all_reduce,
+    show_reduce_scatter,
+    show_all_to_all,
+)
 
 
-def ring_all_reduce(x, sent):
-    """Sum x over all ranks in place: reduce-scatter phase, then all-gather phase."""
-    r, p = dist.get_rank(), dist.get_world_size()
-    chunks = x.view(-1).tensor_split(p)  # views into x; the first ones are larger
-    right, left = (r + 1) % p, (r - 1) % p
-    buf = torch.empty_like(chunks[0])
-    for s in range(p - 1):  # reduce-scatter: add the left neighbour's
-        send, recv = (
-            chunks[(r - s) % p],
-            chunks[(r - s - 1) % p],
-        )  # partial sum of chunk r-s-1 to ours
-        exchange(send, right, buf[: recv.numel()], left, sent)
-        recv += buf[: recv.numel()]
-    for s in range(p - 1):  # rank r now holds the sum of chunk r+1;
-        send, recv = chunks[(r + 1 - s) % p], chunks[(r - s) % p]  # pass the finished chunks around
-        exchange(send, right, recv, left, sent)
-    return x
+# ---------------------------------------------------------------- all-reduce, written out
 
 
-def naive_all_reduce(x, root, sent):
-    """Every rank sends x to the root, which adds them in rank order and sends the sum back."""
-    r, p = dist.get_rank(), dist.get_world_size()
-    if r == root:
-        total, part = x.clone(), torch.empty_like(x)
-        for j in range(p):
-            if j != root:
-                dist.recv(part, j)
-                total += part
-        for j in range(p):
-            if j != root:
-                dist.send(total, j)
-                sent[0] += total.numel() * total.element_size()
-        x.copy_(total)
-    else:
+def exchange(outgoing, right, incoming, left):
+    """Send `outgoing` to rank `right` while receiving `incoming` from rank `left`. Both are posted
+    in one batch: in a ring where every rank sends first, blocking sends would wait for each other
+    forever (on NCCL). An empty chunk (N < p) is neither sent nor received: the sender's chunk
+    index is the receiver's, so both sides know it is empty. Returns the bytes sent."""
+    ops = []
+    if outgoing.numel() > 0:
+        ops.append(dist.P2POp(dist.isend, outgoing, right))
+    if incoming.numel() > 0:
+        ops.append(dist.P2POp(dist.irecv, incoming, left))
+    if ops:
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+    return outgoing.numel() * outgoing.element_size()
+
+
+def ring_all_reduce(x):
+    """Sum x over all ranks in place, like dist.all_reduce: a reduce-scatter phase, then an
+    all-gather phase. Returns the bytes this rank sent."""
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    right = (rank + 1) % world
+    left = (rank - 1) % world
+    chunks = x.view(-1).tensor_split(world)  # views into x; the first ones are the larger
+    buffer = torch.empty_like(chunks[0])
+    sent = 0
+    # Reduce-scatter: at step s, pass on our partial sum of chunk r-s and add the left
+    # neighbour's partial sum of chunk r-s-1 to ours. After p-1 steps rank r holds the full sum
+    # of chunk r+1.
+    for step in range(world - 1):
+        outgoing = chunks[(rank - step) % world]
+        summing = chunks[(rank - step - 1) % world]
+        incoming = buffer[: summing.numel()]
+        sent += exchange(outgoing, right, incoming, left)
+        summing += incoming
+    # All-gather: at step s, pass on the finished chunk r+1-s; the left neighbour's finished
+    # chunk r-s arrives in its place.
+    for step in range(world - 1):
+        finished = chunks[(rank + 1 - step) % world]
+        arriving = chunks[(rank - step) % world]
+        sent += exchange(finished, right, arriving, left)
+    return sent
+
+
+def naive_all_reduce(x, root):
+    """Sum x over all ranks in place through one root: every rank sends x to the root, which adds
+    them up and sends the sum back to each. Returns the bytes this rank sent."""
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    message_bytes = x.numel() * x.element_size()
+    if rank != root:
         dist.send(x, root)
-        sent[0] += x.numel() * x.element_size()
         dist.recv(x, root)
-    return x
+        return message_bytes
+    total = x.clone()
+    incoming = torch.empty_like(x)
+    peers = [peer for peer in range(world) if peer != root]
+    for peer in peers:
+        dist.recv(incoming, peer)
+        total += incoming
+    for peer in peers:
+        dist.send(total, peer)
+    x.copy_(total)
+    return len(peers) * message_bytes
 
 
-def timed(fn, device, reps=3):
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+def best_time(fn, device, repeats=3):
+    """The fastest of `repeats` runs of fn, in seconds: every rank starts together (a barrier),
+    and on a GPU the clock stops only when the kernels are done."""
     best = float("inf")
-    for _ in range(reps):
+    for _ in range(repeats):
         dist.barrier()
-        sync()
-        t0 = time.perf_counter()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
         fn()
-        sync()
-        best = min(best, time.perf_counter() - t0)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
     return best
 
 
-def fmt(t):
-    return "-" if t is None else str([int(v) for v in t.tolist()])
+# ---------------------------------------------------------------- showing and checking
 
 
-def show_ranks(lines):
-    """Rank 0 prints one line from every rank, in rank order (gathered, so never interleaved)."""
-    rows = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(lines, rows, dst=0)
+def printable(tensor):
+    """A tensor of whole numbers as a list, '-' for no tensor (the test reads these back)."""
+    if tensor is None:
+        return "-"
+    return str([int(value) for value in tensor.tolist()])
+
+
+def show_ranks(line):
+    """Rank 0 logs one line from every rank, in rank order (gathered, so never interleaved)."""
+    rows = None
+    if dist.get_rank() == 0:
+        rows = [None] * dist.get_world_size()
+    dist.gather_object(line, rows, dst=0)
     for row in rows or []:
-        for line in row:
-            common.log(line)
+        common.log(row)
+
+
+def check_primitives(args, device, backend):
+    """Run every primitive, print each rank's before -> after, and check each result and each
+    built version against its definition. Returns ({check: passed on this rank}, [the primitives
+    shown built, because the backend lacks them or --avoid names them])."""
+    rank = dist.get_rank()
+    checks = {}
+    built_for = []
+    for show in PRIMITIVES:
+        outcome = show(args, device)
+        common.log(f"\n== {outcome.name}: {outcome.meaning}")
+        show_ranks(f"  rank {rank}: {printable(outcome.before)} -> {printable(outcome.after)}")
+        if outcome.after is None:
+            checks[outcome.name] = True  # a rank without a result has nothing to check
+        else:
+            checks[outcome.name] = torch.equal(outcome.after, outcome.expected)
+        built = outcome.built
+        if built is None:
+            continue
+        checks[f"{outcome.name} (built)"] = torch.equal(built.result, outcome.expected)
+        if built.native:
+            common.log(f"  also built from {built.how}")
+        elif outcome.name in args.avoid:
+            built_for.append(outcome.name)
+            common.log(f"  shown: built from {built.how} (--avoid)")
+        else:
+            built_for.append(outcome.name)
+            missing = f"{backend} in torch {torch.__version__} has no {outcome.name}"
+            common.log(f"  shown: built from {built.how}: {missing}")
+    return checks, built_for
+
+
+def check_small_ring(args, device):
+    """The ring all-reduce on the small tensors, printed like the primitives. Returns whether it
+    gave this rank the sum of every rank's tensor."""
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    mine = rank_tensor(rank, args.numel, device)
+    total = mine.clone()
+    ring_all_reduce(total)
+    sizes = [len(chunk) for chunk in mine.tensor_split(world)]
+    common.log(f"\n== ring_all_reduce: send/recv around the ring, chunks of {sizes}")
+    show_ranks(f"  rank {rank}: {printable(mine)} -> {printable(total)}")
+    expected = sum(rank_tensor(j, args.numel, device) for j in range(world))
+    return torch.equal(total, expected)
+
+
+def compare_all_reduces(args, device):
+    """The ring and the naive all-reduce against dist.all_reduce on N = --ring-numel random whole
+    numbers (the sums are exact, so all three must agree bit for bit), the bytes each rank sent,
+    and the best of 3 times of each. Returns (checks, measured)."""
+    rank = dist.get_rank()
+    generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    values = torch.randint(-1000, 1000, (args.ring_numel,), generator=generator)
+    x = values.float().to(device)
+    expected = x.clone()
+    dist.all_reduce(expected)
+    ring_total = x.clone()
+    ring_bytes = ring_all_reduce(ring_total)
+    naive_total = x.clone()
+    naive_bytes = naive_all_reduce(naive_total, args.root)
+    checks = {
+        "ring_all_reduce == dist.all_reduce": torch.equal(ring_total, expected),
+        "naive_all_reduce == dist.all_reduce": torch.equal(naive_total, expected),
+    }
+    # The timed runs work on copies: x stays this rank's input.
+    measured = dict(
+        ring_bytes=ring_bytes,
+        naive_bytes=naive_bytes,
+        ring_s=best_time(lambda: ring_all_reduce(x.clone()), device),
+        all_reduce_s=best_time(lambda: dist.all_reduce(x.clone()), device),
+        naive_s=best_time(lambda: naive_all_reduce(x.clone(), args.root), device),
+    )
+    return checks, measured
+
+
+def show_all_reduces(args, measured):
+    """The bytes table, one row per rank, next to the formulas, and the times."""
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    nbytes = 4 * args.ring_numel
+    ring_formula = 2 * (world - 1) * nbytes / world
+    common.log(
+        f"\nall-reduce of N = {args.ring_numel:,} fp32 = {common.fmt_bytes(nbytes)} "
+        "(whole numbers: the sums are exact, so all three must agree bit for bit)"
+    )
+    common.log(f"  {'bytes sent':<12}{'ring':>12}{'2(p-1)/p·N':>12}{'naive':>12}   naive formula")
+    naive_formula = "(p-1)·N (root)" if rank == args.root else "N"
+    ring = common.fmt_bytes(measured["ring_bytes"])
+    formula = common.fmt_bytes(ring_formula)
+    naive = common.fmt_bytes(measured["naive_bytes"])
+    show_ranks(f"  rank {rank:<7}{ring:>12}{formula:>12}{naive:>12}   {naive_formula}")
+    common.log(
+        f"  time (best of 3): ring {1e3 * measured['ring_s']:.1f} ms, "
+        f"dist.all_reduce {1e3 * measured['all_reduce_s']:.1f} ms, "
+        f"naive {1e3 * measured['naive_s']:.1f} ms"
+    )
+
+
+def check_args(args, world):
+    for name in ("numel", "chunk", "ring_numel"):
+        common.check(
+            getattr(args, name) >= 1,
+            f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}",
+        )
+    common.check(
+        0 <= args.root < world,
+        f"--root {args.root} is not a rank of this world (ranks 0..{world - 1})",
+    )
+    common.check(args.timeout > 0, f"--timeout must be positive, got {args.timeout}")
 
 
 def setup(args):
     """Join the process group. torchrun (or common.launch) put RANK, WORLD_SIZE, MASTER_ADDR and
     MASTER_PORT in the environment; LOCAL_RANK picks this process's GPU."""
-    backend, device = common.pick_backend(
-        args.backend
-    )  # NCCL and a GPU per rank, else Gloo on the CPU
+    backend, device = common.pick_backend(args.backend)  # NCCL and a GPU per rank, else Gloo
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    timeout = datetime.timedelta(seconds=args.timeout)
+    # torchrun keeps one store across restarts (--max-restarts): prefix it per attempt, or a
+    # restarted rank may read the address of a worker that died in the last attempt and hang.
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"attempt_{attempt}", store)
     dist.init_process_group(
-        backend, timeout=datetime.timedelta(seconds=args.timeout)
-    )  # no restarts here
-    return dist.get_rank(), dist.get_world_size(), device, backend
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+        # NCCL: bind the communicator to this GPU now (not lazily at the first collective), so
+        # that device meshes can split it and the first call is not a point-to-point one.
+        device_id=device if device.type == "cuda" else None,
+    )
+    return rank, world, device, backend
 
 
 def cleanup():
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def run(args):
+    """One rank: join the group, show and check every primitive, the ring and the naive
+    all-reduce; rank 0 reports what every rank saw; leave the group."""
+    rank, world, device, backend = setup(args)
+    try:
+        common.log(
+            f"collectives: {world} ranks, {backend} on {device.type}, "
+            f"torch {torch.__version__}; root {args.root}"
+        )
+        checks, built_for = check_primitives(args, device, backend)
+        checks["ring_all_reduce (small)"] = check_small_ring(args, device)
+        big_checks, measured = compare_all_reduces(args, device)
+        checks.update(big_checks)
+        show_all_reduces(args, measured)
+        # Rank 0 reports for every rank: a check passes only if it passed everywhere.
+        every_rank = [None] * world
+        dist.all_gather_object(every_rank, (checks, measured))
+        passed = {name: all(seen[0][name] for seen in every_rank) for name in checks}
+        failed = [name for name, ok in passed.items() if not ok]
+        summary = f"\nchecks: {sum(passed.values())}/{len(passed)} passed"
+        if failed:
+            summary += f"; FAILED: {failed}"
+        if built_for:
+            summary += f"; built from other collectives: {built_for}"
+        common.log(summary)
+        nbytes = 4 * args.ring_numel
+        common.result(
+            script="collectives",
+            world_size=world,
+            backend=backend,
+            device=device.type,
+            checks_passed=sum(passed.values()),
+            checks_total=len(passed),
+            failed=failed,
+            built=built_for,
+            ring_numel=args.ring_numel,
+            ring_bytes_sent=[seen[1]["ring_bytes"] for seen in every_rank],
+            ring_bytes_formula=2 * (world - 1) * nbytes / world,
+            naive_bytes_sent=[seen[1]["naive_bytes"] for seen in every_rank],
+            naive_root_formula=(world - 1) * nbytes,
+            ring_s=measured["ring_s"],
+            all_reduce_s=measured["all_reduce_s"],
+            naive_s=measured["naive_s"],
+        )
+        if failed:
+            raise SystemExit(1)
+    finally:
+        cleanup()
 
 
 def main():
@@ -327,123 +578,8 @@ def main():
         help="without torchrun: processes to spawn on this machine",
     )
     args = parser.parse_args()
-    world = common.world_size(args)
-    for name in ("numel", "chunk", "ring_numel"):
-        common.check(
-            getattr(args, name) >= 1,
-            f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}",
-        )
-    common.check(
-        0 <= args.root < world,
-        f"--root {args.root} is not a rank of this world (ranks 0..{world - 1})",
-    )
-    common.check(args.timeout > 0, f"--timeout must be positive, got {args.timeout}")
+    check_args(args, common.world_size(args))
     common.launch(run, args)
-
-
-def run(args):
-    rank, p, device, backend = setup(args)
-    try:
-        checks, built_for = {}, []
-        common.log(
-            f"collectives: {p} ranks, {backend} on {device.type}, torch {torch.__version__}; root {args.root}"
-        )
-        for name, meaning, before, after, expected, built in primitives(args, device):
-            common.log(f"\n== {name}: {meaning}")
-            show_ranks([f"  rank {rank}: {fmt(before)} -> {fmt(after)}"])
-            checks[name] = after is None or torch.equal(after, expected)
-            if built is not None:
-                how, result, native = built
-                checks[f"{name} (built)"] = torch.equal(result, expected)
-                built_for += [] if native else [name]
-                common.log(
-                    f"  {'shown: built from' if not native else 'also built from'} {how}"
-                    + (
-                        ""
-                        if native
-                        else " (--avoid)"
-                        if name in args.avoid
-                        else f": {backend} in torch {torch.__version__} has no {name}"
-                    )
-                )
-
-        x = rank_tensor(rank, args.numel, device)  # the small ring, printed
-        after = ring_all_reduce(x.clone(), [0])
-        common.log(
-            f"\n== ring_all_reduce: send/recv around the ring, chunks of {[len(c) for c in x.tensor_split(p)]}"
-        )
-        show_ranks([f"  rank {rank}: {fmt(x)} -> {fmt(after)}"])
-        checks["ring_all_reduce (small)"] = torch.equal(
-            after, sum(rank_tensor(j, args.numel, device) for j in range(p))
-        )
-
-        g = torch.Generator().manual_seed(args.seed * 1000 + rank)
-        x = torch.randint(-1000, 1000, (args.ring_numel,), generator=g).float().to(device)
-        want = x.clone()
-        dist.all_reduce(want)
-        ring_sent, naive_sent = [0], [0]
-        checks["ring_all_reduce == dist.all_reduce"] = torch.equal(
-            ring_all_reduce(x.clone(), ring_sent), want
-        )
-        naive = naive_all_reduce(x.clone(), args.root, naive_sent)
-        checks["naive_all_reduce == dist.all_reduce"] = torch.equal(naive, want)
-        t_ring = timed(lambda: ring_all_reduce(x.clone(), [0]), device)
-        t_lib = timed(lambda: dist.all_reduce(x.clone()), device)
-        t_naive = timed(lambda: naive_all_reduce(x.clone(), args.root, [0]), device)
-        N = 4 * args.ring_numel
-        ring_formula = 2 * (p - 1) * N / p
-        common.log(
-            f"\nall-reduce of N = {args.ring_numel:,} fp32 = {common.fmt_bytes(N)} (whole numbers: the sums are "
-            f"exact, so all three must agree bit for bit)"
-        )
-        common.log(
-            f"  {'bytes sent':<12}{'ring':>12}{'2(p-1)/p·N':>12}{'naive':>12}   naive formula"
-        )
-        show_ranks(
-            [
-                f"  rank {rank:<7}{common.fmt_bytes(ring_sent[0]):>12}{common.fmt_bytes(ring_formula):>12}"
-                f"{common.fmt_bytes(naive_sent[0]):>12}   {'(p-1)·N (root)' if rank == args.root else 'N'}"
-            ]
-        )
-        common.log(
-            f"  time (best of 3): ring {1e3 * t_ring:.1f} ms, dist.all_reduce {1e3 * t_lib:.1f} ms, "
-            f"naive {1e3 * t_naive:.1f} ms"
-        )
-
-        every = [None] * p  # (ring bytes, naive bytes, checks) of each rank
-        dist.all_gather_object(every, (ring_sent[0], naive_sent[0], checks))
-        sent, checks = (
-            every,
-            {k: all(e[2][k] for e in every) for k in checks},
-        )  # a check passes only everywhere
-        failed = [k for k, v in checks.items() if not v]
-        common.log(
-            f"\nchecks: {sum(checks.values())}/{len(checks)} passed"
-            + (f"; FAILED: {failed}" if failed else "")
-            + (f"; built from other collectives: {built_for}" if built_for else "")
-        )
-        common.result(
-            script="collectives",
-            world_size=p,
-            backend=backend,
-            device=device.type,
-            checks_passed=sum(checks.values()),
-            checks_total=len(checks),
-            failed=failed,
-            built=built_for,
-            ring_numel=args.ring_numel,
-            ring_bytes_sent=[s[0] for s in sent],
-            ring_bytes_formula=ring_formula,
-            naive_bytes_sent=[s[1] for s in sent],
-            naive_root_formula=(p - 1) * N,
-            ring_s=t_ring,
-            all_reduce_s=t_lib,
-            naive_s=t_naive,
-        )
-        if failed:
-            raise SystemExit(1)
-    finally:
-        cleanup()
 
 
 if __name__ == "__main__":

@@ -1,30 +1,40 @@
-"""N-D parallelism: data (HSDP: replicas of FSDP groups), tensor and pipeline parallelism on one
-DeviceMesh with PyTorch's own pieces: init_device_mesh, parallelize_module (Megatron TP), fully_shard
-(FSDP2, HSDP with a replicate dimension), torch.distributed.pipelining (GPipe, 1F1B). Exact.
+"""N-D parallelism: data, tensor and pipeline parallelism composed on one DeviceMesh, with
+PyTorch's own pieces: init_device_mesh, torch.distributed.pipelining (GPipe, 1F1B),
+parallelize_module (Megatron's tensor parallelism) and fully_shard (FSDP2; HSDP, replicas of FSDP
+groups, when there is a replicate dimension). Exact: the same parameters as one-process ddp.py.
 
-W = P·R·S·T ranks on a mesh (pp, dp_replicate, dp_shard, tp): tp innermost (it talks every layer:
-keep it inside a node), pp outermost (a send per micro-batch may cross nodes). 2 nodes x 4 GPUs,
---pp 2 --dp-shard 2 --tp 2:   node 0 = stage 0: [0 1] [2 3]   [a b]: a TP group (heads split)
-                              node 1 = stage 1: [4 5] [6 7]   0-2, 1-3, 4-6, 5-7: FSDP groups; 0-4 ..: pipes
-Ranks that differ only in tp or pp read the same batch/(R·S) samples (the data rank is the mesh's
-(dp_replicate, dp_shard) coordinate). Order: the pipeline split first (TP and FSDP see only the
-stage's blocks), then TP, then FSDP: fully_shard shards the DTensor TP shards again on dim 0 over
-the dp mesh; sharded first, TP would have to split flat FSDP shards that lost rows and columns.
+W = P·R·S·T ranks on a mesh (pp, dp_replicate, dp_shard, tp), outermost to innermost. tp talks in
+every block, so it is innermost (inside a node); pp sends once per micro-batch, so it is outermost
+(it may cross nodes). Two nodes of 4 GPUs, --pp 2 --dp-shard 2 --tp 2 (rank 4·pp + 2·dp_shard + tp):
 
-Memory per rank (fp32, AdamW): ≈16Ψ/(P·T·S) bytes (norms, biases, embedding, head: not split by T).
-Per step, per mesh dimension: tp: 6 all-reduces of [B/(R·S), T, D] per block (DTensor's f for q,
-k, v, fc1 each, g for proj, fc2); dp_shard: FSDP all-gathers, a reduce-scatter of the grads;
-dp_replicate: an all-reduce of the shard's grads (HSDP); pp: m activations out, m gradients back.
+                          dp_shard 0   dp_shard 1
+    node 0, stage 0:        [0  1]       [2  3]       [a b]  a tp group: the blocks' heads split
+    node 1, stage 1:        [4  5]       [6  7]       0-2, 1-3, 4-6, 5-7: dp_shard (FSDP) groups
+                                                      0-4, 1-5, 2-6, 3-7: pp groups (the pipes)
+
+The data-parallel rank is the (dp_replicate, dp_shard) coordinate: ranks that differ only in tp or
+pp read the same batch/(R·S) samples. The order of application: the pipeline split first (TP and
+FSDP then see only the stage's blocks), then TP, then FSDP, which shards each TP shard again along
+its dim 0 over the dp mesh. FSDP first would leave TP to split flat shards that have lost the
+weights' rows and columns.
+
+Memory per rank (fp32, AdamW, Ψ parameters): ≈ 16Ψ/(P·T·S) bytes (the norms, the biases of proj
+and fc2, the embedding and the head are not split by T). Per step, per mesh dimension, in bytes
+of the tensors (act: this data-parallel rank's B/(R·S) samples x T tokens x D, fp32):
+    tp            all-reduce 6·act a block: f (q, k, v, fc1) in backward, g (proj, fc2) forward
+    dp_shard      all-gather ≈ 2·4Ψ/(P·T) (each block for forward and again for backward),
+                  reduce-scatter ≈ 4Ψ/(P·T) (the stage's gradients)
+    dp_replicate  all-reduce ≈ 4Ψ/(P·T·S) (HSDP: the shard's gradients, across the replicas)
+    pp            send act (m activations), receive act (m gradients)
 
     torchrun --standalone --nproc_per_node=4 nd_parallel.py --dp-shard 2 --tp 2
-    torchrun --standalone --nproc_per_node=8 nd_parallel.py --pp 2 --dp-shard 2 --tp 2 --microbatches 4
+    torchrun --standalone --nproc_per_node=8 nd_parallel.py --pp 2 --dp-shard 2 --tp 2
     python nd_parallel.py --nproc 4 --dp-replicate 2 --dp-shard -1 --pp 2 --schedule gpipe
 """
 
 import datetime
 import math
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -43,38 +53,18 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 
 ### begin: N-D parallel
-# Model contract: model.embed (images -> [B, T, D], with a parameter pos [1, T, D]) -> model.blocks
-# (each norm1, attn.{q,k,v,proj}, norm2, mlp.{fc1,fc2}: nn.Linear, heads contiguous in q, k, v's
-# outputs, attention reading its head count off q's width) -> model.head (-> logits); cross-entropy.
+# Model contract: model.embed (images -> [B, T, D], with a parameter pos [1, T, D]), model.blocks
+# (each norm1, attn.{q,k,v,proj}, norm2, mlp.{fc1,fc2}: nn.Linear; the heads contiguous in q, k
+# and v's outputs; the attention reads its head count off q's width), model.head (-> logits);
+# the loss is cross-entropy.
 
-DIMS = (
-    "pp",
-    "dp_replicate",
-    "dp_shard",
-    "tp",
-)  # outermost to innermost: the mesh's dimension names
+# The mesh's dimensions, outermost to innermost (torchtitan's names).
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
-
-class Stage(nn.Module):
-    """Blocks s·d/p .. (s+1)·d/p - 1 (keys: their index in the model), embedding on 0, head on p-1."""
-
-    def __init__(self, model, s, p):
-        super().__init__()
-        d, self.s, self.p = len(model.blocks), s, p
-        self.embed = model.embed if s == 0 else None
-        self.blocks = nn.ModuleDict(
-            {str(i): model.blocks[i] for i in range(s * d // p, (s + 1) * d // p)}
-        )
-        self.head = model.head if s == p - 1 else None
-        self.act_shape = tuple(model.embed.pos.shape[1:])  # (T, D): what crosses a stage boundary
-
-    def forward(self, x):
-        for layer in [self.embed, *self.blocks.values(), self.head]:
-            x = x if layer is None else layer(x)
-        return x
-
-
-# Megatron: q, k, v, fc1 split by rows (heads), proj, fc2 by columns (outputs all-reduced); norms replicated.
+# Megatron's split of a block. ColumnParallelLinear (Colwise) for q, k, v and fc1: each rank
+# computes some output rows, so it holds whole heads and a slice of the MLP's hidden units.
+# RowParallelLinear (Rowwise) for proj and fc2: each rank holds the matching input columns, and
+# their partial outputs are summed by an all-reduce. The norms stay replicated.
 TP_PLAN = {
     "attn.q": ColwiseParallel(),
     "attn.k": ColwiseParallel(),
@@ -84,117 +74,211 @@ TP_PLAN = {
     "mlp.fc2": RowwiseParallel(),
 }
 
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+class Stage(nn.Module):
+    """Pipeline stage `index` of `stages`: its share of the model's blocks, the embedding on the
+    first stage, the head on the last. Each block keeps its index in the model as its key, so the
+    stage's state_dict has the plain model's keys."""
+
+    def __init__(self, model, index, stages):
+        super().__init__()
+        depth = len(model.blocks)
+        first_block = index * depth // stages
+        end_block = (index + 1) * depth // stages
+        self.index = index
+        self.stages = stages
+        self.is_first = index == 0
+        self.is_last = index == stages - 1
+        self.embed = model.embed if self.is_first else None
+        blocks = {str(i): model.blocks[i] for i in range(first_block, end_block)}
+        self.blocks = nn.ModuleDict(blocks)
+        self.head = model.head if self.is_last else None
+        # (T, D): one sample's activation, what crosses a stage boundary
+        self.activation_shape = tuple(model.embed.pos.shape[1:])
+
+    def forward(self, x):
+        if self.embed is not None:
+            x = self.embed(x)
+        for block in self.blocks.values():
+            x = block(x)
+        if self.head is not None:
+            x = self.head(x)
+        return x
+
+
+def data_parallel_mesh(mesh):
+    """The mesh FSDP shards over: dp_shard, or (dp_replicate, dp_shard) for HSDP, which shards
+    inside each replica and all-reduces the shards' gradients across the replicas."""
+    if mesh["dp_replicate"].size() > 1:
+        return mesh["dp_replicate", "dp_shard"]
+    return mesh["dp_shard"]
+
+
+def pipeline_schedule(stage, pp_mesh, device, microbatches, schedule):
+    """The schedule that runs this stage's micro-batches. Each micro-batch's loss is its mean
+    divided by m and the schedule does not rescale (scale_grads=False): the gradients summed over
+    the m micro-batches are those of the batch's mean loss. PipelineStage finds the shapes that
+    cross the stage boundaries at the first step (a handshake and one no-grad forward)."""
+    pipe = PipelineStage(stage, stage.index, stage.stages, device, group=pp_mesh.get_group())
+
+    def micro_batch_loss(logits, targets):
+        return F.cross_entropy(logits, targets) / microbatches
+
+    return SCHEDULES[schedule](pipe, microbatches, loss_fn=micro_batch_loss, scale_grads=False)
+
 
 def parallelize(model, mesh, device, microbatches, schedule):
-    """Pipeline split, then TP inside each block, then FSDP over the dp mesh (HSDP when R > 1)."""
-    pp, tp = mesh["pp"], mesh["tp"]
-    stage = Stage(model, pp.get_local_rank(), pp.size()).to(device)
-    if tp.size() > 1:
-        parallelize_module(
-            stage, tp, {f"blocks.*.{name}": style for name, style in TP_PLAN.items()}
-        )
-    dp = mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
-    if dp.size() > 1:
-        for module in [
-            *stage.blocks.values(),
-            stage,
-        ]:  # a block gathered for its forward, freed, again
-            fully_shard(module, mesh=dp)  # for backward; then the rest (embedding, head)
-    stage.answers = (
-        stage.s == stage.p - 1 and tp.get_local_rank() == 0
-    )  # counts the test samples once
-    stage.schedule, stage.group = None, pp.get_group()
-    if pp.size() > 1:  # each micro-batch's mean loss / m: the summed gradients are the batch mean's
-        pipe = PipelineStage(
-            stage, stage.s, stage.p, device, group=stage.group
-        )  # shapes found in step 1
-        stage.schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](
-            pipe,
-            microbatches,
-            scale_grads=False,
-            loss_fn=lambda out, y: F.cross_entropy(out, y) / microbatches,
-        )
+    """This rank's part of the model: its pipeline stage, each block split by TP, the whole
+    sharded by FSDP over the data-parallel ranks, and the schedule that runs the micro-batches."""
+    pp_mesh = mesh["pp"]
+    tp_mesh = mesh["tp"]
+    dp_mesh = data_parallel_mesh(mesh)
+    # 1. The pipeline split: this rank keeps its stage's blocks and nothing else.
+    stage = Stage(model, pp_mesh.get_local_rank(), pp_mesh.size()).to(device)
+    # 2. Tensor parallelism inside each of the stage's blocks: their weights become DTensors.
+    if tp_mesh.size() > 1:
+        plan = {f"blocks.*.{name}": style for name, style in TP_PLAN.items()}
+        parallelize_module(stage, tp_mesh, plan)
+    # 3. FSDP over the TP shards. Each block is a unit: gathered for its forward, freed, gathered
+    # again for its backward. The stage itself is the last unit: the embedding and the head.
+    if dp_mesh.size() > 1:
+        for block in stage.blocks.values():
+            fully_shard(block, mesh=dp_mesh)
+        fully_shard(stage, mesh=dp_mesh)
+    stage.pp_group = pp_mesh.get_group()
+    # Each test sample's logits are counted on one rank: the last stage's first tp rank.
+    stage.answers = stage.is_last and tp_mesh.get_local_rank() == 0
+    stage.schedule = None
+    if pp_mesh.size() > 1:
+        stage.schedule = pipeline_schedule(stage, pp_mesh, device, microbatches, schedule)
     return stage
 
 
 def train_step(stage, x, y):
-    """Forward, loss and backward of this dp rank's batch: the pipeline schedule runs its micro-batches
-    (input on the first stage, targets on the last). The batch's mean loss on the last stage, 0 before."""
+    """Forward, loss and backward of this data-parallel rank's batch. Returns the batch's mean
+    loss on the last stage, and 0 on the stages before it, which never see the loss."""
     if stage.schedule is None:
-        (loss := F.cross_entropy(stage(x), y)).backward()
+        loss = F.cross_entropy(stage(x), y)
+        loss.backward()
         return loss.detach()
-    last, losses = stage.s == stage.p - 1, []
-    stage.schedule.step(*[x][: stage.s == 0], **(dict(target=y, losses=losses) if last else {}))
-    return torch.stack(losses).sum().detach() if last else torch.zeros((), device=x.device)
+    # The schedule runs the micro-batches: the first stage feeds the input, the last the targets.
+    inputs = (x,) if stage.is_first else ()
+    if not stage.is_last:
+        stage.schedule.step(*inputs)
+        return torch.zeros((), device=x.device)
+    losses = []
+    stage.schedule.step(*inputs, target=y, losses=losses)
+    return torch.stack(losses).sum().detach()
+
+
+def send_or_receive(op, tensor, peer, group):
+    """One message (op: dist.isend or dist.irecv), as a batch of one. NCCL runs a batch on the
+    group's communicator; a plain dist.send or dist.recv would make it create a two-rank
+    communicator for every pair of peers."""
+    message = dist.P2POp(op, tensor, peer, group)
+    for request in dist.batch_isend_irecv([message]):
+        request.wait()
 
 
 @torch.no_grad()
 def infer(stage, x):
-    """The batch through the stages in turn (p2p on the pp group): logits where stage.answers, else None."""
-    s, p, peer = stage.s, stage.p, lambda i: dist.get_global_rank(stage.group, i)  # noqa: E731
-    if s > 0:  # a chain 0 -> 1 -> ...: one send and one receive each, no cycle
-        dist.recv(
-            x := torch.empty(len(x), *stage.act_shape, device=x.device), peer(s - 1), stage.group
-        )
+    """The batch through the stages in turn: each stage receives its input from the stage before
+    and sends its output to the stage after. A chain, not a cycle: every send meets a receive
+    that its peer has already posted or is about to post. Returns the logits where stage.answers,
+    None elsewhere."""
+    group = stage.pp_group
+    if not stage.is_first:
+        x = torch.empty(len(x), *stage.activation_shape, device=x.device)
+        previous_stage = dist.get_global_rank(group, stage.index - 1)
+        send_or_receive(dist.irecv, x, previous_stage, group)
     out = stage(x)
-    if s < p - 1:
-        dist.send(out, peer(s + 1), stage.group)
-    return out if stage.answers else None
+    if not stage.is_last:
+        next_stage = dist.get_global_rank(group, stage.index + 1)
+        send_or_receive(dist.isend, out, next_stage, group)
+    if stage.answers:
+        return out
+    return None
 
 
 def full_state_dict(stage, mesh):
-    """The plain state_dict on rank 0 (None elsewhere): whole tensors per stage, then the stages to rank 0."""
-    state = {
-        k: v.cpu()
-        for k, v in get_model_state_dict(
-            stage, options=StateDictOptions(full_state_dict=True)
-        ).items()
-    }
-    if any(mesh[d].get_local_rank() for d in DIMS[1:]):
+    """The plain model's state_dict on rank 0, None elsewhere. Every rank helps to put its stage's
+    tensors together from their TP and FSDP shards; then the pipe through rank 0 (every coordinate
+    but pp zero) gathers the stages on rank 0, stage 0's first rank."""
+    options = StateDictOptions(full_state_dict=True)
+    whole_tensors = get_model_state_dict(stage, options=options)
+    stage_state = {name: tensor.cpu() for name, tensor in whole_tensors.items()}
+    in_rank_0_pipe = all(mesh[dim].get_local_rank() == 0 for dim in MESH_DIMS[1:])
+    if not in_rank_0_pipe:
         return None
-    parts = [None] * mesh["pp"].size() if stage.s == 0 else None
-    dist.gather_object(state, parts, dst=dist.get_global_rank(stage.group, 0), group=stage.group)
-    return {k: v for part in parts for k, v in part.items()} if parts else None
+    group = stage.pp_group
+    stage_states = [None] * mesh["pp"].size() if stage.is_first else None
+    dist.gather_object(stage_state, stage_states, dst=dist.get_global_rank(group, 0), group=group)
+    if not stage.is_first:
+        return None
+    state = {}
+    for part in stage_states:
+        state.update(part)
+    return state
 
 
 ### end: N-D parallel
 
 
+def rank0_elements(model, args):
+    """Elements of rank 0's parameters (stage 0, tp shard 0, FSDP shard 0): (in its blocks, in
+    the rest), counted off the model's shapes. TP splits q, k, v and fc1 by rows, the weights of
+    proj and fc2 by columns; FSDP then cuts every tensor's dim 0 in S pieces, the last padded, so
+    rank 0 holds the ceiling."""
+    in_blocks = 0
+    in_rest = 0
+    for name, parameter in Stage(model, 0, args.pp).named_parameters():
+        shape = list(parameter.shape)
+        part = name.split(".")[0]
+        layer, kind = name.split(".")[-2:]
+        if args.tp > 1 and part == "blocks":
+            if layer in ("q", "k", "v", "fc1"):
+                shape[0] //= args.tp
+            elif layer in ("proj", "fc2") and kind == "weight":
+                shape[1] //= args.tp
+        shape[0] = math.ceil(shape[0] / args.dp_shard)
+        if part == "blocks":
+            in_blocks += math.prod(shape)
+        else:
+            in_rest += math.prod(shape)
+    return in_blocks, in_rest
+
+
 def formula(psi, world, args):
-    """Rank 0's bytes (stage 0, TP shard 0, FSDP shard 0) from the model's shapes; each mesh dimension's
-    traffic per step (act: this dp rank's B/(R·S) samples of T tokens of D, fp32)."""
-    (R, S, T, P), model, own = (
-        (args.dp_replicate, args.dp_shard, args.tp, args.pp),
-        common.build_model(args),
-        [0, 0],
-    )
-    for name, p in Stage(model, 0, P).named_parameters():
-        shape, (layer, kind), part = list(p.shape), name.split(".")[-2:], name.split(".")[0]
-        row = layer in ("proj", "fc2")
-        if (
-            T > 1
-            and part == "blocks"
-            and (layer in ("q", "k", "v", "fc1") or row and kind == "weight")
-        ):
-            shape[row] //= T  # Colwise: rows (heads); Rowwise: columns
-        shape[0] = -(-shape[0] // S)  # fully_shard: dim 0 in S pieces, padded
-        own[part == "blocks"] += math.prod(shape)
-    n, k = sum(own), 8 if args.optim == "adamw" else 4
-    act = 4 * args.batch_size // (R * S) * model.embed.tokens * args.dim
-    gather = (
-        {} if P > 1 else dict(all_gather=4 * S * (2 * own[1] + own[0]))
-    )  # the schedule decides, with pp
-    dims = dict(
-        tp=dict(all_reduce=6 * (args.depth // P) * act) if T > 1 else {},
-        dp_shard=dict(reduce_scatter=4 * S * n, **gather) if S > 1 else {},
-        dp_replicate=dict(all_reduce=4 * n) if R > 1 else {},
-        pp=dict(send=act, recv=act) if P > 1 else {},
-    )
-    comm = {kind: sum(d.get(kind, 0) for d in dims.values()) for d in dims.values() for kind in d}
+    """Rank 0's bytes from the model's shapes, and each mesh dimension's traffic per step, which
+    the report sets next to what the Meter measured (per process group)."""
+    model = common.build_model(args)
+    in_blocks, in_rest = rank0_elements(model, args)
+    elements = in_blocks + in_rest
+    k = 8 if args.optim == "adamw" else 4
+    samples = args.batch_size // (args.dp_replicate * args.dp_shard)
+    act = 4 * samples * model.embed.tokens * args.dim
+    dims = dict(tp={}, dp_shard={}, dp_replicate={}, pp={})
+    if args.tp > 1:
+        dims["tp"]["all_reduce"] = 6 * (args.depth // args.pp) * act
+    if args.dp_shard > 1:
+        dims["dp_shard"]["reduce_scatter"] = 4 * args.dp_shard * elements
+    if args.dp_shard > 1 and args.pp == 1:  # with a pipeline, the schedule decides how often
+        dims["dp_shard"]["all_gather"] = 4 * args.dp_shard * (2 * in_blocks + in_rest)
+    if args.dp_replicate > 1:
+        dims["dp_replicate"]["all_reduce"] = 4 * elements
+    if args.pp > 1:
+        dims["pp"]["send"] = act
+        dims["pp"]["recv"] = act
+    comm = {}
+    for traffic in dims.values():
+        for kind, nbytes in traffic.items():
+            comm[kind] = comm.get(kind, 0) + nbytes
     return dict(
-        param_bytes=4 * n,
-        grad_bytes=4 * n,
-        optim_bytes=k * n,
+        param_bytes=4 * elements,
+        grad_bytes=4 * elements,
+        optim_bytes=k * elements,
         comm=comm,
         dims=dims,
         notes=dict(
@@ -202,74 +286,69 @@ def formula(psi, world, args):
             grad_bytes="≈4Ψ/(P·T·S)",
             optim_bytes=f"≈{k}Ψ/(P·T·S)",
             all_gather="dp_shard: blocks for forward and backward, the rest once",
-            all_reduce="tp: 6 a block (f: q, k, v, fc1; g: proj, fc2) of act; dp_replicate: the shard's grads",
+            all_reduce="tp: 6 of act a block (f: q, k, v, fc1; g: proj, fc2); "
+            "dp_replicate: the shard's grads",
             reduce_scatter="dp_shard: the stage's grads once a step",
             send="pp: m activations, act in all",
-            recv="pp: m gradients (step 1 adds a shape handshake and a no-grad forward: not in the formulas)",
+            recv="pp: m gradients (step 1 adds a shape handshake and a no-grad forward: "
+            "not in the formulas)",
         ),
     )
 
 
-def per_dimension(meter, mesh, args):
-    """The Meter's traffic, keyed by the mesh dimension whose process group carried it."""
-    names = {mesh.get_group(d).group_name: d for d in DIMS if mesh[d].size() > 1}
-    dims = {names.get(g, f"group {g}"): kinds for g, kinds in meter.comm_by_group().items()}
-    common.log(
-        "\ncommunication per mesh dimension, per step (calls in the Meter's window)\n"
-        + "\n".join(
-            f"  {d:<14}"
-            + ", ".join(f"{k} {common.fmt_bytes(b)} ({c})" for k, (c, b) in sorted(kinds.items()))
-            for d, kinds in sorted(dims.items())
-        )
-    )
-    return dict(mesh=dict(zip(DIMS, mesh.mesh.shape)), comm_by_dim=dims)
-
-
 def check_args(args, world):
-    """Resolve the one -1 ("the rest") and refuse a layout that cannot work, before any group is formed."""
+    """Resolve the one -1 ("the rest of the world") and refuse a layout that cannot work, before
+    any process group is formed."""
     common.check(
         not args.experts,
         "--experts: nd_parallel.py's tensor-parallel plan splits dense MLPs, not experts",
     )
-    sizes, flag = (
-        {d: getattr(args, d) for d in DIMS},
-        lambda d: f"--{d.replace('_', '-')} {getattr(args, d)}",
-    )  # noqa
-    rest, known = (
-        [d for d, v in sizes.items() if v == -1],
-        math.prod(v for v in sizes.values() if v != -1),
-    )
+    sizes = {dim: getattr(args, dim) for dim in MESH_DIMS}
+    rest = [dim for dim, size in sizes.items() if size == -1]
     common.check(
-        len(rest) <= 1 and all(v == -1 or v >= 1 for v in sizes.values()),
+        len(rest) <= 1 and all(size == -1 or size >= 1 for size in sizes.values()),
         f"mesh sizes {sizes}: each must be >= 1, and at most one -1 (the rest of the world)",
     )
-    common.check(
-        world % known == 0 if rest else known == world,
-        f"{' x '.join(flag(d) for d in DIMS if d not in rest)}"
-        f" = {known} ranks, but the world size is {world}: the mesh must cover every rank once",
+    known = math.prod(size for size in sizes.values() if size != -1)
+    given = " x ".join(
+        f"--{dim.replace('_', '-')} {sizes[dim]}" for dim in sizes if dim not in rest
     )
-    for d in rest:
-        setattr(args, d, world // known)
+    covered = world % known == 0 if rest else known == world
+    common.check(
+        covered,
+        f"{given} = {known} ranks, but the world size is {world}: "
+        "the mesh must cover every rank once",
+    )
+    for dim in rest:
+        setattr(args, dim, world // known)
     common.check(
         args.heads % args.tp == 0,
-        f"--heads {args.heads} is not divisible by --tp {args.tp}: tensor "
-        f"parallelism gives every rank whole heads",
+        f"--heads {args.heads} is not divisible by --tp {args.tp}: "
+        "tensor parallelism gives every rank whole heads",
     )
     common.check(
-        args.pp <= args.depth, f"--pp {args.pp} stages is more than --depth {args.depth} blocks"
+        args.pp <= args.depth,
+        f"--pp {args.pp} stages is more than --depth {args.depth} blocks",
     )
-    dp, m = args.dp_replicate * args.dp_shard, args.microbatches if args.pp > 1 else 1
     common.check(
-        m >= 1 and args.batch_size % (dp * m) == 0,
-        f"--batch-size {args.batch_size} is not divisible by the "
-        f"data-parallel size {dp}"
-        + f" x {m} micro-batches" * (args.pp > 1)
-        + ": every share must be equal",
+        args.microbatches >= 1,
+        f"--microbatches must be >= 1, got {args.microbatches}",
+    )
+    dp_size = args.dp_replicate * args.dp_shard
+    shares = dp_size
+    shares_named = f"the data-parallel size {dp_size}"
+    if args.pp > 1:  # every data-parallel rank's batch is cut again into m micro-batches
+        shares *= args.microbatches
+        shares_named += f" x {args.microbatches} micro-batches"
+    common.check(
+        args.batch_size % shares == 0,
+        f"--batch-size {args.batch_size} is not divisible by {shares_named}: "
+        "every share must be equal",
     )
     common.check(
         args.pp == 1 or args.schedule != "1f1b" or args.microbatches >= args.pp,
-        f"--schedule 1f1b needs "
-        f"--microbatches >= --pp: {args.microbatches} < {args.pp} (or use gpipe)",
+        f"--schedule 1f1b needs --microbatches >= --pp: {args.microbatches} < {args.pp} "
+        "(or use gpipe)",
     )
 
 
@@ -305,10 +384,8 @@ def cleanup():
 
 def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
     """The loop every script shares: forward, loss, backward, step, schedule, log."""
-    stop, world = (
-        args.max_steps or float("inf"),
-        dist.get_world_size() // args.pp,
-    )  # ranks with the loss
+    stop = args.max_steps or float("inf")
+    world = dist.get_world_size() // args.pp  # the ranks that hold a loss: the last stage's
     loss_sum = torch.zeros((), device=device)  # stays on the device until a logging step
     losses_summed = 0
     last_loss = float("nan")
@@ -330,9 +407,7 @@ def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
             loss_sum += loss.detach()
             losses_summed += 1
             if step % args.log_every == 0 or step >= stop or i + 1 == len(loader):
-                dist.all_reduce(
-                    loss_sum
-                )  # last stages' losses (every TP rank's, the same): average
+                dist.all_reduce(loss_sum)  # the last stage's losses (its tp ranks': equal): average
                 last_loss = loss_sum.item() / world / losses_summed
                 loss_sum.zero_()
                 losses_summed = 0
@@ -351,12 +426,9 @@ def evaluate(model, loader, device):
     counts = torch.zeros(2, dtype=torch.long, device=device)
     for x, y, keep in loader:
         x, y, keep = x.to(device), y.to(device), keep.to(device)
-        logits = infer(model, x)  # stage to stage: the logits on one rank per dp rank
-        counts += (
-            torch.stack([((logits.argmax(1) == y) & keep).sum(), keep.sum()])
-            if logits is not None
-            else 0
-        )
+        logits = infer(model, x)  # stage to stage: the logits on one rank per data-parallel rank
+        if logits is not None:
+            counts += torch.stack([((logits.argmax(1) == y) & keep).sum(), keep.sum()])
     dist.all_reduce(counts)
     return counts[0].item() / max(counts[1].item(), 1)
 
@@ -367,12 +439,14 @@ def run(args):
     rank, world, device, backend = setup(args)
     try:
         train_set, test_set, source = common.load_data(args, device)
-        mesh = init_device_mesh(device.type, [getattr(args, d) for d in DIMS], mesh_dim_names=DIMS)
-        r, s = (
-            mesh["dp_replicate"],
-            mesh["dp_shard"],
-        )  # the data rank: ranks that differ in tp, pp read the same
-        dp_rank, dp_world = r.get_local_rank() * s.size() + s.get_local_rank(), r.size() * s.size()
+        sizes = [getattr(args, dim) for dim in MESH_DIMS]
+        mesh = init_device_mesh(device.type, sizes, mesh_dim_names=MESH_DIMS)
+        # The data-parallel rank is the (dp_replicate, dp_shard) coordinate: ranks that differ
+        # only in tp or pp read the same samples.
+        replicate = mesh["dp_replicate"]
+        shard = mesh["dp_shard"]
+        dp_rank = replicate.get_local_rank() * shard.size() + shard.get_local_rank()
+        dp_world = replicate.size() * shard.size()
         sampler = DistributedSampler(
             train_set,
             num_replicas=dp_world,
@@ -400,16 +474,16 @@ def run(args):
         optimizer = common.make_optimizer(model.parameters(), args)
         scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
         common.log(
-            f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data ({len(train_set)} train / "
-            f"{len(test_set)} test), batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
+            f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data "
+            f"({len(train_set)} train / {len(test_set)} test), "
+            f"batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
         )
         with common.Meter(model, optimizer, args) as meter:
             out = train(model, optimizer, scheduler, loader, sampler, args, device)
-        acc = evaluate(
-            model,
-            common.test_loader(test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"),
-            device,
+        test_loader = common.test_loader(
+            test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"
         )
+        acc = evaluate(model, test_loader, device)
         state = full_state_dict(model, mesh)  # every rank takes part; rank 0 holds the whole
         if rank == 0 and args.save:
             common.save_checkpoint(state, args.save)
@@ -426,7 +500,7 @@ def run(args):
             acc,
             meter,
             formula(psi, world, args),
-            **per_dimension(meter, mesh, args),
+            **common.traffic_per_mesh_dimension(meter, mesh),
         )
     finally:
         cleanup()
@@ -436,15 +510,11 @@ def main():
     parser = common.get_parser(
         "N-D parallelism: HSDP x TP x PP on one DeviceMesh, on the common ViT"
     )
-    for flag, default in (
-        ("dp-replicate", 1),
-        ("dp-shard", -1),
-        ("tp", 1),
-        ("pp", 1),
-    ):  # torchtitan's names
-        parser.add_argument(
-            f"--{flag}", type=int, default=default, help="mesh size; -1: the rest of the world"
-        )
+    rest = "-1: the rest of the world"
+    parser.add_argument("--dp-replicate", type=int, default=1, help=f"HSDP replicas R; {rest}")
+    parser.add_argument("--dp-shard", type=int, default=-1, help=f"FSDP shards S; {rest}")
+    parser.add_argument("--tp", type=int, default=1, help=f"tensor-parallel ranks T; {rest}")
+    parser.add_argument("--pp", type=int, default=1, help=f"pipeline stages P; {rest}")
     parser.add_argument(
         "--microbatches", type=int, default=4, help="micro-batches per batch with --pp > 1 (m)"
     )

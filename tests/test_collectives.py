@@ -12,17 +12,30 @@ import torch.distributed as dist
 
 from helpers import ok, torchrun
 
+ROW = re.compile(r"  rank (\d+): (\[[^\]]*\]|-) -> (\[[^\]]*\]|-)$")
+
+
+def printed_list(text):
+    """'[1, 2]' -> [1, 2]; '-' (no tensor on that rank) -> None."""
+    if text == "-":
+        return None
+    return ast.literal_eval(text)
+
 
 def printed(stdout):
-    """{primitive: {rank: (before, after)}} from the '== name:' headers and '  rank r: [..] -> [..]' rows."""
-    out, name = {}, None
+    """{primitive: {rank: (before, after)}} from the '== name:' headers and the
+    '  rank r: [..] -> [..]' rows under them."""
+    out = {}
+    name = None
     for line in stdout.splitlines():
-        if m := re.match(r"== (\w+):", line):
-            name, out[m[1]] = m[1], {}
-        elif name and (m := re.match(r"  rank (\d+): (\[[^\]]*\]|-) -> (\[[^\]]*\]|-)$", line)):
-            out[name][int(m[1])] = tuple(
-                None if s == "-" else ast.literal_eval(s) for s in m.groups()[1:]
-            )
+        header = re.match(r"== (\w+):", line)
+        if header:
+            name = header[1]
+            out[name] = {}
+            continue
+        row = ROW.match(line)
+        if name and row:
+            out[name][int(row[1])] = (printed_list(row[2]), printed_list(row[3]))
     return out
 
 
@@ -44,9 +57,15 @@ def check_definitions(stdout, W, root, n, k):
     xs = {r: got["reduce_scatter"][r][0] for r in range(W)}  # each rank's W chunks of k
     assert all(len(x[r]) == n and len(xs[r]) == W * k for r in range(W))
     assert len(set(map(tuple, x.values()))) == W  # distinct inputs: a mix-up shows
-    cat = lambda parts: [v for p in parts for v in p]  # noqa: E731
-    chunk = lambda t, i: t[i * k : (i + 1) * k]  # noqa: E731
-    total = [sum(col) for col in zip(*x.values())]
+
+    def cat(parts):
+        return [value for part in parts for value in part]
+
+    def chunk(values, i):
+        return values[i * k : (i + 1) * k]
+
+    total = [sum(column) for column in zip(*x.values(), strict=True)]
+    total_chunks = [sum(column) for column in zip(*xs.values(), strict=True)]
     for r in range(W):
         assert got["broadcast"][r] == (x[r], x[root])
         assert got["scatter"][r][1] == chunk(got["scatter"][root][0], r)
@@ -54,23 +73,26 @@ def check_definitions(stdout, W, root, n, k):
         assert got["reduce"][r] == (x[r], total if r == root else None)
         assert got["all_gather"][r] == (x[r], cat(x[j] for j in range(W)))
         assert got["all_reduce"][r][1] == total
-        assert got["reduce_scatter"][r][1] == chunk([sum(col) for col in zip(*xs.values())], r)
+        assert got["reduce_scatter"][r][1] == chunk(total_chunks, r)
         assert got["all_to_all"][r] == (xs[r], cat(chunk(xs[j], r) for j in range(W)))
         assert got["ring_all_reduce"][r] == (x[r], total)
-    assert got["scatter"][root][0] == xs[root] and all(
-        got["scatter"][r][0] is None for r in range(W) if r != root
-    )
+    assert got["scatter"][root][0] == xs[root]
+    assert all(got["scatter"][r][0] is None for r in range(W) if r != root)
 
 
 def swap_first_two(stdout, name, rank):
-    """The output with two elements of one rank's result swapped: a wrong result the checks must catch."""
-    lines, inside = stdout.splitlines(), False
+    """The output with two elements of one rank's result swapped: a wrong result that the checks
+    must catch."""
+    lines = stdout.splitlines()
+    inside = False
     for i, line in enumerate(lines):
-        inside = line.startswith(f"== {name}:") if line.startswith("== ") else inside
+        if line.startswith("== "):
+            inside = line.startswith(f"== {name}:")
         if inside and line.startswith(f"  rank {rank}: "):
             before, after = line.split(" -> ")
-            v = ast.literal_eval(after)
-            lines[i] = f"{before} -> {[v[1], v[0], *v[2:]]}"
+            values = ast.literal_eval(after)
+            swapped = [values[1], values[0], *values[2:]]
+            lines[i] = f"{before} -> {swapped}"
     return "\n".join(lines)
 
 
@@ -108,36 +130,22 @@ def missing_in_gloo():
     return missing
 
 
-@pytest.mark.parametrize(
-    "world,root,n,k,N,avoid",
-    [
-        (2, 0, 5, 2, 100_001, []),  # W divides neither n nor N
-        (4, 1, 6, 1, 1_000_003, []),
-        (
-            3,
-            2,
-            2,
-            2,
-            2,
-            ["scatter", "reduce_scatter", "all_to_all"],
-        ),  # N < W: an empty ring chunk; built versions
-    ],
-)
+CASES = [
+    pytest.param(2, 0, 5, 2, 100_001, [], id="W2"),  # W divides neither n nor N
+    pytest.param(4, 1, 6, 1, 1_000_003, [], id="W4"),
+    # N < W: an empty ring chunk; and every primitive that has one shown built
+    pytest.param(3, 2, 2, 2, 2, ["scatter", "reduce_scatter", "all_to_all"], id="W3-built"),
+]
+
+
+@pytest.mark.parametrize("world,root,n,k,N,avoid", CASES)
 def test_primitives_equal_their_definitions(world, root, n, k, N, avoid):
+    avoided = ["--avoid", *avoid] if avoid else []
     r = torchrun(
         "collectives.py",
         world,
-        "--root",
-        root,
-        "--numel",
-        n,
-        "--chunk",
-        k,
-        "--ring-numel",
-        N,
-        "--timeout",
-        60,
-        *(["--avoid", *avoid] if avoid else []),
+        *("--root", root, "--numel", n, "--chunk", k, "--ring-numel", N, "--timeout", 60),
+        *avoided,
         timeout=120,
     )
     res = ok(r)
@@ -150,10 +158,8 @@ def test_primitives_equal_their_definitions(world, root, n, k, N, avoid):
     check_bytes(res, world, N)
     naive = [4 * N * ((world - 1) if rank == root else 1) for rank in range(world)]
     assert res["naive_bytes_sent"] == naive and res["naive_root_formula"] == naive[root]
-    assert sorted(res["built"]) == sorted(
-        set(avoid) | missing_in_gloo()
-    )  # what --avoid or the backend forces
+    forced = set(avoid) | missing_in_gloo()  # what --avoid or the backend forces
+    assert sorted(res["built"]) == sorted(forced)
     for name in avoid:
-        assert re.search(
-            rf"== {name}:.*\n(  rank .*\n)+  shown: built from .*\(--avoid\)", r.stdout
-        ), r.output
+        shown_built = rf"== {name}:.*\n(  rank .*\n)+  shown: built from .*\(--avoid\)"
+        assert re.search(shown_built, r.stdout), r.output

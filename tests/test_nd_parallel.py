@@ -1,19 +1,25 @@
 """nd_parallel.py: HSDP x TP x PP composed on one DeviceMesh (fully_shard, parallelize_module,
-torch.distributed.pipelining) ends with the parameters of the one-process ddp.py run at W=4 in every
-layout with two axes > 1 and at W=8 in the 3-D (1,2,2,2) and HSDP x TP (2,2,2,1) layouts; rank 0
+torch.distributed.pipelining) ends with the parameters of the one-process ddp.py run; rank 0
 holds the bytes worked out here from the model's shapes; each mesh dimension carries the traffic
 worked out here from B, T, D and the layout (measured from outside, keyed by process group); the
-save loads in ddp.py with the same test accuracy.
+save loads in ddp.py with the same test accuracy; the evaluation sends each message between
+stages as a batch of one.
 
-One launch per layout (7 launches, + the 2 ddp.py references): the optimizer alternates over the
-layouts (SGD in 3, AdamW in 4, both W=8 layouts with AdamW) to keep the suite's time."""
+One launch per layout, shared by the tests of that layout. The quick suite runs two layouts at
+W=4 that between them cover every kind of mesh dimension: HSDP x TP (2,1,2,1) and FSDP x PP
+(1,2,1,2), with SGD (a sum where a mean belongs shows at once). The full tier (`-m full`) adds
+the other layouts with two axes > 1 at W=4, the 3-D (1,2,2,2) and HSDP x TP (2,2,2,1) at W=8,
+and AdamW (sharded optimizer state); the optimizer alternates over the layouts."""
 
 import math
 
 import pytest
+import torch
+import torch.distributed as dist
 
 import common
-from helpers import ok, max_diff, python, torchrun
+import nd_parallel
+from helpers import ddp_reference, max_diff, ok, python, torchrun
 
 CFG = [
     "--data",
@@ -36,108 +42,123 @@ CFG = [
 ]
 TOL = {"sgd": 1e-6, "adamw": 5e-5}
 WINDOW = 3  # optimizer steps the Meter counts collectives in
+M = 4  # micro-batches with a pipeline
 
 # (R, S, T, P), optimizer, pipeline schedule (used when P > 1)
-CASES = [
+QUICK = [
     ((2, 1, 2, 1), "sgd", None),
+    ((1, 2, 1, 2), "sgd", "1f1b"),
+]
+FULL = [
     ((1, 2, 2, 1), "adamw", None),
     ((2, 1, 1, 2), "adamw", "gpipe"),
-    ((1, 2, 1, 2), "sgd", "1f1b"),
     ((1, 1, 2, 2), "sgd", "gpipe"),
     ((1, 2, 2, 2), "adamw", "1f1b"),
     ((2, 2, 2, 1), "adamw", None),
 ]
-IDS = ["R{}S{}T{}P{}-{}".format(*layout, optim) for layout, optim, _ in CASES]
-M = 4  # micro-batches with a pipeline
+# Layouts that start from --load of the initial weights (each stage slices a plain state_dict).
+LOADED = [(1, 2, 1, 2), (1, 1, 2, 2)]
+
+
+def case_id(layout, optim, schedule):
+    return "R{}S{}T{}P{}-{}".format(*layout, optim)
+
+
+CASES = [pytest.param(*case, id=case_id(*case)) for case in QUICK]
+CASES += [pytest.param(*case, id=case_id(*case), marks=pytest.mark.full) for case in FULL]
 
 
 def flags(layout, schedule):
-    R, S, T, P = layout
-    return [
-        "--dp-replicate",
-        R,
-        "--dp-shard",
-        S,
-        "--tp",
-        T,
-        "--pp",
-        P,
-        "--microbatches",
-        M,
-        *(["--schedule", schedule] if schedule else []),
-    ]
+    replicas, shards, tp, stages = layout
+    mesh = ["--dp-replicate", replicas, "--dp-shard", shards, "--tp", tp, "--pp", stages]
+    pipeline = ["--microbatches", M]
+    if schedule:
+        pipeline += ["--schedule", schedule]
+    return [*mesh, *pipeline]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The saved parameters of ddp.py at W=1 on CFG with an optimizer, launched the first time a
+    test asks for that optimizer (the quick suite needs SGD only)."""
+
+    def get(optim):
+        return ddp_reference(tmp_path_factory, CFG, optim)
+
+    return get
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, initial):
-    """One launch per layout, shared by the tests below: (RESULT, path of the saved state_dict).
-    The TP x PP run starts from --load of the initial weights (each stage slices a plain state_dict)."""
+    """One launch per layout, shared by the tests below: (RESULT, path of the saved state_dict)."""
     done = {}
 
     def get(layout, optim, schedule):
-        if layout not in done:
-            path = tmp_path_factory.mktemp("nd") / "nd.pt"
-            load = ["--load", initial] if layout == (1, 1, 2, 2) else []
-            r = ok(
-                torchrun(
-                    "nd_parallel.py",
-                    math.prod(layout),
-                    *CFG,
-                    *flags(layout, schedule),
-                    "--optim",
-                    optim,
-                    *load,
-                    "--save",
-                    path,
-                    timeout=400,
-                )
-            )
-            done[layout] = r, path
+        if layout in done:
+            return done[layout]
+        path = tmp_path_factory.mktemp("nd") / "nd.pt"
+        load = ["--load", initial] if layout in LOADED else []
+        launch = torchrun(
+            "nd_parallel.py",
+            math.prod(layout),
+            *CFG,
+            *flags(layout, schedule),
+            "--optim",
+            optim,
+            *load,
+            "--save",
+            path,
+            timeout=400,
+        )
+        done[layout] = (ok(launch), path)
         return done[layout]
 
     return get
 
 
-@pytest.mark.parametrize("layout,optim,schedule", CASES, ids=IDS)
-def test_same_parameters_as_ddp_one_process(layout, optim, schedule, runs, refs):
+@pytest.mark.parametrize("layout,optim,schedule", CASES)
+def test_same_parameters_as_ddp_one_process(layout, optim, schedule, runs, reference):
     r, path = runs(layout, optim, schedule)
-    diff = max_diff(refs[optim], path)
+    diff = max_diff(reference(optim), path)
     print(f"nd_parallel {layout} {optim}: max |Δparam| vs ddp.py W=1 = {diff:.3g}")
     assert r["world_size"] == math.prod(layout) and r["steps"] == 3
-    assert r["mesh"] == dict(pp=layout[3], dp_replicate=layout[0], dp_shard=layout[1], tp=layout[2])
+    replicas, shards, tp, stages = layout
+    assert r["mesh"] == dict(pp=stages, dp_replicate=replicas, dp_shard=shards, tp=tp)
     assert diff < TOL[optim]
 
 
 def rank0_elements(layout):
     """Rank 0's parameters (stage 0, TP shard 0, FSDP shard 0), counted here off the plain model:
     q, k, v, fc1 split by rows and proj, fc2 weights by columns over T; then every tensor's dim 0
-    in S pieces (FSDP pads: rank 0 holds the ceiling); blocks and the rest (embedding, head) apart."""
-    R, S, T, P = layout
+    in S pieces (FSDP pads: rank 0 holds the ceiling). Returns (in the blocks, in the rest:
+    embedding and head), and the number of blocks on stage 0."""
+    replicas, shards, tp, stages = layout
     model = common.build_model(common.parse_args(common.get_parser("test"), CFG))
     depth = len(model.blocks)
-    mine = {
-        "embed": model.embed,
-        **{f"blocks.{i}": model.blocks[i] for i in range(depth // P)},
-        **({"head": model.head} if P == 1 else {}),
-    }
-    blocks = rest = 0
+    mine = {"embed": model.embed}
+    for i in range(depth // stages):
+        mine[f"blocks.{i}"] = model.blocks[i]
+    if stages == 1:
+        mine["head"] = model.head
+    blocks = 0
+    rest = 0
     for prefix, module in mine.items():
         for name, p in module.named_parameters():
             shape = list(p.shape)
-            if T > 1 and prefix.startswith("blocks"):
+            if tp > 1 and prefix.startswith("blocks"):
                 if name.split(".")[-2] in ("q", "k", "v", "fc1"):
-                    shape[0] //= T
+                    shape[0] //= tp
                 elif name in ("attn.proj.weight", "mlp.fc2.weight"):
-                    shape[1] //= T
-            shape[0] = -(-shape[0] // S)
+                    shape[1] //= tp
+            shape[0] = math.ceil(shape[0] / shards)
             if prefix.startswith("blocks"):
                 blocks += math.prod(shape)
             else:
                 rest += math.prod(shape)
-    return blocks, rest, depth // P
+    return blocks, rest, depth // stages
 
 
-@pytest.mark.parametrize("layout,optim,schedule", CASES, ids=IDS)
+@pytest.mark.parametrize("layout,optim,schedule", CASES)
 def test_per_rank_bytes(layout, optim, schedule, runs):
     r, _ = runs(layout, optim, schedule)
     blocks, rest, _ = rank0_elements(layout)
@@ -146,55 +167,64 @@ def test_per_rank_bytes(layout, optim, schedule, runs):
     assert r["optim_bytes"] == (8 if optim == "adamw" else 4) * own
 
 
-@pytest.mark.parametrize("layout,optim,schedule", CASES, ids=IDS)
+@pytest.mark.parametrize("layout,optim,schedule", CASES)
 def test_traffic_per_mesh_dimension(layout, optim, schedule, runs):
-    """tp: DTensor's f (q, k, v, fc1 each: 4 in backward) and g (proj, fc2: 2 in forward) all-reduce
-    the [B/(R·S)/m, T, D] activation, per block of the stage and micro-batch; a pipeline's first step
-    also runs one no-grad forward of a micro-batch to find the shapes (its 2 g's per block).
-    dp_shard: one reduce-scatter per FSDP unit (each block, the rest) a step, of S·shard (the
-    gradient sync waits for the last micro-batch); without a pipeline one all-gather per block for
-    forward and one for backward, the rest once. dp_replicate: one all-reduce of the shard's grads.
-    pp: m activations out of stage 0 and m gradients back, plus a small shape handshake in step 1."""
+    """tp: DTensor's f (q, k, v, fc1 each: 4 in backward) and g (proj, fc2: 2 in forward)
+    all-reduce the [B/(R·S)/m, T, D] activation, per block of the stage and micro-batch; a
+    pipeline's first step also runs one no-grad forward of a micro-batch to find the shapes (its
+    2 g's per block). dp_shard: one reduce-scatter per FSDP unit (each block, the rest) a step,
+    of S·shard (the gradient sync waits for the last micro-batch); without a pipeline one
+    all-gather per block for forward and one for backward, the rest once. dp_replicate: one
+    all-reduce of the shard's grads. pp: m activations out of stage 0 and m gradients back, plus
+    a small shape handshake in step 1."""
     r, _ = runs(layout, optim, schedule)
-    R, S, T, P = layout
-    m = M if P > 1 else 1
+    replicas, shards, tp, stages = layout
+    m = M if stages > 1 else 1
     blocks, rest, nblocks = rank0_elements(layout)
-    act = 4 * 32 // (R * S) * 16 * 32  # bytes of this dp rank's batch: B/(R·S) x 16 tokens x D=32
+    act = 4 * 32 // (replicas * shards) * 16 * 32  # this dp rank's B/(R·S) x 16 tokens x D=32
     dims = r["comm_by_dim"]
-    assert set(dims) == {
-        d for d, n in zip(("dp_replicate", "dp_shard", "tp", "pp"), layout) if n > 1
-    }, dims
-    if T > 1:
-        shape_pass = 2 * nblocks * (act // m) if P > 1 else 0
+    sizes = dict(dp_replicate=replicas, dp_shard=shards, tp=tp, pp=stages)
+    assert set(dims) == {dim for dim, size in sizes.items() if size > 1}, dims
+    if tp > 1:
+        shape_pass = 2 * nblocks * (act // m) if stages > 1 else 0
+        shape_pass_calls = 2 * nblocks if stages > 1 else 0
         assert dims["tp"] == {
             "all_reduce": [
-                WINDOW * 6 * nblocks * m + (2 * nblocks if P > 1 else 0),
+                WINDOW * 6 * nblocks * m + shape_pass_calls,
                 (WINDOW * 6 * nblocks * act + shape_pass) // WINDOW,
             ]
         }, dims
-    if S > 1:
+    if shards > 1:
         assert dims["dp_shard"]["reduce_scatter"] == [
             WINDOW * (nblocks + 1),
-            4 * S * (blocks + rest),
+            4 * shards * (blocks + rest),
         ], dims
-        if P == 1:
+        if stages == 1:
             assert dims["dp_shard"]["all_gather"] == [
                 WINDOW * (2 * nblocks + 1),
-                4 * S * (2 * blocks + rest),
+                4 * shards * (2 * blocks + rest),
             ], dims
-    if R > 1:
-        units = nblocks + 1 if R * S > 1 else 0
+    if replicas > 1:
+        units = nblocks + 1
         assert dims["dp_replicate"] == {"all_reduce": [WINDOW * units, 4 * (blocks + rest)]}, dims
-    if P > 1:
+    if stages > 1:
         for kind in ("send", "recv"):
             calls, per_step = dims["pp"][kind]
             assert calls >= WINDOW * m and act <= per_step < act + 1024, dims
 
 
-def test_save_loads_in_ddp(runs, tmp_path):
-    """The 3-D save, assembled on rank 0 from TP, FSDP and pipeline pieces, is the plain common model:
-    ddp.py loads it (lr 0: nothing moves), saves the same tensors, measures the same test accuracy."""
-    r, path = runs((1, 2, 2, 2), "adamw", "1f1b")
+SAVES = [
+    pytest.param((1, 2, 1, 2), "sgd", "1f1b", id="R1S2T1P2"),
+    pytest.param((1, 2, 2, 2), "adamw", "1f1b", id="R1S2T2P2", marks=pytest.mark.full),
+]
+
+
+@pytest.mark.parametrize("layout,optim,schedule", SAVES)
+def test_save_loads_in_ddp(layout, optim, schedule, runs, tmp_path):
+    """The save, assembled on rank 0 from the pipeline's stages (and TP and FSDP pieces: the 3-D
+    layout in the full tier), is the plain common model: ddp.py loads it (lr 0: nothing moves),
+    saves the same tensors, measures the same test accuracy as the stage-to-stage evaluation."""
+    r, path = runs(layout, optim, schedule)
     d = ok(
         python(
             "ddp.py",
@@ -214,3 +244,81 @@ def test_save_loads_in_ddp(runs, tmp_path):
     )
     assert max_diff(path, tmp_path / "ddp.pt") == 0
     assert d["test_acc"] == r["test_acc"]
+
+
+class OneRankAtATime:
+    """Stands in for torch.distributed while the ranks of one pipe run evaluate() in turn, stage 0
+    first: records each rank's calls, delivers each message to its receiver in order."""
+
+    def __init__(self):
+        self.rank = 0
+        self.calls = {}  # {rank: [("batch", ops) | ("all_reduce", shape)]}
+        self.in_flight = {}  # {(sender, receiver): [tensors sent, oldest first]}
+
+    def batch_isend_irecv(self, ops):
+        self.calls[self.rank].append(("batch", len(ops)))
+        for op in ops:
+            if op.op is dist.isend:
+                self.in_flight.setdefault((self.rank, op.peer), []).append(op.tensor.clone())
+            else:
+                message = self.in_flight[op.peer, self.rank].pop(0)
+                assert message.shape == op.tensor.shape, (message.shape, op.tensor.shape)
+                op.tensor.copy_(message)
+        return []
+
+    def all_reduce(self, tensor, *args, **kwargs):
+        self.calls[self.rank].append(("all_reduce", tuple(tensor.shape)))
+
+    def unbatched(self, *args, **kwargs):
+        raise AssertionError("a plain dist.send or dist.recv: NCCL makes a two-rank communicator")
+
+
+class Message:
+    """dist.P2POp without a process group behind it."""
+
+    def __init__(self, op, tensor, peer, group=None):
+        self.op = op
+        self.tensor = tensor
+        self.peer = peer
+
+
+def test_evaluation_sends_each_message_as_a_batch_of_one(monkeypatch):
+    """Issue 25, item 8, in one process: evaluate() on the three stages of a pipe, rank by rank.
+    Every message between stages is a dist.batch_isend_irecv of one op (on NCCL: the pp group's
+    communicator, not a new two-rank one per pair of peers), never a plain send or recv; the n-th
+    send of stage s is the n-th receive of stage s+1, of the same shape; every rank runs the same
+    collectives; and the last stage's count is the whole model's."""
+    args = common.parse_args(common.get_parser("test"), [*CFG, "--depth", "3"])
+    model = common.build_model(args).eval()
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for size in (8, 8, 5):
+        images = torch.randn(size, 1, 28, 28, generator=generator)
+        labels = torch.randint(0, 10, (size,), generator=generator)
+        keep = torch.arange(size) < size - 1  # the last sample of each batch is padding
+        batches.append((images, labels, keep))
+    fake = OneRankAtATime()
+    monkeypatch.setattr(dist, "batch_isend_irecv", fake.batch_isend_irecv)
+    monkeypatch.setattr(dist, "all_reduce", fake.all_reduce)
+    monkeypatch.setattr(dist, "send", fake.unbatched)
+    monkeypatch.setattr(dist, "recv", fake.unbatched)
+    monkeypatch.setattr(dist, "P2POp", Message)
+    monkeypatch.setattr(dist, "get_global_rank", lambda group, rank: rank)
+    accuracy = {}
+    for index in range(3):
+        stage = nd_parallel.Stage(model, index, 3)
+        stage.pp_group = None
+        stage.answers = stage.is_last
+        fake.rank = index
+        fake.calls[index] = []
+        accuracy[index] = nd_parallel.evaluate(stage, batches, torch.device("cpu"))
+    assert all(messages == [] for messages in fake.in_flight.values()), "a message never received"
+    for index, calls in fake.calls.items():
+        batched = [ops for kind, ops in calls if kind == "batch"]
+        assert batched == [1] * len(batches) * (1 if index in (0, 2) else 2), calls
+        collectives = [call for call in calls if call[0] != "batch"]
+        assert collectives == [("all_reduce", (2,))], calls
+    with torch.no_grad():
+        right = sum(((model(x).argmax(1) == y) & keep).sum().item() for x, y, keep in batches)
+    counted = sum(keep.sum().item() for _, _, keep in batches)
+    assert accuracy[2] == right / counted
