@@ -18,13 +18,20 @@ MUTANTS = {  # mutant -> the test that must fail under it (the promise in the RE
     "ddp-sum": "tests/test_ddp.py::test_ddp_equals_one_process[sgd-W2-torchrun]",  # exactness
     "eval-counts-padding": "tests/test_ddp.py::test_distributed_accuracy_equals_one_process_accuracy",  # evaluation
     "resume-forgets-schedule": "tests/test_ddp.py::test_snapshot_resume_equals_uninterrupted",  # resume
-    "no-checkpoint": "tests/test_amp_checkpoint.py::test_checkpointed_blocks_run_forward_twice_in_training[ckpt]",
+    "no-checkpoint": (
+        "tests/test_amp_checkpoint.py::test_checkpointed_blocks_run_forward_twice_in_training[ckpt]"
+    ),
     "no-autocast": "tests/test_amp_checkpoint.py::test_bf16_is_active",  # mixed precision
     "no-clip": "tests/test_amp_checkpoint.py::test_clip_bounds_every_step",  # clipping
+    "checkpoint-stops-after-first-step": (
+        "tests/test_amp_checkpoint.py::test_checkpointed_blocks_recompute_in_every_step"
+    ),
+    "autocast-stops-after-first-step": "tests/test_amp_checkpoint.py::test_autocast_in_every_step",
     "zero-no-average": "tests/test_zero.py::test_stage_equals_one_ddp_process[2-2-sgd]",  # ZeRO exactness
     "fsdp-sum": "tests/test_fsdp.py::test_equals_ddp_one_process[W2-sgd]",  # FSDP exactness
     "tp-f-identity": "tests/test_tensor_parallel.py::test_same_parameters_as_ddp_one_process[W2-tp-sgd]",  # TP
     "pipeline-unpaired": "tests/test_pipeline.py::test_p2p_order_is_nccl_safe",  # NCCL order
+    "pipedream-eager-send": "tests/test_pipeline_pipedream.py::test_p2p_order_is_nccl_safe[2]",
     "schedules-unpaired": "tests/test_pipeline_schedules.py::test_p2p_order_is_nccl_safe[2]",  # NCCL order
     "cp-head-not-summed": "tests/test_context_parallel.py::test_same_parameters_as_ddp_one_process[ring-W2-sgd]",
     "ep-dense-sum": "tests/test_expert_parallel.py::test_equals_one_ddp_process[W2-E4-K2-sgd]",  # EP exactness

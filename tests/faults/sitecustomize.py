@@ -215,17 +215,47 @@ if os.environ.get("MUTANT"):
     elif _mutant == "resume-forgets-schedule":  # a resumed run restarts its learning-rate schedule
         torch.optim.lr_scheduler.LRScheduler.load_state_dict = lambda self, state: None
         torch.optim.lr_scheduler.LambdaLR.load_state_dict = lambda self, state: None
-    elif _mutant == "no-checkpoint":  # activation checkpointing does nothing
+    elif _mutant in ("no-checkpoint", "checkpoint-stops-after-first-step"):
+        # activation checkpointing does nothing: from the start, or once the first optimizer step
+        # is done (a global step hook, so it sees every optimizer the script builds)
         import torch.utils.checkpoint
+        from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        torch.utils.checkpoint.checkpoint = lambda fn, *a, use_reentrant=None, **k: fn(*a, **k)
-    elif _mutant == "no-autocast":  # mixed precision does nothing
-        _ac_init = torch.autocast.__init__
-        torch.autocast.__init__ = (
-            lambda self, device_type, dtype=None, enabled=True, cache_enabled=None: _ac_init(
-                self, device_type, dtype=dtype, enabled=False, cache_enabled=cache_enabled
+        _checkpoint = torch.utils.checkpoint.checkpoint
+        _checkpointing = _mutant != "no-checkpoint"
+
+        def _stop_checkpointing(optimizer, args, kwargs):
+            global _checkpointing
+            _checkpointing = False
+
+        def _checkpoint_until_stopped(function, *args, use_reentrant=None, **kwargs):
+            if not _checkpointing:
+                return function(*args, **kwargs)
+            return _checkpoint(function, *args, use_reentrant=use_reentrant, **kwargs)
+
+        register_optimizer_step_post_hook(_stop_checkpointing)
+        torch.utils.checkpoint.checkpoint = _checkpoint_until_stopped
+    elif _mutant in ("no-autocast", "autocast-stops-after-first-step"):
+        # mixed precision does nothing: from the start, or once the first optimizer step is done
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _autocast_init = torch.autocast.__init__
+        _autocasting = _mutant != "no-autocast"
+
+        def _stop_autocasting(optimizer, args, kwargs):
+            global _autocasting
+            _autocasting = False
+
+        def _autocast_until_stopped(
+            self, device_type, dtype=None, enabled=True, cache_enabled=None
+        ):
+            enabled = enabled and _autocasting
+            _autocast_init(
+                self, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled
             )
-        )
+
+        register_optimizer_step_post_hook(_stop_autocasting)
+        torch.autocast.__init__ = _autocast_until_stopped
     elif _mutant == "no-clip":  # gradient clipping does nothing
         torch.nn.utils.clip_grad_norm_ = lambda parameters, max_norm, *a, **k: torch.zeros(())
     elif (
@@ -249,8 +279,12 @@ if os.environ.get("MUTANT"):
         def _summing_shard(module, *a, **k):
             out = _fully_shard(module, *a, **k)
             out.set_gradient_divide_factor(1.0)
+            # a plain sum on every backend (Gloo has no PREMUL_SUM), so the test fails on the
+            # numbers, not on a crash
+            out.set_force_sum_reduction_for_comms(True)
             return out
 
+        _summing_shard.state = _fully_shard.state  # torch.distributed.pipelining reads it
         _fsdp.fully_shard = _summing_shard
     elif _mutant == "tp-f-identity":  # tensor parallel's f does no all-reduce in backward
         _ar = dist.all_reduce
@@ -275,6 +309,21 @@ if os.environ.get("MUTANT"):
             schedules.p2p = lambda ops: [p2p([op]) for op in ops]
 
         _after_import["pipeline_schedules"] = _unpair_schedules
+    elif _mutant == "pipedream-eager-send":  # PipeDream posts its closing send at once (hangs)
+
+        def _eager(pipedream):
+            train_step = pipedream.train_step
+
+            def eager_train_step(stage, *args, **kwargs):
+                loss = train_step(stage, *args, **kwargs)
+                if stage.pending:
+                    pipedream.p2p(stage.pending)
+                    stage.pending = []
+                return loss
+
+            pipedream.train_step = eager_train_step
+
+        _after_import["pipeline_pipedream"] = _eager
     elif (
         _mutant == "cp-head-not-summed"
     ):  # context parallelism: the head averages this rank's tokens only
