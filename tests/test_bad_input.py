@@ -5,12 +5,13 @@ torchrun would trigger them, by giving one process torchrun's environment (RANK=
 WORLD_SIZE=W); test_world_size_error_under_real_torchrun shows the real launcher too.
 """
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from helpers import ROOT, python, torchrun
+from helpers import ROOT, Run, python, torchrun
 
 
 def as_rank0_of(world):
@@ -93,25 +94,25 @@ CASES = [
     ("zero.py", ["--batch-size", "32"], as_rank0_of(3), "--batch-size 32 is not divisible"),
     ("zero.py", ["--load", "{d}/notsd.pt"], None, "--load {d}/notsd.pt: not a state_dict"),
     (
-        "zero.py",
+        "zero_offload.py",
         ["--offload", "disk"],
         None,
         "--offload disk needs --offload-dir DIR, an existing writable directory",
     ),
     (
-        "zero.py",
+        "zero_offload.py",
         ["--offload", "disk", "--offload-dir", "{d}/junk.pt"],
         None,
         "--offload disk needs --offload-dir DIR, an existing writable directory (got {d}/junk.pt)",
     ),
     (
-        "fsdp.py",
+        "fsdp_resume.py",
         ["--dcp", "{d}/notdcp"],
         None,
         "--dcp {d}/notdcp: not a torch.distributed.checkpoint directory",
     ),
     (
-        "fsdp.py",
+        "fsdp_resume.py",
         ["--dcp", "{d}/junk.pt"],
         None,
         "--dcp {d}/junk.pt: not a torch.distributed.checkpoint directory",
@@ -279,21 +280,47 @@ IDS = [f"{c[0]}:{' '.join(c[1])}" for c in CASES]
 
 
 @pytest.fixture(scope="module")
-def outcomes(request, files):
-    """The selected cases, launched two at a time (each is mostly one process importing torch)."""
+def outcomes(request, files, tmp_path_factory):
+    """The selected cases' outcomes. Most run one after another in one process that imports torch
+    once (tests/bad_input_runner.py, each case as `__main__` with its argv and environment); a
+    case with a fault injected at interpreter start (PYTHONPATH) gets a process of its own."""
     cases = {
         item.callspec.id: item.callspec.params
         for item in request.session.items
         if item.module is request.module and item.originalname == "test_bad_input"
     }
-
-    def launch(case):
-        return python(
-            case["script"], *[a.format(d=files) for a in case["argv"]], env=case["env"], timeout=60
+    in_runner = [name for name, case in cases.items() if "PYTHONPATH" not in (case["env"] or {})]
+    alone = [name for name in cases if name not in in_runner]
+    listing = [
+        dict(
+            script=cases[name]["script"],
+            argv=[arg.format(d=files) for arg in cases[name]["argv"]],
+            env=cases[name]["env"],
         )
+        for name in in_runner
+    ]
+    work = tmp_path_factory.mktemp("runner")
+    (work / "cases.json").write_text(json.dumps(listing))
+
+    def launch_alone(name):
+        case = cases[name]
+        argv = [arg.format(d=files) for arg in case["argv"]]
+        return python(case["script"], *argv, env=case["env"], timeout=60)
 
     with ThreadPoolExecutor(2) as pool:
-        return dict(zip(cases, pool.map(launch, cases.values()), strict=True))
+        runner = pool.submit(
+            python,
+            "tests/bad_input_runner.py",
+            work / "cases.json",
+            work / "results.json",
+            timeout=30 * len(listing) + 60,
+        )
+        separate = dict(zip(alone, pool.map(launch_alone, alone), strict=True))
+        finished = runner.result()
+    assert finished.returncode == 0, finished.output
+    results = json.loads((work / "results.json").read_text())
+    together = {name: Run(**result) for name, result in zip(in_runner, results, strict=True)}
+    return {**together, **separate}
 
 
 @pytest.mark.parametrize("script,argv,env,message", CASES, ids=IDS)
