@@ -54,7 +54,6 @@ class Built:
 
     how: str  # from what, in words
     result: torch.Tensor  # what the built version gave this rank
-    native: bool  # whether the backend ran the primitive itself too
 
 
 @dataclass
@@ -65,9 +64,10 @@ class Outcome:
     name: str
     meaning: str
     before: torch.Tensor | None
-    after: torch.Tensor | None
+    after: torch.Tensor | None  # the backend's result; the built version's where it has none
     expected: torch.Tensor | None  # the definition, worked out on this rank from every input
-    built: Built | None = None
+    built: Built | None = None  # for the primitives a backend may lack
+    native: bool = True  # whether the backend ran the primitive itself
 
 
 def rank_tensor(rank, numel, device):
@@ -78,7 +78,8 @@ def rank_tensor(rank, numel, device):
 
 def try_native(name, call, args):
     """Run a collective; False (instead of an exception) if this backend does not have it, or if
-    --avoid names it. Whether a backend has a collective is the same on every rank."""
+    --avoid names it. Whether a backend has a collective is the same on every rank, so every rank
+    takes the same branch and issues the same collectives after it."""
     if name in args.avoid:
         return False
     try:
@@ -109,23 +110,26 @@ def show_scatter(args, device):
     rank = dist.get_rank()
     world = dist.get_world_size()
     root = args.root
-    root_chunks = rank_tensor(root, world * args.chunk, device).chunk(world)
+    root_tensor = rank_tensor(root, world * args.chunk, device)  # every rank can work it out
+    root_chunks = root_tensor.chunk(world)
     received = torch.empty(args.chunk, device=device)
-    to_send = list(root_chunks) if rank == root else None
+    to_send = None  # scatter reads the chunks on the root only
+    if rank == root:
+        to_send = list(root_chunks)
     native = try_native("scatter", lambda: dist.scatter(received, to_send, src=root), args)
     # Built: the root broadcasts its whole tensor and each rank keeps its own chunk (p times the
-    # bytes). Every rank starts from its own input, which only the root's survives.
+    # bytes). `whole` starts as this rank's own input, so a broadcast that did not overwrite it
+    # would fail the check.
     whole = rank_tensor(rank, world * args.chunk, device)
     dist.broadcast(whole, src=root)
     built = Built(
         "broadcast of the whole tensor, each rank keeping its chunk (p times the bytes)",
         whole.chunk(world)[rank],
-        native,
     )
-    before = rank_tensor(root, world * args.chunk, device) if rank == root else None
+    before = root_tensor if rank == root else None
     after = received if native else built.result
     meaning = f"rank r gets chunk r of rank {root}'s tensor"
-    return Outcome("scatter", meaning, before, after, root_chunks[rank], built)
+    return Outcome("scatter", meaning, before, after, root_chunks[rank], built, native)
 
 
 def show_gather(args, device):
@@ -197,12 +201,12 @@ def show_reduce_scatter(args, device):
     built = Built(
         "all_reduce, each rank keeping its chunk (twice the bytes)",
         total.chunk(world)[rank],
-        native,
     )
-    everyone = sum(rank_tensor(j, world * args.chunk, device) for j in range(world))
+    sum_of_all = sum(rank_tensor(j, world * args.chunk, device) for j in range(world))
+    expected = sum_of_all.chunk(world)[rank]
     after = received if native else built.result
     meaning = "rank r gets chunk r of the sum of all ranks' tensors"
-    return Outcome("reduce_scatter", meaning, mine, after, everyone.chunk(world)[rank], built)
+    return Outcome("reduce_scatter", meaning, mine, after, expected, built, native)
 
 
 def show_all_to_all(args, device):
@@ -212,17 +216,20 @@ def show_all_to_all(args, device):
     received = [torch.empty(args.chunk, device=device) for _ in range(world)]
     chunks = list(mine.chunk(world))
     native = try_native("all_to_all", lambda: dist.all_to_all(received, chunks), args)
-    # Built: p scatters, each rank the root of one in turn, so chunk r of rank j lands on rank r.
-    pieces = [torch.empty(args.chunk, device=device) for _ in range(world)]
+    # Built: p scatters, each rank the root of one in turn, so chunk r of rank j lands on rank r
+    # (Gloo and NCCL both have scatter).
+    built_received = [torch.empty(args.chunk, device=device) for _ in range(world)]
     for source in range(world):
-        to_send = chunks if rank == source else None
-        dist.scatter(pieces[source], to_send, src=source)
-    built = Built("p scatters, one from each rank (the same bytes)", torch.cat(pieces), native)
+        to_send = None
+        if rank == source:
+            to_send = chunks
+        dist.scatter(built_received[source], to_send, src=source)
+    built = Built("p scatters, one from each rank (the same bytes)", torch.cat(built_received))
     inputs = [rank_tensor(j, world * args.chunk, device) for j in range(world)]
     expected = torch.cat([tensor.chunk(world)[rank] for tensor in inputs])
     after = torch.cat(received) if native else built.result
     meaning = "rank r gets chunk r of every rank's tensor (a transpose)"
-    return Outcome("all_to_all", meaning, mine, after, expected, built)
+    return Outcome("all_to_all", meaning, mine, after, expected, built, native)
 
 
 PRIMITIVES = (
@@ -263,18 +270,20 @@ def ring_all_reduce(x):
     world = dist.get_world_size()
     right = (rank + 1) % world
     left = (rank - 1) % world
-    chunks = x.view(-1).tensor_split(world)  # views into x; the first ones are the larger
-    buffer = torch.empty_like(chunks[0])
+    # Views into x, so that adding into a chunk sums x in place; when p does not divide N the
+    # first chunks are one element larger.
+    chunks = x.view(-1).tensor_split(world)
+    buffer = torch.empty_like(chunks[0])  # the largest chunk: every incoming one fits
     sent = 0
     # Reduce-scatter: at step s, pass on our partial sum of chunk r-s and add the left
     # neighbour's partial sum of chunk r-s-1 to ours. After p-1 steps rank r holds the full sum
     # of chunk r+1.
     for step in range(world - 1):
         outgoing = chunks[(rank - step) % world]
-        summing = chunks[(rank - step - 1) % world]
-        incoming = buffer[: summing.numel()]
+        accumulating = chunks[(rank - step - 1) % world]
+        incoming = buffer[: accumulating.numel()]
         sent += exchange(outgoing, right, incoming, left)
-        summing += incoming
+        accumulating += incoming
     # All-gather: at step s, pass on the finished chunk r+1-s; the left neighbour's finished
     # chunk r-s arrives in its place.
     for step in range(world - 1):
@@ -286,7 +295,10 @@ def ring_all_reduce(x):
 
 def naive_all_reduce(x, root):
     """Sum x over all ranks in place through one root: every rank sends x to the root, which adds
-    them up and sends the sum back to each. Returns the bytes this rank sent."""
+    them up and sends the sum back to each. Returns the bytes this rank sent.
+
+    Plain blocking send and recv are safe here, unlike in the ring: no two ranks send to each
+    other at the same time (the root receives from every peer before it sends to any)."""
     rank = dist.get_rank()
     world = dist.get_world_size()
     message_bytes = x.numel() * x.element_size()
@@ -304,6 +316,13 @@ def naive_all_reduce(x, root):
         dist.send(total, peer)
     x.copy_(total)
     return len(peers) * message_bytes
+
+
+def formula(world, numel):
+    """The docstring's bytes sent in an all-reduce of `numel` fp32 elements: by each rank around
+    the ring, and by the root of the naive one (its other ranks send N once)."""
+    nbytes = 4 * numel
+    return dict(ring=2 * (world - 1) * nbytes / world, naive_root=(world - 1) * nbytes)
 
 
 def best_time(fn, device, repeats=3):
@@ -334,11 +353,13 @@ def printable(tensor):
 
 def show_ranks(line):
     """Rank 0 logs one line from every rank, in rank order (gathered, so never interleaved)."""
-    rows = None
+    rows = None  # gather_object fills a list on the destination only
     if dist.get_rank() == 0:
         rows = [None] * dist.get_world_size()
     dist.gather_object(line, rows, dst=0)
-    for row in rows or []:
+    if rows is None:
+        return
+    for row in rows:
         common.log(row)
 
 
@@ -361,13 +382,13 @@ def check_primitives(args, device, backend):
         if built is None:
             continue
         checks[f"{outcome.name} (built)"] = torch.equal(built.result, outcome.expected)
-        if built.native:
+        if outcome.native:
             common.log(f"  also built from {built.how}")
-        elif outcome.name in args.avoid:
-            built_for.append(outcome.name)
+            continue
+        built_for.append(outcome.name)
+        if outcome.name in args.avoid:
             common.log(f"  shown: built from {built.how} (--avoid)")
         else:
-            built_for.append(outcome.name)
             missing = f"{backend} in torch {torch.__version__} has no {outcome.name}"
             common.log(f"  shown: built from {built.how}: {missing}")
     return checks, built_for
@@ -381,8 +402,8 @@ def check_small_ring(args, device):
     mine = rank_tensor(rank, args.numel, device)
     total = mine.clone()
     ring_all_reduce(total)
-    sizes = [len(chunk) for chunk in mine.tensor_split(world)]
-    common.log(f"\n== ring_all_reduce: send/recv around the ring, chunks of {sizes}")
+    chunk_sizes = [len(chunk) for chunk in mine.tensor_split(world)]
+    common.log(f"\n== ring_all_reduce: send/recv around the ring, chunks of {chunk_sizes}")
     show_ranks(f"  rank {rank}: {printable(mine)} -> {printable(total)}")
     expected = sum(rank_tensor(j, args.numel, device) for j in range(world))
     return torch.equal(total, expected)
@@ -393,6 +414,7 @@ def compare_all_reduces(args, device):
     numbers (the sums are exact, so all three must agree bit for bit), the bytes each rank sent,
     and the best of 3 times of each. Returns (checks, measured)."""
     rank = dist.get_rank()
+    # A different input on every rank, and the same on every run with the same --seed.
     generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
     values = torch.randint(-1000, 1000, (args.ring_numel,), generator=generator)
     x = values.float().to(device)
@@ -420,24 +442,62 @@ def compare_all_reduces(args, device):
 def show_all_reduces(args, measured):
     """The bytes table, one row per rank, next to the formulas, and the times."""
     rank = dist.get_rank()
-    world = dist.get_world_size()
+    expected = formula(dist.get_world_size(), args.ring_numel)
     nbytes = 4 * args.ring_numel
-    ring_formula = 2 * (world - 1) * nbytes / world
     common.log(
         f"\nall-reduce of N = {args.ring_numel:,} fp32 = {common.fmt_bytes(nbytes)} "
         "(whole numbers: the sums are exact, so all three must agree bit for bit)"
     )
     common.log(f"  {'bytes sent':<12}{'ring':>12}{'2(p-1)/p·N':>12}{'naive':>12}   naive formula")
     naive_formula = "(p-1)·N (root)" if rank == args.root else "N"
-    ring = common.fmt_bytes(measured["ring_bytes"])
-    formula = common.fmt_bytes(ring_formula)
-    naive = common.fmt_bytes(measured["naive_bytes"])
-    show_ranks(f"  rank {rank:<7}{ring:>12}{formula:>12}{naive:>12}   {naive_formula}")
+    ring_sent = common.fmt_bytes(measured["ring_bytes"])
+    ring_expected = common.fmt_bytes(expected["ring"])
+    naive_sent = common.fmt_bytes(measured["naive_bytes"])
+    row = f"{ring_sent:>12}{ring_expected:>12}{naive_sent:>12}   {naive_formula}"
+    show_ranks(f"  rank {rank:<7}{row}")
     common.log(
         f"  time (best of 3): ring {1e3 * measured['ring_s']:.1f} ms, "
         f"dist.all_reduce {1e3 * measured['all_reduce_s']:.1f} ms, "
         f"naive {1e3 * measured['naive_s']:.1f} ms"
     )
+
+
+def report(args, world, backend, device, checks, built_for, measured):
+    """Rank 0 logs the summary and the RESULT line for every rank: a check passes only if it
+    passed on every rank. Returns the names of the failed checks (on every rank, so that every
+    rank exits alike)."""
+    every_rank = [None] * world
+    dist.all_gather_object(every_rank, dict(checks=checks, measured=measured))
+    checks_by_rank = [seen["checks"] for seen in every_rank]
+    measured_by_rank = [seen["measured"] for seen in every_rank]
+    passed = {name: all(rank_checks[name] for rank_checks in checks_by_rank) for name in checks}
+    failed = [name for name, ok in passed.items() if not ok]
+    summary = f"\nchecks: {sum(passed.values())}/{len(passed)} passed"
+    if failed:
+        summary += f"; FAILED: {failed}"
+    if built_for:
+        summary += f"; built from other collectives: {built_for}"
+    common.log(summary)
+    expected = formula(world, args.ring_numel)
+    common.result(
+        script="collectives",
+        world_size=world,
+        backend=backend,
+        device=device.type,
+        checks_passed=sum(passed.values()),
+        checks_total=len(passed),
+        failed=failed,
+        built=built_for,
+        ring_numel=args.ring_numel,
+        ring_bytes_sent=[rank_measured["ring_bytes"] for rank_measured in measured_by_rank],
+        ring_bytes_formula=expected["ring"],
+        naive_bytes_sent=[rank_measured["naive_bytes"] for rank_measured in measured_by_rank],
+        naive_root_formula=expected["naive_root"],
+        ring_s=measured["ring_s"],  # the times: this rank's own (the RESULT line is rank 0's)
+        all_reduce_s=measured["all_reduce_s"],
+        naive_s=measured["naive_s"],
+    )
+    return failed
 
 
 def check_args(args, world):
@@ -497,36 +557,7 @@ def run(args):
         big_checks, measured = compare_all_reduces(args, device)
         checks.update(big_checks)
         show_all_reduces(args, measured)
-        # Rank 0 reports for every rank: a check passes only if it passed everywhere.
-        every_rank = [None] * world
-        dist.all_gather_object(every_rank, (checks, measured))
-        passed = {name: all(seen[0][name] for seen in every_rank) for name in checks}
-        failed = [name for name, ok in passed.items() if not ok]
-        summary = f"\nchecks: {sum(passed.values())}/{len(passed)} passed"
-        if failed:
-            summary += f"; FAILED: {failed}"
-        if built_for:
-            summary += f"; built from other collectives: {built_for}"
-        common.log(summary)
-        nbytes = 4 * args.ring_numel
-        common.result(
-            script="collectives",
-            world_size=world,
-            backend=backend,
-            device=device.type,
-            checks_passed=sum(passed.values()),
-            checks_total=len(passed),
-            failed=failed,
-            built=built_for,
-            ring_numel=args.ring_numel,
-            ring_bytes_sent=[seen[1]["ring_bytes"] for seen in every_rank],
-            ring_bytes_formula=2 * (world - 1) * nbytes / world,
-            naive_bytes_sent=[seen[1]["naive_bytes"] for seen in every_rank],
-            naive_root_formula=(world - 1) * nbytes,
-            ring_s=measured["ring_s"],
-            all_reduce_s=measured["all_reduce_s"],
-            naive_s=measured["naive_s"],
-        )
+        failed = report(args, world, backend, device, checks, built_for, measured)
         if failed:
             raise SystemExit(1)
     finally:
@@ -563,7 +594,7 @@ def main():
         choices=["scatter", "reduce_scatter", "all_to_all"],
         help="show these built from other collectives even where the backend has them",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the big all-reduce's input")
     parser.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto")
     parser.add_argument(
         "--timeout",

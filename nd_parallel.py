@@ -3,9 +3,10 @@ PyTorch's own pieces: init_device_mesh, torch.distributed.pipelining (GPipe, 1F1
 parallelize_module (Megatron's tensor parallelism) and fully_shard (FSDP2; HSDP, replicas of FSDP
 groups, when there is a replicate dimension). Exact: the same parameters as one-process ddp.py.
 
-W = P·R·S·T ranks on a mesh (pp, dp_replicate, dp_shard, tp), outermost to innermost. tp talks in
-every block, so it is innermost (inside a node); pp sends once per micro-batch, so it is outermost
-(it may cross nodes). Two nodes of 4 GPUs, --pp 2 --dp-shard 2 --tp 2 (rank 4·pp + 2·dp_shard + tp):
+W = P·R·S·T ranks on a mesh (pp, dp_replicate, dp_shard, tp), outermost to innermost: ranks that
+differ only in the innermost dimension are consecutive, so on the same node. tp talks in every
+block, so it is innermost (NVLink); pp sends once per micro-batch, so it is outermost (it may cross
+nodes). Two nodes of 4 GPUs, --pp 2 --dp-shard 2 --tp 2, rank = 4·pp + 2·dp_shard + tp:
 
                           dp_shard 0   dp_shard 1
     node 0, stage 0:        [0  1]       [2  3]       [a b]  a tp group: the blocks' heads split
@@ -14,22 +15,29 @@ every block, so it is innermost (inside a node); pp sends once per micro-batch, 
 
 The data-parallel rank is the (dp_replicate, dp_shard) coordinate: ranks that differ only in tp or
 pp read the same batch/(R·S) samples. The order of application: the pipeline split first (TP and
-FSDP then see only the stage's blocks), then TP, then FSDP, which shards each TP shard again along
-its dim 0 over the dp mesh. FSDP first would leave TP to split flat shards that have lost the
-weights' rows and columns.
+FSDP then see only the stage's blocks), then TP, then FSDP. fully_shard accepts parameters that
+are already DTensors on the tp mesh and shards each TP shard again along its dim 0 over the dp
+mesh (a 2-D DTensor); parallelize_module splits whole weights and has no rule for one that FSDP
+has already sharded.
 
 Memory per rank (fp32, AdamW, Ψ parameters): ≈ 16Ψ/(P·T·S) bytes (the norms, the biases of proj
 and fc2, the embedding and the head are not split by T). Per step, per mesh dimension, in bytes
 of the tensors (act: this data-parallel rank's B/(R·S) samples x T tokens x D, fp32):
     tp            all-reduce 6·act a block: f (q, k, v, fc1) in backward, g (proj, fc2) forward
-    dp_shard      all-gather ≈ 2·4Ψ/(P·T) (each block for forward and again for backward),
-                  reduce-scatter ≈ 4Ψ/(P·T) (the stage's gradients)
+    dp_shard      all-gather ≈ 2·4Ψ/(P·T) (each block for forward and again for backward; with a
+                  pipeline the schedule decides how often), reduce-scatter ≈ 4Ψ/(P·T) (the stage's
+                  gradients; the reduce-scatter's input is the whole S·shard)
     dp_replicate  all-reduce ≈ 4Ψ/(P·T·S) (HSDP: the shard's gradients, across the replicas)
     pp            send act (m activations), receive act (m gradients)
 
-    torchrun --standalone --nproc_per_node=4 nd_parallel.py --dp-shard 2 --tp 2
-    torchrun --standalone --nproc_per_node=8 nd_parallel.py --pp 2 --dp-shard 2 --tp 2
-    python nd_parallel.py --nproc 4 --dp-replicate 2 --dp-shard -1 --pp 2 --schedule gpipe
+    torchrun --standalone --nproc_per_node=4 nd_parallel.py --dp-shard 2 --tp 2      # FSDP x TP
+    torchrun --standalone --nproc_per_node=8 nd_parallel.py --pp 2 --dp-shard 2 --tp 2   # 3-D
+    python nd_parallel.py --nproc 4 --dp-replicate 2 --dp-shard -1 --pp 2 --schedule gpipe  # S=1
+
+The picture's two nodes: the same command on each, HOST being node 0's address:
+
+    torchrun --nnodes=2 --nproc_per_node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
+             nd_parallel.py --pp 2 --dp-shard 2 --tp 2
 """
 
 import datetime
@@ -55,16 +63,20 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 ### begin: N-D parallel
 # Model contract: model.embed (images -> [B, T, D], with a parameter pos [1, T, D]), model.blocks
 # (each norm1, attn.{q,k,v,proj}, norm2, mlp.{fc1,fc2}: nn.Linear; the heads contiguous in q, k
-# and v's outputs; the attention reads its head count off q's width), model.head (-> logits);
-# the loss is cross-entropy.
+# and v's outputs; the attention reads its head count off q's width, so that on a TP rank, whose q
+# puts out heads/T heads, it runs those heads only), model.head (-> logits); the loss is
+# cross-entropy.
 
 # The mesh's dimensions, outermost to innermost (torchtitan's names).
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
-# Megatron's split of a block. ColumnParallelLinear (Colwise) for q, k, v and fc1: each rank
-# computes some output rows, so it holds whole heads and a slice of the MLP's hidden units.
-# RowParallelLinear (Rowwise) for proj and fc2: each rank holds the matching input columns, and
-# their partial outputs are summed by an all-reduce. The norms stay replicated.
+# Megatron's split of a block. An nn.Linear's weight is [out, in]. ColumnParallelLinear (Colwise)
+# for q, k, v and fc1: each rank holds some rows of the weight, so computes some of the output
+# features: whole heads, and a slice of the MLP's hidden units. RowParallelLinear (Rowwise) for
+# proj and fc2: each rank holds the matching columns, the input features it has, and their partial
+# outputs are summed by an all-reduce (Megatron's g, in forward). Each Colwise layer's input is
+# Megatron's f: the same on every rank in forward, its gradient all-reduced in backward. The norms
+# stay replicated.
 TP_PLAN = {
     "attn.q": ColwiseParallel(),
     "attn.k": ColwiseParallel(),
@@ -74,28 +86,30 @@ TP_PLAN = {
     "mlp.fc2": RowwiseParallel(),
 }
 
+# GPipe runs every micro-batch's forward, then every backward: m micro-batches' activations held.
+# 1F1B alternates once the pipe is full: at most P micro-batches' activations held.
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
 class Stage(nn.Module):
-    """Pipeline stage `index` of `stages`: its share of the model's blocks, the embedding on the
-    first stage, the head on the last. Each block keeps its index in the model as its key, so the
-    stage's state_dict has the plain model's keys."""
+    """Pipeline stage `index` of `num_stages`: its share of the model's blocks, the embedding on
+    the first stage, the head on the last. Each block keeps its index in the model as its key, so
+    the stage's state_dict has the plain model's keys."""
 
-    def __init__(self, model, index, stages):
+    def __init__(self, model, index, num_stages):
         super().__init__()
         depth = len(model.blocks)
-        first_block = index * depth // stages
-        end_block = (index + 1) * depth // stages
+        first_block = index * depth // num_stages
+        end_block = (index + 1) * depth // num_stages  # one past the stage's last block
         self.index = index
-        self.stages = stages
+        self.num_stages = num_stages
         self.is_first = index == 0
-        self.is_last = index == stages - 1
+        self.is_last = index == num_stages - 1
         self.embed = model.embed if self.is_first else None
         blocks = {str(i): model.blocks[i] for i in range(first_block, end_block)}
         self.blocks = nn.ModuleDict(blocks)
         self.head = model.head if self.is_last else None
-        # (T, D): one sample's activation, what crosses a stage boundary
+        # (T, D): one sample's activation, what crosses a stage boundary (infer's receive buffer)
         self.activation_shape = tuple(model.embed.pos.shape[1:])
 
     def forward(self, x):
@@ -116,20 +130,24 @@ def data_parallel_mesh(mesh):
     return mesh["dp_shard"]
 
 
-def pipeline_schedule(stage, pp_mesh, device, microbatches, schedule):
+def pipeline_schedule(stage, pp_mesh, device, microbatches, schedule_name):
     """The schedule that runs this stage's micro-batches. Each micro-batch's loss is its mean
     divided by m and the schedule does not rescale (scale_grads=False): the gradients summed over
     the m micro-batches are those of the batch's mean loss. PipelineStage finds the shapes that
     cross the stage boundaries at the first step (a handshake and one no-grad forward)."""
-    pipe = PipelineStage(stage, stage.index, stage.stages, device, group=pp_mesh.get_group())
+    # torch's wrapper of our Stage: it sends and receives the activations and their gradients
+    pipeline_stage = PipelineStage(
+        stage, stage.index, stage.num_stages, device, group=pp_mesh.get_group()
+    )
 
     def micro_batch_loss(logits, targets):
         return F.cross_entropy(logits, targets) / microbatches
 
-    return SCHEDULES[schedule](pipe, microbatches, loss_fn=micro_batch_loss, scale_grads=False)
+    schedule_class = SCHEDULES[schedule_name]
+    return schedule_class(pipeline_stage, microbatches, loss_fn=micro_batch_loss, scale_grads=False)
 
 
-def parallelize(model, mesh, device, microbatches, schedule):
+def parallelize(model, mesh, device, microbatches, schedule_name):
     """This rank's part of the model: its pipeline stage, each block split by TP, the whole
     sharded by FSDP over the data-parallel ranks, and the schedule that runs the micro-batches."""
     pp_mesh = mesh["pp"]
@@ -137,7 +155,8 @@ def parallelize(model, mesh, device, microbatches, schedule):
     dp_mesh = data_parallel_mesh(mesh)
     # 1. The pipeline split: this rank keeps its stage's blocks and nothing else.
     stage = Stage(model, pp_mesh.get_local_rank(), pp_mesh.size()).to(device)
-    # 2. Tensor parallelism inside each of the stage's blocks: their weights become DTensors.
+    # 2. Tensor parallelism inside each of the stage's blocks: their weights become DTensors. The
+    # plan's keys are module paths inside the stage; `*` matches every block's key.
     if tp_mesh.size() > 1:
         plan = {f"blocks.*.{name}": style for name, style in TP_PLAN.items()}
         parallelize_module(stage, tp_mesh, plan)
@@ -147,29 +166,36 @@ def parallelize(model, mesh, device, microbatches, schedule):
         for block in stage.blocks.values():
             fully_shard(block, mesh=dp_mesh)
         fully_shard(stage, mesh=dp_mesh)
+    # What train_step, infer and full_state_dict need besides the module, kept on the stage: the
+    # skeleton's train() and evaluate() pass them only `model`.
     stage.pp_group = pp_mesh.get_group()
-    # Each test sample's logits are counted on one rank: the last stage's first tp rank.
+    # Each test sample's logits are counted on one rank: the last stage's first tp rank. Its tp
+    # peers hold the same logits (the head is not split), and would count each sample T times.
     stage.answers = stage.is_last and tp_mesh.get_local_rank() == 0
     stage.schedule = None
     if pp_mesh.size() > 1:
-        stage.schedule = pipeline_schedule(stage, pp_mesh, device, microbatches, schedule)
+        stage.schedule = pipeline_schedule(stage, pp_mesh, device, microbatches, schedule_name)
     return stage
 
 
 def train_step(stage, x, y):
     """Forward, loss and backward of this data-parallel rank's batch. Returns the batch's mean
-    loss on the last stage, and 0 on the stages before it, which never see the loss."""
+    loss on the last stage, and 0 on the stages before it, which never see the loss (train()
+    sums the losses over every rank and divides by the last stage's ranks only)."""
     if stage.schedule is None:
         loss = F.cross_entropy(stage(x), y)
         loss.backward()
         return loss.detach()
-    # The schedule runs the micro-batches: the first stage feeds the input, the last the targets.
-    inputs = (x,) if stage.is_first else ()
-    if not stage.is_last:
-        stage.schedule.step(*inputs)
+    # The schedule runs the micro-batches; the stages after the first receive their inputs from
+    # the stage before, so only the first is given the images and only the last the targets.
+    if stage.is_first:
+        stage.schedule.step(x)
         return torch.zeros((), device=x.device)
-    losses = []
-    stage.schedule.step(*inputs, target=y, losses=losses)
+    if not stage.is_last:
+        stage.schedule.step()
+        return torch.zeros((), device=x.device)
+    losses = []  # the schedule appends each micro-batch's loss, already divided by m
+    stage.schedule.step(target=y, losses=losses)
     return torch.stack(losses).sum().detach()
 
 
@@ -189,16 +215,19 @@ def infer(stage, x):
     that its peer has already posted or is about to post. Returns the logits where stage.answers,
     None elsewhere."""
     group = stage.pp_group
+    stage_input = x
     if not stage.is_first:
-        x = torch.empty(len(x), *stage.activation_shape, device=x.device)
-        previous_stage = dist.get_global_rank(group, stage.index - 1)
-        send_or_receive(dist.irecv, x, previous_stage, group)
-    out = stage(x)
+        # The stages after the first do not use the images: their input is the stage before's
+        # activation, one [T, D] per sample. P2POp names the peer by its global rank.
+        stage_input = torch.empty(len(x), *stage.activation_shape, device=x.device)
+        previous_rank = dist.get_global_rank(group, stage.index - 1)
+        send_or_receive(dist.irecv, stage_input, previous_rank, group)
+    output = stage(stage_input)
     if not stage.is_last:
-        next_stage = dist.get_global_rank(group, stage.index + 1)
-        send_or_receive(dist.isend, out, next_stage, group)
+        next_rank = dist.get_global_rank(group, stage.index + 1)
+        send_or_receive(dist.isend, output, next_rank, group)
     if stage.answers:
-        return out
+        return output
     return None
 
 
@@ -209,17 +238,24 @@ def full_state_dict(stage, mesh):
     options = StateDictOptions(full_state_dict=True)
     whole_tensors = get_model_state_dict(stage, options=options)
     stage_state = {name: tensor.cpu() for name, tensor in whole_tensors.items()}
-    in_rank_0_pipe = all(mesh[dim].get_local_rank() == 0 for dim in MESH_DIMS[1:])
+    # The other pipes hold copies of the same stages: only rank 0's pipe takes part in the gather.
+    in_rank_0_pipe = all(
+        mesh[dim].get_local_rank() == 0 for dim in ("dp_replicate", "dp_shard", "tp")
+    )
     if not in_rank_0_pipe:
         return None
     group = stage.pp_group
-    stage_states = [None] * mesh["pp"].size() if stage.is_first else None
-    dist.gather_object(stage_state, stage_states, dst=dist.get_global_rank(group, 0), group=group)
+    stage_states = None  # gather_object fills a list on the destination only
+    if stage.is_first:
+        stage_states = [None] * stage.num_stages
+    rank_0 = dist.get_global_rank(group, 0)  # gather_object names its destination globally
+    dist.gather_object(stage_state, stage_states, dst=rank_0, group=group)
     if not stage.is_first:
         return None
+    # The stages' keys are disjoint (each block keeps its index in the model): merge them.
     state = {}
-    for part in stage_states:
-        state.update(part)
+    for one_stage_state in stage_states:
+        state.update(one_stage_state)
     return state
 
 
@@ -235,15 +271,15 @@ def rank0_elements(model, args):
     in_rest = 0
     for name, parameter in Stage(model, 0, args.pp).named_parameters():
         shape = list(parameter.shape)
-        part = name.split(".")[0]
-        layer, kind = name.split(".")[-2:]
-        if args.tp > 1 and part == "blocks":
+        top_module = name.split(".")[0]  # embed, blocks or head
+        layer, weight_or_bias = name.split(".")[-2:]  # e.g. q, weight
+        if args.tp > 1 and top_module == "blocks":
             if layer in ("q", "k", "v", "fc1"):
                 shape[0] //= args.tp
-            elif layer in ("proj", "fc2") and kind == "weight":
+            elif layer in ("proj", "fc2") and weight_or_bias == "weight":
                 shape[1] //= args.tp
         shape[0] = math.ceil(shape[0] / args.dp_shard)
-        if part == "blocks":
+        if top_module == "blocks":
             in_blocks += math.prod(shape)
         else:
             in_rest += math.prod(shape)
@@ -258,11 +294,11 @@ def formula(psi, world, args):
     elements = in_blocks + in_rest
     k = 8 if args.optim == "adamw" else 4
     samples = args.batch_size // (args.dp_replicate * args.dp_shard)
-    act = 4 * samples * model.embed.tokens * args.dim
-    dims = dict(tp={}, dp_shard={}, dp_replicate={}, pp={})
-    if args.tp > 1:
+    act = 4 * samples * model.embed.tokens * args.dim  # bytes of [B/(R·S), T, D] in fp32
+    dims = dict(tp={}, dp_shard={}, dp_replicate={}, pp={})  # {dimension: {kind: bytes a step}}
+    if args.tp > 1:  # rank 0's stage, the first, holds depth // P blocks
         dims["tp"]["all_reduce"] = 6 * (args.depth // args.pp) * act
-    if args.dp_shard > 1:
+    if args.dp_shard > 1:  # the bytes of the tensors: the reduce-scatter's input is S shards
         dims["dp_shard"]["reduce_scatter"] = 4 * args.dp_shard * elements
     if args.dp_shard > 1 and args.pp == 1:  # with a pipeline, the schedule decides how often
         dims["dp_shard"]["all_gather"] = 4 * args.dp_shard * (2 * in_blocks + in_rest)
@@ -271,7 +307,7 @@ def formula(psi, world, args):
     if args.pp > 1:
         dims["pp"]["send"] = act
         dims["pp"]["recv"] = act
-    comm = {}
+    comm = {}  # the report's comm: {kind: bytes a step}, every dimension together
     for traffic in dims.values():
         for kind, nbytes in traffic.items():
             comm[kind] = comm.get(kind, 0) + nbytes
@@ -296,6 +332,32 @@ def formula(psi, world, args):
     )
 
 
+def resolve_mesh_sizes(args, world):
+    """Set the one mesh size given as -1 ("the rest of the world") to world / the others, and
+    refuse sizes whose product is not the world."""
+    sizes = {dim: getattr(args, dim) for dim in MESH_DIMS}
+    rest_dims = [dim for dim, size in sizes.items() if size == -1]
+    common.check(
+        len(rest_dims) <= 1 and all(size == -1 or size >= 1 for size in sizes.values()),
+        f"mesh sizes {sizes}: each must be >= 1, and at most one -1 (the rest of the world)",
+    )
+    known_ranks = math.prod(size for size in sizes.values() if size != -1)
+    given = " x ".join(
+        f"--{dim.replace('_', '-')} {sizes[dim]}" for dim in sizes if dim not in rest_dims
+    )
+    if rest_dims:
+        covered = world % known_ranks == 0  # the -1 takes the quotient
+    else:
+        covered = known_ranks == world
+    common.check(
+        covered,
+        f"{given} = {known_ranks} ranks, but the world size is {world}: "
+        "the mesh must cover every rank once",
+    )
+    if rest_dims:
+        setattr(args, rest_dims[0], world // known_ranks)
+
+
 def check_args(args, world):
     """Resolve the one -1 ("the rest of the world") and refuse a layout that cannot work, before
     any process group is formed."""
@@ -303,24 +365,7 @@ def check_args(args, world):
         not args.experts,
         "--experts: nd_parallel.py's tensor-parallel plan splits dense MLPs, not experts",
     )
-    sizes = {dim: getattr(args, dim) for dim in MESH_DIMS}
-    rest = [dim for dim, size in sizes.items() if size == -1]
-    common.check(
-        len(rest) <= 1 and all(size == -1 or size >= 1 for size in sizes.values()),
-        f"mesh sizes {sizes}: each must be >= 1, and at most one -1 (the rest of the world)",
-    )
-    known = math.prod(size for size in sizes.values() if size != -1)
-    given = " x ".join(
-        f"--{dim.replace('_', '-')} {sizes[dim]}" for dim in sizes if dim not in rest
-    )
-    covered = world % known == 0 if rest else known == world
-    common.check(
-        covered,
-        f"{given} = {known} ranks, but the world size is {world}: "
-        "the mesh must cover every rank once",
-    )
-    for dim in rest:
-        setattr(args, dim, world // known)
+    resolve_mesh_sizes(args, world)
     common.check(
         args.heads % args.tp == 0,
         f"--heads {args.heads} is not divisible by --tp {args.tp}: "
@@ -441,12 +486,12 @@ def run(args):
         train_set, test_set, source = common.load_data(args, device)
         sizes = [getattr(args, dim) for dim in MESH_DIMS]
         mesh = init_device_mesh(device.type, sizes, mesh_dim_names=MESH_DIMS)
-        # The data-parallel rank is the (dp_replicate, dp_shard) coordinate: ranks that differ
-        # only in tp or pp read the same samples.
-        replicate = mesh["dp_replicate"]
-        shard = mesh["dp_shard"]
-        dp_rank = replicate.get_local_rank() * shard.size() + shard.get_local_rank()
-        dp_world = replicate.size() * shard.size()
+        # The data-parallel rank is the (dp_replicate, dp_shard) coordinate, numbered row by row:
+        # ranks that differ only in tp or pp read the same samples.
+        replicate_mesh = mesh["dp_replicate"]
+        shard_mesh = mesh["dp_shard"]
+        dp_rank = replicate_mesh.get_local_rank() * shard_mesh.size() + shard_mesh.get_local_rank()
+        dp_world = replicate_mesh.size() * shard_mesh.size()
         sampler = DistributedSampler(
             train_set,
             num_replicas=dp_world,
@@ -510,15 +555,20 @@ def main():
     parser = common.get_parser(
         "N-D parallelism: HSDP x TP x PP on one DeviceMesh, on the common ViT"
     )
-    rest = "-1: the rest of the world"
-    parser.add_argument("--dp-replicate", type=int, default=1, help=f"HSDP replicas R; {rest}")
-    parser.add_argument("--dp-shard", type=int, default=-1, help=f"FSDP shards S; {rest}")
-    parser.add_argument("--tp", type=int, default=1, help=f"tensor-parallel ranks T; {rest}")
-    parser.add_argument("--pp", type=int, default=1, help=f"pipeline stages P; {rest}")
+    rest_help = "-1: the rest of the world"
+    parser.add_argument("--dp-replicate", type=int, default=1, help=f"HSDP replicas R; {rest_help}")
+    parser.add_argument("--dp-shard", type=int, default=-1, help=f"FSDP shards S; {rest_help}")
+    parser.add_argument("--tp", type=int, default=1, help=f"tensor-parallel ranks T; {rest_help}")
+    parser.add_argument("--pp", type=int, default=1, help=f"pipeline stages P; {rest_help}")
     parser.add_argument(
         "--microbatches", type=int, default=4, help="micro-batches per batch with --pp > 1 (m)"
     )
-    parser.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
+    parser.add_argument(
+        "--schedule",
+        choices=["gpipe", "1f1b"],
+        default="1f1b",
+        help="pipeline schedule with --pp > 1 (1f1b holds fewer activations)",
+    )
     args = common.parse_args(parser)
     check_args(args, common.world_size(args))
     common.launch(run, args)
