@@ -4,17 +4,23 @@ column-parallel (rank r computes H/W whole heads), the output projection is row-
 MLP, fc1 is column-parallel and fc2 row-parallel. Two conjugate operators join each half-block to
 the replicated rest: f before the column-parallel layers, g after the row-parallel one.
 
-Attention (H heads, D = H·hd), W = 2; q, k, v column-parallel, proj (P) row-parallel:
+Matrices are in the paper's orientation, Y = X·A with A [in, out] (nn.Linear stores Aᵀ): a
+column-parallel layer splits its output features, a row-parallel one its input features.
 
-                   ┌─ X·[Aq1 Ak1 Av1]: heads 1 .. H/2   ─ softmax(QKᵀ)V ─ Y1·P1 ─┐
-    x ─ norm1 ─ f ─┤                                                          ├─ g ─ + b ─ + x
-                   └─ X·[Aq2 Ak2 Av2]: heads H/2+1 .. H ─ softmax(QKᵀ)V ─ Y2·P2 ─┘
+Attention, W = 2 (H heads, D = H·hd). X: the normed x, whole on every rank. Aq_r, Ak_r, Av_r:
+rank r's columns of q, k, v (the output features of its H/2 heads); Y_r: those heads' attention
+output; P_r: the matching rows of the output projection P; b: P's bias, whole on every rank.
 
-MLP (hidden 4D), W = 2; fc1 (A) column-parallel, fc2 (B) row-parallel:
+                   ┌─ rank 0: Y0 = attention(X·Aq0, X·Ak0, X·Av0) ─ Y0·P0 ─┐
+    x ─ norm1 ─ f ─┤                                                       ├─ g ─ + b ─ + x
+                   └─ rank 1: Y1 = attention(X·Aq1, X·Ak1, X·Av1) ─ Y1·P1 ─┘
 
-                   ┌─ X·A1: hidden 1 .. 2D    ─ gelu ─ Y1·B1 ─┐
-    x ─ norm2 ─ f ─┤                                           ├─ g ─ + b ─ + x
-                   └─ X·A2: hidden 2D+1 .. 4D ─ gelu ─ Y2·B2 ─┘
+MLP, W = 2 (hidden 4D). A_r: rank r's 2D of fc1's 4D columns; B_r: the matching rows of fc2;
+b: fc2's bias, whole on every rank.
+
+                   ┌─ rank 0: Y0 = gelu(X·A0) ─ Y0·B0 ─┐
+    x ─ norm2 ─ f ─┤                                   ├─ g ─ + b ─ + x
+                   └─ rank 1: Y1 = gelu(X·A1) ─ Y1·B1 ─┘
 
     f: forward identity,   backward all-reduce   (each rank's X·A_r yields part of dX)
     g: forward all-reduce, backward identity     (Z = Σ_r Y_r·B_r, a sum of partial products)
@@ -22,17 +28,20 @@ MLP (hidden 4D), W = 2; fc1 (A) column-parallel, fc2 (B) row-parallel:
 
 --sequence-parallel (Korthikanti et al. 2022): outside the split layers (norms, residuals) each
 rank keeps only its T/W tokens. f becomes an all-gather of the tokens (reduce-scatter backward),
-g a reduce-scatter (all-gather backward): the same bytes as the all-reduces, and the activations
-outside the split layers / W. The norms' and row biases' gradients are then partial sums over
-the tokens: one all-reduce sums them after backward.
+g a reduce-scatter (all-gather backward). An all-reduce is a reduce-scatter and an all-gather, so
+the bytes moved stay the same, while the activations outside the split layers shrink W-fold. The
+norms' and row biases' gradients are then partial sums over the tokens: one all-reduce sums them
+after backward.
 
-Memory per rank (fp32; Ψ = Ψs split + Ψr replicated, here Ψs = depth·(12D² + 6D)):
+Memory per rank (fp32; Ψ = Ψs split + Ψr replicated; Ψs = depth·(12D² + 6D): the q, k, v, proj
+weights 4D², the fc1, fc2 weights 8D², the q, v, fc1 biases 6D; the key projection has no bias):
     parameters 4(Ψr + Ψs/W), gradients 4(Ψr + Ψs/W), AdamW state 8(Ψr + Ψs/W) (SGD 4(Ψr + Ψs/W)).
-Communication per step, in [B, T, D] fp32 activations (B: the whole batch; a ring moves 2(W-1)/W
-of an all-reduce, (W-1)/W of an all-gather or a reduce-scatter):
-    4·depth all-reduces (f and g, forward and backward, in attention and MLP);
-    SP: 4·depth reduce-scatters, 4·depth + 2 all-gathers (+2: into and out of SP around the
-    blocks), and one all-reduce of the 6·D·depth norm and row-bias gradients.
+Communication per step, counted in [B, T, D] fp32 activations (B: the whole batch; a ring moves
+2(W-1)/W of an all-reduce, (W-1)/W of an all-gather or a reduce-scatter):
+    4·depth all-reduces: per block, g's forward and f's backward, in attention and in the MLP;
+    SP: 4·depth reduce-scatters; 4·depth + 2 all-gathers (+2: the tokens gathered for the head,
+    the embedding's gradient gathered backward); one all-reduce of the 6·D·depth norm and
+    row-bias gradients (norm1, norm2 weights and biases; proj, fc2 biases).
 W must divide --heads (whole heads per rank) and, with --sequence-parallel, the T tokens.
 
     torchrun --standalone --nproc_per_node=2 tensor_parallel.py
@@ -57,31 +66,33 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 ### begin: Tensor parallel
 # Model contract: `model.embed` -> [B, T, D] -> `model.blocks` -> `model.head`, the same weights on
 # every rank; a block is x + attn(norm1(x)), x + mlp(norm2(x)) with nn.Linear `attn.q/k/v/proj` and
-# `mlp.fc1/fc2`, heads contiguous in q, k, v's outputs, attention reading its head count off q's.
+# `mlp.fc1/fc2`, heads contiguous in q, k, v's outputs. Attention reads its head count off q's
+# output width, so with q, k, v split it runs this rank's H/W heads unchanged.
 
 # The tensor-parallel group is every rank: the collectives below run on the default group.
 
 
 def shard_of(tensor, dim):
-    """This rank's 1/W of `tensor` along `dim`, copied (a view would keep the whole alive)."""
+    """This rank's 1/W of `tensor` along `dim`, copied (a view would keep the whole alive). A clone,
+    not .contiguous(): a chunk along dim 0 is already contiguous and would stay a view."""
     shard = tensor.detach().chunk(dist.get_world_size(), dim)[dist.get_rank()]
     return shard.clone(memory_format=torch.contiguous_format)
 
 
 def all_reduce(partial):
-    """The sum over the ranks, in place (as Megatron does): `partial` is a fresh partial sum that
-    nothing else reads."""
-    partial = partial.contiguous()
+    """dist.all_reduce (the sum over the ranks) returning the sum, for the Functions below. In
+    place, as Megatron does: `partial` is a fresh partial sum that nothing else reads."""
+    partial = partial.contiguous()  # collectives need a dense tensor
     dist.all_reduce(partial)
     return partial
 
 
 def all_gather_tokens(shard):
     """Every rank's [B, T/W, D] tokens -> all [B, T, D] tokens, on every rank."""
-    batch, tokens, dim = shard.shape
+    batch, shard_tokens, dim = shard.shape
     # all_gather_into_tensor concatenates along dim 0, so the tokens go first (Megatron keeps its
     # activations [T, B, D] throughout for this reason).
-    gathered = shard.new_empty(tokens * dist.get_world_size(), batch, dim)
+    gathered = shard.new_empty(shard_tokens * dist.get_world_size(), batch, dim)
     dist.all_gather_into_tensor(gathered, shard.transpose(0, 1).contiguous())
     return gathered.transpose(0, 1).contiguous()
 
@@ -89,6 +100,7 @@ def all_gather_tokens(shard):
 def reduce_scatter_tokens(partial):
     """[B, T, D] partial sums on every rank -> this rank's [B, T/W, D] tokens of their sum."""
     batch, tokens, dim = partial.shape
+    # reduce_scatter_tensor splits along dim 0: tokens first, as in all_gather_tokens
     shard = partial.new_empty(tokens // dist.get_world_size(), batch, dim)
     dist.reduce_scatter_tensor(shard, partial.transpose(0, 1).contiguous())
     return shard.transpose(0, 1).contiguous()
@@ -170,7 +182,8 @@ class EnterSequenceParallel(torch.autograd.Function):
 
 class LeaveSequenceParallel(torch.autograd.Function):
     """--sequence-parallel, before the replicated head. Forward: all-gather the tokens. Backward:
-    keep this rank's T/W tokens of the gradient (the same on every rank, as the head is)."""
+    keep this rank's T/W tokens of the gradient. Unlike f's, this gradient needs no sum: the head
+    is replicated, so its dX is already whole and the same on every rank."""
 
     @staticmethod
     def forward(ctx, shard):
@@ -183,9 +196,10 @@ class LeaveSequenceParallel(torch.autograd.Function):
 
 class ColumnParallelLinear(nn.Module):
     """Y_r = X·A_r: this rank's 1/W of a linear layer's output features (rows of nn.Linear's
-    [out, in] weight, and of its bias). Its input comes through f; its output stays split."""
+    [out, in] weight, and of its bias). Its input comes through f, which ParallelBlock applies
+    once for q, k and v together; its output stays split."""
 
-    shard_dims = {"weight": 0, "bias": 0}  # the dim each parameter is cut along
+    shard_dims = {"weight": 0, "bias": 0}  # where full_state_dict joins the shards
 
     def __init__(self, linear):
         super().__init__()
@@ -198,11 +212,12 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """Z = g(Σ_r Y_r·B_r) + b: this rank's 1/W of a linear layer's input features (columns of the
-    weight), applied to the column-parallel layer's split output Y_r. The bias is whole, added
-    once after g (added before it, the sum would count it W times)."""
+    """Z = g(Y_r·B_r) + b = Σ_r Y_r·B_r + b: this rank's 1/W of a linear layer's input features
+    (columns of the weight), applied to the column-parallel layer's split output Y_r, then g sums
+    the W partial products. The bias is whole and added once, after g: added before it, the sum
+    would count it W times. That is why g lives here rather than in ParallelBlock."""
 
-    shard_dims = {"weight": 1}  # the bias is replicated
+    shard_dims = {"weight": 1}  # where full_state_dict joins the shards; the bias is replicated
 
     def __init__(self, linear, g):
         super().__init__()
@@ -216,7 +231,9 @@ class RowParallelLinear(nn.Module):
 
 class ParallelBlock(nn.Module):
     """The common block with its linears split, under the same attribute names (so the same
-    state_dict keys): x + attn(f(norm1(x))), then x + mlp(f(norm2(x))), attn and mlp ending in g."""
+    state_dict keys): x + attn(f(norm1(x))), then x + mlp(f(norm2(x))), attn and mlp ending in g.
+    A new forward because f sits between the norm and the split layers, inside the common block's
+    forward; one f serves q, k and v, so backward all-reduces their summed dX once, not thrice."""
 
     def __init__(self, block, sequence_parallel):
         super().__init__()
@@ -226,7 +243,7 @@ class ParallelBlock(nn.Module):
         else:
             self.f = CopyToTensorParallel.apply
             g = ReduceFromTensorParallel.apply
-        attn = block.attn
+        attn = block.attn  # the common Attention, its linears swapped for split ones
         attn.q = ColumnParallelLinear(attn.q)
         attn.k = ColumnParallelLinear(attn.k)
         attn.v = ColumnParallelLinear(attn.v)
@@ -246,65 +263,86 @@ class ParallelBlock(nn.Module):
 
 class PartialGradientSum:
     """Under --sequence-parallel the norms and the row-parallel biases see only this rank's T/W
-    tokens, so their gradients are partial sums. Hooked on each of them: once backward has
-    accumulated the last one, sum them over the ranks in one flat all-reduce (as Megatron does)."""
+    tokens, so their gradients are partial sums. Its hook goes on each of them and counts the
+    gradients backward has finished; after the last, it sums them all over the ranks in one flat
+    all-reduce (as Megatron does: one collective rather than 6·depth small ones)."""
 
     def __init__(self, params):
         self.params = params
-        self.accumulated = 0
+        self.accumulated = 0  # gradients finished in this backward
 
-    def hook(self, param):
+    def hook(self, _param):  # which parameter finished does not matter, only how many have
         self.accumulated += 1
         if self.accumulated < len(self.params):
             return
         self.accumulated = 0
-        flat = all_reduce(torch.cat([p.grad.flatten() for p in self.params]))
-        summed = flat.split([p.numel() for p in self.params])
-        for p, grad in zip(self.params, summed, strict=True):
-            p.grad.copy_(grad.view_as(p))
+        flat = all_reduce(torch.cat([param.grad.flatten() for param in self.params]))
+        summed = flat.split([param.numel() for param in self.params])
+        for param, grad in zip(self.params, summed, strict=True):
+            param.grad.copy_(grad.view_as(param))
+
+
+def token_sharded_params(model):
+    """Under --sequence-parallel, the parameters that see only this rank's T/W tokens: the norms,
+    and the row-parallel biases (added after g's reduce-scatter)."""
+    params = []
+    for block in model.blocks:
+        params += [*block.norm1.parameters(), *block.norm2.parameters()]
+        params += [block.attn.proj.bias, block.mlp.fc2.bias]
+    return params
+
+
+def enter_sequence_parallel(embed, inputs, output):
+    """A forward hook on the embedding: what it returns replaces the embedding's output."""
+    return EnterSequenceParallel.apply(output)
+
+
+def leave_sequence_parallel(head, inputs):
+    """A forward pre-hook on the head: what it returns replaces the head's input (a tensor rather
+    than a tuple stands for the one positional argument)."""
+    (shard,) = inputs
+    return LeaveSequenceParallel.apply(shard)
 
 
 def parallelize(model, device, sequence_parallel=False):
     """Split every block's linears in place; the embedding and the head stay replicated (every
-    rank sees the whole batch, so their gradients are the same everywhere)."""
+    rank sees the whole batch, so their gradients are the same everywhere). `device` is unused:
+    the model is already on it (the argument keeps every script's call the same)."""
     blocks = [ParallelBlock(block, sequence_parallel) for block in model.blocks]
     model.blocks = nn.ModuleList(blocks)
     if sequence_parallel:  # the blocks run on this rank's T/W tokens, the embedding and head on all
-        model.embed.register_forward_hook(
-            lambda module, args, out: EnterSequenceParallel.apply(out)
-        )
-        model.head.register_forward_pre_hook(
-            lambda module, args: LeaveSequenceParallel.apply(*args)
-        )
-        partial = []
-        for block in model.blocks:
-            partial += [*block.norm1.parameters(), *block.norm2.parameters()]
-            partial += [block.attn.proj.bias, block.mlp.fc2.bias]
-        partial_sum = PartialGradientSum(partial)
-        for param in partial:
+        model.embed.register_forward_hook(enter_sequence_parallel)
+        model.head.register_forward_pre_hook(leave_sequence_parallel)
+        params = token_sharded_params(model)
+        partial_sum = PartialGradientSum(params)
+        for param in params:
             param.register_post_accumulate_grad_hook(partial_sum.hook)
     return model
 
 
 def full_state_dict(model):
     """The common model's plain state_dict on rank 0 (None elsewhere): each split parameter is
-    gathered to rank 0 and its shards joined along the dim they were cut."""
+    gathered to rank 0 and its shards joined along the dim they were cut. Every rank walks the
+    parameters in the same order, so their gathers pair up."""
     rank = dist.get_rank()
     world = dist.get_world_size()
     state = {}
     for module_name, module in model.named_modules():
-        shard_dims = getattr(module, "shard_dims", {})
+        shard_dims = getattr(module, "shard_dims", {})  # only the parallel linears have them
         for name, param in module.named_parameters(recurse=False):
             tensor = param.detach()
             if name in shard_dims:
-                shards = [torch.empty_like(tensor) for _ in range(world)] if rank == 0 else None
+                shards = None  # dist.gather fills a list on the destination only
+                if rank == 0:
+                    shards = [torch.empty_like(tensor) for _ in range(world)]
                 dist.gather(tensor.contiguous(), shards, dst=0)
                 if rank == 0:
                     tensor = torch.cat(shards, dim=shard_dims[name])
             state[f"{module_name}.{name}"] = tensor.cpu()
     if rank != 0:
         return None
-    return {key: state[key] for key in model.state_dict()}  # in the model's own order
+    # model.state_dict()'s keys in its order: the common model's file, as ddp.py saves it
+    return {key: state[key] for key in model.state_dict()}
 
 
 ### end: Tensor parallel
@@ -317,26 +355,28 @@ def formula(psi, world, args):
     dim = args.dim
     tokens = (common.IMAGE // args.patch) ** 2
     # Ψs: the q, k, v, proj, fc1 and fc2 weights and the q, v and fc1 biases
-    split = depth * (12 * dim**2 + 6 * dim)
-    own = psi - split + split // world  # Ψr + Ψs/W
-    activation = 4 * args.batch_size * tokens * dim  # one [B, T, D] fp32 activation
-    # Per block and step: f and g in attention and in the MLP, forward and backward.
+    split_params = depth * (12 * dim**2 + 6 * dim)
+    per_rank_params = psi - split_params + split_params // world  # Ψr + Ψs/W
+    activation_bytes = 4 * args.batch_size * tokens * dim  # one [B, T, D] fp32 activation
+    # Per block and step, in attention and in the MLP: g's forward and f's backward all-reduce;
+    # under SP, f and g each all-gather one way and reduce-scatter the other.
     if args.sequence_parallel:
         per_block = dict(all_gather=4, reduce_scatter=4)
     else:
         per_block = dict(all_reduce=4)
-    comm = {kind: n * depth * activation for kind, n in per_block.items()}
+    comm = {kind: n * depth * activation_bytes for kind, n in per_block.items()}
     comm_notes = {kind: f"{n}·depth x B·T·D" for kind, n in per_block.items()}
     if args.sequence_parallel:
-        # into SP after the embedding (its gradient gathered) and out of it before the head
-        comm["all_gather"] += 2 * activation
+        # +2 all-gathers: the tokens for the head, the embedding's gradient in backward
+        comm["all_gather"] += 2 * activation_bytes
         comm_notes["all_gather"] = f"({per_block['all_gather']}·depth + 2) x B·T·D"
-        comm["all_reduce"] = 4 * 6 * dim * depth  # the norms' and row biases' partial gradients
+        # fp32 gradients of 6D per block: norm1's and norm2's weight and bias, proj's, fc2's bias
+        comm["all_reduce"] = 4 * 6 * dim * depth
         comm_notes["all_reduce"] = "6·D·depth norm and row-bias gradients"
     return dict(
-        param_bytes=4 * own,
-        grad_bytes=4 * own,
-        optim_bytes=k * own,
+        param_bytes=4 * per_rank_params,
+        grad_bytes=4 * per_rank_params,
+        optim_bytes=k * per_rank_params,
         comm=comm,
         notes=dict(
             param_bytes="4(Ψr + Ψs/W)",
@@ -352,7 +392,7 @@ def check_args(args, world):
         not args.experts,
         f"--experts: {SCRIPT}.py splits MLPs by columns, not experts over ranks",
     )
-    common.check(  # then D and 4D split too
+    common.check(  # whole heads per rank; D = H·hd and the MLP's 4D then split evenly too
         args.heads % world == 0,
         f"--heads {args.heads} is not divisible by the {world} tensor-parallel ranks: "
         "each rank must own whole attention heads",
@@ -512,7 +552,7 @@ def run(args):
 
 
 def main():
-    parser = common.get_parser("Tensor parallelism (Megatron) on the common ViT, written out")
+    parser = common.get_parser("Tensor parallelism (Megatron) on the common ViT, by hand")
     parser.add_argument(
         "--sequence-parallel", action="store_true", help="norms and residuals on T/W tokens"
     )

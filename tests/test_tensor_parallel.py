@@ -33,7 +33,7 @@ def cfg_of(world):
     return CFG if world == 2 else CFG3
 
 
-def model_of(cfg):
+def args_and_model(cfg):
     args = common.parse_args(common.get_parser("test"), cfg)
     return args, common.build_model(args)
 
@@ -88,20 +88,20 @@ def test_measured_collectives(world, sp, optim, runs):
     Meter counts an all-reduce's tensor, an all-gather's output and a reduce-scatter's input:
     whole activations, whatever W is (a ring then sends 2(W-1)/W resp. (W-1)/W of them)."""
     result, _ = runs(world, sp, optim)
-    args, model = model_of(cfg_of(world))
+    args, model = args_and_model(cfg_of(world))
     depth = len(model.blocks)
-    act = 4 * args.batch_size * model.embed.tokens * args.dim
+    activation_bytes = 4 * args.batch_size * model.embed.tokens * args.dim
     if not sp:  # per block: g after attention and after the MLP forward, f before each backward
         calls = dict(all_reduce=4 * depth)
-        want = dict(all_reduce=4 * depth * act)
+        want = dict(all_reduce=4 * depth * activation_bytes)
     else:
         # f, g become all-gather / reduce-scatter (swapped backward); entering SP gathers the
         # gradient backward, leaving it gathers the tokens forward; one all-reduce sums the
         # gradients of the parameters that saw only this rank's tokens (norms, row biases)
         calls = dict(all_gather=4 * depth + 2, reduce_scatter=4 * depth, all_reduce=1)
         want = dict(
-            all_gather=(4 * depth + 2) * act,
-            reduce_scatter=4 * depth * act,
+            all_gather=(4 * depth + 2) * activation_bytes,
+            reduce_scatter=4 * depth * activation_bytes,
             all_reduce=4 * partial_gradient_numel(model),
         )
     assert result["comm_steps"] == WINDOW
@@ -115,7 +115,7 @@ def test_per_rank_parameter_bytes(world, sp, optim, runs):
     """Ψs (q, k, v, fc1 weights and biases; proj, fc2 weights) is split W ways; Ψr (embedding,
     norms, row biases, head) is replicated: 4(Ψr + Ψs/W) bytes of parameters and of gradients."""
     result, _ = runs(world, sp, optim)
-    _, model = model_of(cfg_of(world))
+    _, model = args_and_model(cfg_of(world))
     psi = sum(p.numel() for p in model.parameters())
     split = 0
     for block in model.blocks:
@@ -152,8 +152,8 @@ def test_dense_save_loads_in_ddp(runs, tmp_path):
     ],
 )
 def test_refuses_before_any_process_group(world, argv, message):
-    r = python("tensor_parallel.py", "--nproc", world, *CFG3, *argv, timeout=60)
-    assert r.returncode == 2, r.output
-    assert message in r.stderr, r.output
-    assert r.stderr.count("error:") == 1, r.output
-    assert "Traceback" not in r.stderr, r.output
+    launch = python("tensor_parallel.py", "--nproc", world, *CFG3, *argv, timeout=60)
+    assert launch.returncode == 2, launch.output
+    assert message in launch.stderr, launch.output
+    assert launch.stderr.count("error:") == 1, launch.output
+    assert "Traceback" not in launch.stderr, launch.output

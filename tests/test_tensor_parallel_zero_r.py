@@ -67,17 +67,17 @@ def saved_outside_blocks(batch):
     """E, measured here as the Meter measures it (distinct storages autograd keeps, parameters
     left out): one forward and loss of the model without blocks."""
     args = cfg_args()
-    model = common.ViT(args.dim, 0, args.heads, args.patch)
+    model = common.ViT(args.dim, depth=0, heads=args.heads, patch=args.patch)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     kept = {}
 
-    def pack(tensor):
+    def pack(tensor):  # note each saved tensor's storage; autograd keeps the tensor as it is
         storage = tensor.untyped_storage()
         kept[storage.data_ptr()] = storage.nbytes()
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        images = torch.randn(batch, 1, 28, 28)
+        images = torch.randn(batch, 1, common.IMAGE, common.IMAGE)
         F.cross_entropy(model(images), torch.randint(0, 10, (batch,)))
     return sum(nbytes for ptr, nbytes in kept.items() if ptr not in params)
 
@@ -96,8 +96,8 @@ def test_same_parameters_as_ddp_and_saved_bytes(name, runs, refs):
     batch, tokens, dim, depth = sizes()
     outside = saved_outside_blocks(batch)
     assert outside == common.saved_outside_blocks(cfg_args(), batch)  # the formula's E
-    shards = 1 if flags == ["--checkpoint"] else world
-    want = outside + depth * batch * tokens * dim * 4 // shards
+    input_split = 1 if flags == ["--checkpoint"] else world  # Pa or SP: T/W tokens of each input
+    want = outside + depth * batch * tokens * dim * 4 // input_split
     assert result["act_bytes"] == want
     assert result["formula"]["act_bytes"] == want
 
@@ -111,16 +111,20 @@ def test_recompute_collectives(name, runs):
     world, flags, _ = CASES[name]
     result, _ = runs(name)
     batch, tokens, dim, depth = sizes()
-    act = 4 * batch * tokens * dim
+    activation_bytes = 4 * batch * tokens * dim
     if "--sequence-parallel" in flags:
         # SP's 4L + 2 all-gathers and 4L reduce-scatters, plus the recompute's 2L and L
         calls = dict(all_gather=6 * depth + 2, reduce_scatter=5 * depth, all_reduce=1)
         moved = {kind: n for kind, n in result["comm"].items() if kind != "all_reduce"}
-        assert moved == dict(all_gather=(6 * depth + 2) * act, reduce_scatter=5 * depth * act)
+        assert moved == dict(
+            all_gather=(6 * depth + 2) * activation_bytes,
+            reduce_scatter=5 * depth * activation_bytes,
+        )
     else:
         calls = dict(all_reduce=5 * depth)  # TP's 4L, plus attention's g in the recompute
         if "--partition-activations" in flags:
             calls["all_gather"] = depth
-        assert result["comm"] == {kind: n * act for kind, n in calls.items()}, result["comm"]
+        want = {kind: n * activation_bytes for kind, n in calls.items()}
+        assert result["comm"] == want, result["comm"]
     assert result["comm_calls"] == {kind: WINDOW * n for kind, n in calls.items()}, result
     assert result["comm"] == result["formula"]["comm"]
