@@ -1,11 +1,18 @@
-"""Pipeline parallelism, written out: the model's blocks cut into p = W contiguous stages, one per
-rank (the embedding on the first, the head and the loss on the last). Every stage sees the whole
-batch, cut into m micro-batches; activations go forward and gradients back with batch_isend_irecv.
+"""Pipeline parallelism, written out: the model's d blocks (--depth) cut into p contiguous stages,
+one per rank (p is the world size), the embedding on the first stage, the head and the loss on the
+last. Every stage sees the whole batch of B samples, cut into m micro-batches (--microbatches);
+each micro-batch's activation goes forward and its gradient back with batch_isend_irecv.
 
-    rank 0: [embed, blocks 0 .. d/p-1] --activations-->  rank 1: [blocks d/p .. 2d/p-1] --> ..
-                                      <--gradients----              rank p-1: [.., head, loss]
+    rank 0                 rank 1                     rank p-1
+    embed,
+    blocks 0 .. d/p-1 -->  blocks d/p .. 2d/p-1 --> .. blocks (p-1)d/p .. d-1,
+                      <--                       <-- .. head, loss
+                      (--> activations, <-- their gradients)
 
 The schedules, p=2, m=4: a slot per forward F i and two per backward B i of micro-batch i, '.' idle.
+
+    naive   rank 0:  F0 .  .  .  B0 B0 F1 .  .  .  B1 B1 ..   one micro-batch through the whole
+            rank 1:  .  F0 B0 B0 .  .  .  F1 B1 B1 .  .  ..   pipeline, forward and back, at a time
 
     gpipe   rank 0:  F0 F1 F2 F3 .  .  .  B0 B0 B1 B1 B2 B2 B3 B3    all m forwards, then all m
             rank 1:  .  F0 F1 F2 F3 B0 B0 B1 B1 B2 B2 B3 B3 .  .     backwards (Huang et al. 2019)
@@ -14,17 +21,17 @@ The schedules, p=2, m=4: a slot per forward F i and two per backward B i of micr
             rank 1:  .  F0 B0 B0 F1 B1 B1 F2 B2 B2 F3 B3 B3 .  .     s, then one forward one
                                                         backward (PipeDream-flush, Narayanan 2021)
 
-naive runs one micro-batch through the whole pipeline at a time. Idle (the bubble): (p-1)/p of the
-slots for naive, (p-1)/(m+p-1) for gpipe and 1f1b. All are synchronous (one optimizer step per
-batch, each micro-batch's loss / m): exact.
+Idle (the bubble): (p-1)/p of the slots for naive, (p-1)/(m+p-1) for gpipe and 1f1b. All are
+synchronous (one optimizer step per batch, each micro-batch's loss / m): exact.
 
 Memory per rank (fp32, AdamW): 16Ψ_s bytes for its stage's Ψ_s parameters (≈ 16Ψ/p), plus the
 activations A_s/m of each micro-batch in flight (A_s: the stage's for the whole batch): 1 in flight
 (naive), m (gpipe), p-s on stage s (1f1b: at most p, whatever m).
-Communication per step: m activations of B/m·T·D fp32 forward and m gradients back over each of the
-p-1 stage boundaries: 2(p-1)·m messages, 4·B·T·D bytes each way per boundary. No collective in
-the step: every message a step sends is received within it (each schedule ends flushed), so the
-loop's collectives (the logged loss's all-reduce, evaluation's) never meet an open send.
+Communication per step, T tokens of width D (--dim) a sample: m activations of B/m·T·D fp32 forward
+and m gradients back over each of the p-1 stage boundaries: 2(p-1)·m messages, 4·B·T·D bytes each
+way per boundary. No collective in the step: every message a step sends is received within it
+(each schedule ends flushed), so the loop's collectives (the logged loss's all-reduce,
+evaluation's) never meet an open send.
 
     torchrun --standalone --nproc_per_node=2 pipeline.py --schedule 1f1b --microbatches 4
     python pipeline.py --nproc 4 --schedule gpipe --microbatches 8
@@ -68,7 +75,8 @@ class Stage(torch.nn.Module):
             {str(i): model.blocks[i] for i in range(first_block, end_block)}
         )
         self.head = model.head if self.is_last else None
-        self.act_shape = tuple(model.embed.pos.shape[1:])  # (T, D): what crosses a stage boundary
+        # a sample's activation, (T, D): what crosses a stage boundary, received into empty tensors
+        self.activation_shape = tuple(model.embed.pos.shape[1:])
 
     def forward(self, x):
         if self.embed is not None:
@@ -94,7 +102,7 @@ def schedule(name, micro_batches, num_stages, index):
         warmup = 0
     elif name == "gpipe":
         warmup = micro_batches
-    else:
+    else:  # 1f1b
         warmup = min(num_stages - index - 1, micro_batches)
     actions = [("F", i) for i in range(warmup)]
     for i in range(micro_batches - warmup):
@@ -116,11 +124,11 @@ def p2p(ops):
         work.wait()
 
 
-def train_step(stage, x, y, name, micro_batches):
+def train_step(stage, x, y, schedule_name, micro_batches):
     """Forward, loss and backward of every micro-batch in the schedule's order. Returns the batch's
     mean loss on the last stage, 0 elsewhere.
 
-    An action's output is sent in one group with the next action's input, as Megatron-LM and
+    An action's output is sent in one group with the next action's receive, as Megatron-LM and
     torch.distributed.pipelining do: in 1F1B's steady state stage s sends activation i while stage
     s+1 sends gradient j back, and each also receives what the other sends."""
     inputs = x.chunk(micro_batches)
@@ -128,19 +136,22 @@ def train_step(stage, x, y, name, micro_batches):
     loss = torch.zeros((), device=x.device)
     kept = {}  # micro-batch -> (its input, its output), kept for its backward
     sends = []  # the last action's output, which goes out with the next action's receive
-    for action, i in schedule(name, micro_batches, stage.num_stages, stage.index):
+    for action, i in schedule(schedule_name, micro_batches, stage.num_stages, stage.index):
         if action == "F":
             if stage.is_first:
                 activation = inputs[i]
                 receives = []
             else:
-                activation = torch.empty(len(inputs[i]), *stage.act_shape, device=x.device)
+                activation = torch.empty(len(inputs[i]), *stage.activation_shape, device=x.device)
                 receives = [(dist.irecv, activation, stage.index - 1)]
             p2p(sends + receives)
             if not stage.is_first:
                 activation.requires_grad_()  # its gradient is what goes back to stage s-1
             output = stage(activation)
-            if stage.is_last:  # the mean over B/m samples, / m: the batch's mean
+            if stage.is_last:
+                # The loss takes the output's place, so the backward starts from it. It is the
+                # mean over the micro-batch's B/m samples; / m makes the m of them sum to the
+                # batch's mean.
                 output = F.cross_entropy(output, targets[i]) / micro_batches
                 loss += output.detach()
                 sends = []
@@ -167,7 +178,7 @@ def infer(stage, x):
     """The whole batch through the stages in turn: the logits on the last stage, None on the
     others. A chain (receive, compute, send), so a group of one op each cannot deadlock."""
     if not stage.is_first:
-        x = torch.empty(len(x), *stage.act_shape, device=x.device)
+        x = torch.empty(len(x), *stage.activation_shape, device=x.device)
         p2p([(dist.irecv, x, stage.index - 1)])
     output = stage(x)
     if stage.is_last:
@@ -197,7 +208,8 @@ def formula(psi, world, args):
     optim_per_param = 8 if args.optim == "adamw" else 4
     m = args.microbatches
     tokens = (common.IMAGE // args.patch) ** 2
-    messages = 4 * args.batch_size * tokens * args.dim if world > 1 else 0  # 4·B·T·D
+    # m messages of B/m·T·D fp32 each way: 4·B·T·D bytes (none in a world of one)
+    bytes_each_way = 4 * args.batch_size * tokens * args.dim if world > 1 else 0
     if args.schedule == "naive":
         bubble = (world - 1) / world
         bubble_text = "(p-1)/p"
@@ -213,7 +225,7 @@ def formula(psi, world, args):
         param_bytes=4 * psi,
         grad_bytes=4 * psi,
         optim_bytes=optim_per_param * psi,
-        comm=dict(send=messages, recv=messages),
+        comm=dict(send=bytes_each_way, recv=bytes_each_way),
         bubble=bubble,
         peak_inflight=in_flight[args.schedule],
         notes=dict(
@@ -374,7 +386,8 @@ def run(args):
         if rank == 0 and args.save:
             common.save_checkpoint(state, args.save)
             common.log(f"saved {args.save}")
-        promised = formula(sum(p.numel() for p in model.parameters()), world, args)  # Ψ_s
+        psi_stage = sum(p.numel() for p in model.parameters())  # Ψ_s: this rank's stage only
+        promised = formula(psi_stage, world, args)
         timeline = common.pipeline_timeline(recorder, meter, promised)  # every rank: a gather
         common.report(
             SCRIPT,

@@ -1,10 +1,10 @@
 """PipeDream's asynchronous 1F1B with weight stashing (Narayanan et al. 2019), written out:
-pipeline.py's stages with no flush. The micro-batches of all batches are one stream; stage s keeps
-w = p-s-1 of them in flight across batch boundaries and takes an optimizer step after each
-backward, with that one micro-batch's gradient (of its mean loss). Not one process's training, by
-design: micro-batch j's forward on stage s runs on the weights after max(0, j-w) updates, and its
-backward, w updates later, goes through those same weights, stashed at the forward (weight
-stashing), while the update goes to the current ones.
+pipeline.py's stages with no flush. The micro-batches of all batches are one stream; stage s runs
+w = p-s-1 forwards ahead of its backwards, across batch boundaries too, and takes an optimizer
+step after each backward, with that one micro-batch's gradient (of its mean loss). Not one
+process's training, by design: micro-batch j's forward on stage s runs on the weights after
+max(0, j-w) updates, and its backward, w updates later (fewer at the start), goes through those
+same weights, stashed at the forward (weight stashing), while the update goes to the current ones.
 
 p=2, m=4, a slot per forward F j and two per backward B j of micro-batch j of the stream, '.' idle:
 
@@ -61,8 +61,10 @@ class Stage(torch.nn.Module):
             {str(i): model.blocks[i] for i in range(first_block, end_block)}
         )
         self.head = model.head if self.is_last else None
-        self.act_shape = tuple(model.embed.pos.shape[1:])  # (T, D): what crosses a stage boundary
-        self.seen = 0  # micro-batches fed to the stream so far
+        # a sample's activation, (T, D): what crosses a stage boundary, received into empty tensors
+        self.activation_shape = tuple(model.embed.pos.shape[1:])
+        # The stream's state, which outlives a batch (a train_step):
+        self.streamed = 0  # micro-batches fed to the stream so far
         self.kept = {}  # micro-batch -> (input, output, stashed weights) until its backward
         self.pending = []  # the last step's closing send, which stage s-1 takes in the next step
 
@@ -81,20 +83,29 @@ def parallelize(model, device):
     return Stage(model, dist.get_rank(), dist.get_world_size()).to(device)
 
 
-def schedule(micro_batches, num_stages, index, seen, final):
-    """Stage `index`'s actions on this batch, micro-batches seen .. seen+m-1 of the stream, in
-    order: ("F", j) then ("B", j-w), w = p-s-1 the micro-batches stage s keeps in flight (across
-    batches too); the final batch then drains the w it still holds."""
-    in_flight = num_stages - index - 1
-    end = seen + micro_batches
+def schedule(micro_batches, num_stages, index, first, final):
+    """Stage `index`'s actions on this batch, micro-batches first .. first+m-1 of the stream, in
+    order: ("F", j) then ("B", j-w), w = p-s-1 the forwards stage s runs ahead of its backwards
+    (across batches too); the final batch then drains the w whose backward has not run."""
+    ahead = num_stages - index - 1  # w
+    end = first + micro_batches
     actions = []
-    for j in range(seen, end):
+    for j in range(first, end):
         actions.append(("F", j))
-        if j >= in_flight:
-            actions.append(("B", j - in_flight))
+        if j >= ahead:
+            actions.append(("B", j - ahead))
     if final:
-        actions += [("B", j) for j in range(max(end - in_flight, 0), end)]
+        actions += [("B", j) for j in range(max(end - ahead, 0), end)]
     return actions
+
+
+def stash_weights(stage):
+    """Weight stashing: the stage's weights as they are now, copied, for one micro-batch's forward
+    and, w updates later, its backward."""
+    return {
+        name: parameter.detach().clone().requires_grad_()
+        for name, parameter in stage.named_parameters()
+    }
 
 
 def p2p(ops):
@@ -117,9 +128,9 @@ def train_step(stage, x, y, micro_batches, optimizer, final=False):
     inputs = x.chunk(micro_batches)
     targets = y.chunk(micro_batches)
     loss = torch.zeros((), device=x.device)
-    first = stage.seen  # this batch's first micro-batch, numbered in the stream
+    first = stage.streamed  # this batch's first micro-batch, numbered in the stream
     actions = schedule(micro_batches, stage.num_stages, stage.index, first, final)
-    stage.seen += micro_batches
+    stage.streamed += micro_batches
     sends = stage.pending  # the last step's closing gradient, which stage s-1 takes now
     for action, j in actions:
         if action == "F":
@@ -127,18 +138,18 @@ def train_step(stage, x, y, micro_batches, optimizer, final=False):
                 activation = inputs[j - first]
                 receives = []
             else:
-                activation = torch.empty(len(inputs[j - first]), *stage.act_shape, device=x.device)
+                activation = torch.empty(
+                    len(inputs[j - first]), *stage.activation_shape, device=x.device
+                )
                 receives = [(dist.irecv, activation, stage.index - 1)]
             p2p(sends + receives)
             if not stage.is_first:
                 activation.requires_grad_()  # its gradient is what goes back to stage s-1
-            # The weights as they are now, copied: the backward, w updates later, goes through them.
-            stash = {
-                name: parameter.detach().clone().requires_grad_()
-                for name, parameter in stage.named_parameters()
-            }
-            output = torch.func.functional_call(stage, stash, (activation,))
-            if stage.is_last:  # the mean over the micro-batch's B/m samples: its own update
+            stash = stash_weights(stage)
+            output = torch.func.functional_call(stage, stash, (activation,))  # through the stash
+            if stage.is_last:
+                # The loss takes the output's place, so the backward starts from it. It is the
+                # mean over the micro-batch's B/m samples, not / m: it makes an update of its own.
                 output = F.cross_entropy(output, targets[j - first])
                 loss += output.detach() / micro_batches
                 sends = []
@@ -155,6 +166,7 @@ def train_step(stage, x, y, micro_batches, optimizer, final=False):
                 receives = [(dist.irecv, grad, stage.index + 1)]
             p2p(sends + receives)
             output.backward(grad)  # through the weights micro-batch j's forward used
+            # PipeDream's rule: the gradient taken at the stashed weights updates the current ones
             for name, parameter in stage.named_parameters():
                 parameter.grad = stash[name].grad
             optimizer.step()  # the stage's weights move on; the stash is dropped with j
@@ -165,7 +177,8 @@ def train_step(stage, x, y, micro_batches, optimizer, final=False):
     # next step, after its next forward: it waits for this stage's first group of that step, so
     # that no send is open while the loop runs a collective between steps (NCCL and Gloo would
     # both hang there: stage s-1 in the all-reduce, stage s in its send).
-    if actions[-1][0] == "B" and not final:
+    last_action, _ = actions[-1]
+    if last_action == "B" and not final:
         stage.pending = sends
     else:
         stage.pending = []
@@ -178,7 +191,7 @@ def infer(stage, x):
     """The whole batch through the stages in turn: the logits on the last stage, None on the
     others. A chain (receive, compute, send), so a group of one op each cannot deadlock."""
     if not stage.is_first:
-        x = torch.empty(len(x), *stage.act_shape, device=x.device)
+        x = torch.empty(len(x), *stage.activation_shape, device=x.device)
         p2p([(dist.irecv, x, stage.index - 1)])
     output = stage(x)
     if stage.is_last:
@@ -204,7 +217,9 @@ def full_state_dict(model):
 def formula(psi, world, args):
     """Rank 0's promises, psi its stage's parameters: its bytes (the stashed copies come and go
     with the micro-batches); over the first two batches, the idle fraction of one 1F1B over 2m
-    micro-batches (no flush between them) and p-s micro-batches in flight on stage s."""
+    micro-batches (no flush between them) and p-s micro-batches in flight on stage s. No traffic
+    promise: the Meter counts the stream's first steps, in which fewer gradients than activations
+    cross a boundary (the backwards still in flight come in later steps)."""
     optim_per_param = 8 if args.optim == "adamw" else 4
     m = args.microbatches
     return dict(
@@ -365,7 +380,8 @@ def run(args):
         if rank == 0 and args.save:
             common.save_checkpoint(state, args.save)
             common.log(f"saved {args.save}")
-        promised = formula(sum(p.numel() for p in model.parameters()), world, args)  # Ψ_s
+        psi_stage = sum(p.numel() for p in model.parameters())  # Ψ_s: this rank's stage only
+        promised = formula(psi_stage, world, args)
         timeline = common.pipeline_timeline(recorder, meter, promised)  # every rank: a gather
         common.report(
             SCRIPT,

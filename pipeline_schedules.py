@@ -1,9 +1,12 @@
-"""Pipeline schedules past 1F1B, written out: pipeline.py's stages and paired point-to-point, with
---schedule interleaved (Megatron-LM, Narayanan et al. 2021): each rank holds V chunks, rank s the
-global chunks s, s+p, .., s+(V-1)p of the blocks cut into V·p, so a micro-batch crosses the ranks V
-times and the fill and drain cost a V-th; and zb-h1 (Zero Bubble, Qi et al. 2024): each backward
-split into B, the input's gradient (the previous stage waits for it), and W, the weights' gradients
-(nothing waits for them), the Ws moved into the slots where 1F1B idles.
+"""Pipeline schedules past 1F1B, written out: pipeline.py's stages and paired point-to-point, plus
+two --schedule choices.
+
+- interleaved (Megatron-LM, Narayanan et al. 2021): the d blocks are cut into V·p chunks and each
+  rank holds V of them (--virtual-stages V): rank s the global chunks s, s+p, .., s+(V-1)p. A
+  micro-batch crosses the ranks V times, so the pipeline's fill and drain cost a V-th as much.
+- zb-h1 (Zero Bubble, Qi et al. 2024): each backward split in two, B, the input's gradient (the
+  previous stage waits for it), and W, the weights' gradients (nothing waits for them); the Ws
+  move into the slots where 1F1B idles.
 
     rank 0: chunks 0, p, 2p, ..    rank 1: chunks 1, p+1, ..    ..    rank p-1: chunks p-1, 2p-1, ..
     a micro-batch: chunk 0 on rank 0 -> chunk 1 on rank 1 -> .. -> chunk p on rank 0 -> ..
@@ -19,15 +22,17 @@ F3' is micro-batch 3 in the rank's second chunk (interleaved V=2, each chunk hal
                   rank 1:  .   F0  F1  F0' B0' B0' F1' B1' B1' F2  B0  B0  F3  B1  B1  F2' B2' ..
 
 Idle (the bubble): 1f1b (p-1)/(m+p-1) (pipeline.py's); interleaved (p-1)/(V·m+p-1); zb-h1
-(p-1)/(3m+p-1): ZB's (p-1)(F+B-W) per rank next to 3m busy slots, a third of 1f1b's. All are
-synchronous: exact. Here W goes back through the graph B kept (backward to the parameters), which
-costs about a whole backward; a production W keeps B's intermediate gradients.
+(p-1)/(3m+p-1): a rank idles (p-1)(F+B-W) = p-1 slots, a third of 1f1b's (p-1)(F+B+W), next to
+its 3m busy ones. All are synchronous: exact. Here W goes back through the graph B kept (backward
+to the parameters), which costs about a whole backward; a production W keeps B's intermediate
+gradients.
 
 Memory per rank (fp32, AdamW): 16Ψ_s bytes for its Ψ_s parameters plus the activations in flight:
-p-s micro-batches on stage s (1f1b); 2(p-s-1) + (V-1)·p + 1 chunks, a V-th of a stage each
-(interleaved); p on every stage (zb-h1, 1f1b's peak). Communication per step: m activations of
-B/m·T·D fp32 forward and m gradients back over each of the V·p-1 chunk boundaries (interleaved: V
-times 1f1b's messages). Every message a step sends is received within it, as in pipeline.py.
+p-s micro-batches on stage s (1f1b); 2(p-s-1) + (V-1)·p + 1 chunks, a V-th of a stage each, or all
+m·V when m = p (interleaved); p on every stage (zb-h1, 1f1b's peak). Communication per step: m
+activations of B/m·T·D fp32 forward and m gradients back over each of the V·p-1 chunk boundaries
+(interleaved: about V times 1f1b's p-1). Every message a step sends is received within it, as in
+pipeline.py.
 
     torchrun --standalone --nproc_per_node=4 pipeline_schedules.py --schedule interleaved \\
         --virtual-stages 2 --depth 8
@@ -66,19 +71,24 @@ class Stage(torch.nn.Module):
         self.num_chunks = num_chunks
         self.is_first = index == 0
         self.is_last = index == num_stages - 1
-        self.next_rank = (index + 1) % num_stages  # F sends to global chunk c+1, there
-        self.previous_rank = (index - 1) % num_stages  # B sends to global chunk c-1, there
+        # F sends to global chunk c+1, B to c-1: they live on the next and the previous rank
+        # (chunk p on rank 0 follows chunk p-1 on rank p-1)
+        self.next_rank = (index + 1) % num_stages
+        self.previous_rank = (index - 1) % num_stages
         depth = len(model.blocks)
         global_chunks = num_chunks * num_stages
-        self.chunks = []  # per chunk of this stage: its blocks' indices
-        for c in range(index, global_chunks, num_stages):
-            self.chunks.append(range(c * depth // global_chunks, (c + 1) * depth // global_chunks))
+        self.chunks = []  # per chunk v of this stage: its blocks' indices
+        for global_chunk in range(index, global_chunks, num_stages):  # c = v·p + s
+            first_block = global_chunk * depth // global_chunks
+            end_block = (global_chunk + 1) * depth // global_chunks
+            self.chunks.append(range(first_block, end_block))
         self.embed = model.embed if self.is_first else None
         self.blocks = torch.nn.ModuleDict(
-            {str(i): model.blocks[i] for chunk in self.chunks for i in chunk}
+            {str(i): model.blocks[i] for block_indices in self.chunks for i in block_indices}
         )
         self.head = model.head if self.is_last else None
-        self.act_shape = tuple(model.embed.pos.shape[1:])  # (T, D): what crosses a chunk boundary
+        # a sample's activation, (T, D): what crosses a chunk boundary, received into empty tensors
+        self.activation_shape = tuple(model.embed.pos.shape[1:])
 
     def is_first_chunk(self, chunk):
         return self.is_first and chunk == 0
@@ -104,7 +114,7 @@ def parallelize(model, device, num_chunks=1):
 def schedule(name, micro_batches, num_stages, index, num_chunks=1):
     """Stage `index`'s steps for one batch: lists of actions (F | B | W, micro-batch, chunk), whose
     sends go out in one group with the next step's receives. 1f1b as in pipeline.py, one action a
-    step; zb-h1 is 1f1b with a W after each B; interleaved has its own order."""
+    step; zb-h1 is 1f1b with the Ws put in by with_weight_passes; interleaved has its own order."""
     if name == "interleaved":
         return interleaved(micro_batches, num_stages, index, num_chunks)
     warmup = min(num_stages - index - 1, micro_batches)
@@ -140,14 +150,14 @@ def interleaved(micro_batches, num_stages, index, num_chunks):
     backwards in the same rounds with the chunks reversed. Stage s runs 2(p-s-1) + (V-1)·p
     forwards ahead (all of them when m = p), Megatron's count of what keeps it busy until the
     first gradient comes back; then steps of one forward and one backward; then the rest."""
-    forwards = []
-    for k in range(micro_batches * num_chunks):
-        round_index, position = divmod(k, num_stages * num_chunks)
+    forwards = []  # (micro-batch, chunk) in the order this rank runs them
+    for forward_index in range(micro_batches * num_chunks):
+        round_index, position = divmod(forward_index, num_stages * num_chunks)
         chunk, offset = divmod(position, num_stages)
         forwards.append((round_index * num_stages + offset, chunk))
     backwards = [(i, num_chunks - 1 - chunk) for i, chunk in forwards]
     total = len(forwards)
-    if micro_batches == num_stages:
+    if micro_batches == num_stages:  # Megatron-LM's special case: every forward first
         warmup = total
     else:
         warmup = min(2 * (num_stages - index - 1) + (num_chunks - 1) * num_stages, total)
@@ -171,9 +181,10 @@ def p2p(ops):
 
 
 def receives(stage, step, inputs, received):
-    """The receives of a step's inputs, each into a new tensor put in `received`: an F's activation
-    from the chunk before it (none for global chunk 0), a B's gradient from the chunk after it (none
-    for the last). A W receives nothing: it takes back the gradient its B received."""
+    """The receives of a step's inputs, each into a new tensor (as many samples as micro-batch i
+    of `inputs`, on its device) put in `received`: an F's activation from the chunk before it (none
+    for global chunk 0), a B's gradient from the chunk after it (none for the last). A W receives
+    nothing: it takes back the gradient its B received."""
     ops = []
     for action, i, chunk in step:
         if action == "F" and not stage.is_first_chunk(chunk):
@@ -182,13 +193,13 @@ def receives(stage, step, inputs, received):
             peer = stage.next_rank
         else:
             continue
-        tensor = torch.empty(len(inputs[i]), *stage.act_shape, device=inputs[i].device)
+        tensor = torch.empty(len(inputs[i]), *stage.activation_shape, device=inputs[i].device)
         received[action, i, chunk] = tensor
         ops.append((dist.irecv, tensor, peer))
     return ops
 
 
-def train_step(stage, x, y, name, micro_batches):
+def train_step(stage, x, y, schedule_name, micro_batches):
     """Forward, loss and backward of every micro-batch in the schedule's order. Returns the batch's
     mean loss on the last stage, 0 elsewhere.
 
@@ -197,14 +208,15 @@ def train_step(stage, x, y, name, micro_batches):
     gradient only and keeps the graph; W takes the weights' gradients through it later."""
     inputs = x.chunk(micro_batches)
     targets = y.chunk(micro_batches)
-    steps = schedule(name, micro_batches, stage.num_stages, stage.index, stage.num_chunks)
-    split_backward = name == "zb-h1"
+    steps = schedule(schedule_name, micro_batches, stage.num_stages, stage.index, stage.num_chunks)
+    split_backward = schedule_name == "zb-h1"
     loss = torch.zeros((), device=x.device)
     received = {}  # (action, micro-batch, chunk) -> the tensor its input arrives in
     kept = {}  # (micro-batch, chunk) -> (its input, its output), kept for its B (zb-h1: its W)
     output_grads = {}  # zb-h1: (micro-batch, chunk) -> the gradient its B went back with, for W
+    # The first step's inputs come alone: no step before it has sends to pair them with.
     p2p(receives(stage, steps[0], inputs, received))
-    for k, step in enumerate(steps):
+    for step, next_step in zip(steps, [*steps[1:], []], strict=True):
         sends = []
         for action, i, chunk in step:
             if action == "F":
@@ -214,7 +226,10 @@ def train_step(stage, x, y, name, micro_batches):
                     activation = received.pop(("F", i, chunk))
                     activation.requires_grad_()  # its gradient is what goes back to chunk c-1
                 output = stage(activation, chunk)
-                if stage.is_last_chunk(chunk):  # the mean over B/m samples, / m: the batch's mean
+                if stage.is_last_chunk(chunk):
+                    # The loss takes the output's place, so the backward starts from it. It is the
+                    # mean over the micro-batch's B/m samples; / m makes the m of them sum to the
+                    # batch's mean.
                     output = F.cross_entropy(output, targets[i]) / micro_batches
                     loss += output.detach()
                 else:
@@ -235,8 +250,7 @@ def train_step(stage, x, y, name, micro_batches):
             else:  # W: the weights' gradients, back through the graph B kept
                 _, output = kept.pop((i, chunk))
                 output.backward(output_grads.pop((i, chunk)), inputs=list(stage.parameters()))
-        following = receives(stage, steps[k + 1], inputs, received) if k + 1 < len(steps) else []
-        p2p(sends + following)
+        p2p(sends + receives(stage, next_step, inputs, received))
     return loss
 
 
@@ -246,7 +260,7 @@ def infer(stage, x):
     last stage, None on the others. A chain (receive, compute, send): one op a group is safe."""
     for chunk in range(stage.num_chunks):
         if not stage.is_first_chunk(chunk):
-            x = torch.empty(len(x), *stage.act_shape, device=x.device)
+            x = torch.empty(len(x), *stage.activation_shape, device=x.device)
             p2p([(dist.irecv, x, stage.previous_rank)])
         x = stage(x, chunk)
         if not stage.is_last_chunk(chunk):
@@ -276,14 +290,16 @@ def formula(psi, world, args):
     m = args.microbatches
     V = args.virtual_stages
     tokens = (common.IMAGE // args.patch) ** 2
-    per_micro_batch = 2 * V - 1
-    messages = 4 * args.batch_size * tokens * args.dim * per_micro_batch if world > 1 else 0
+    per_micro_batch = 2 * V - 1  # messages each way
+    # m·(2V-1) messages of B/m·T·D fp32 each way (none in a world of one)
+    bytes_each_way = 4 * args.batch_size * tokens * args.dim * per_micro_batch if world > 1 else 0
     if args.schedule == "interleaved":
         bubble = (world - 1) / (V * m + world - 1)
         bubble_text = "(p-1)/(V·m+p-1)"
-        warmups = [
-            m * V if m == world else 2 * (world - s - 1) + (V - 1) * world for s in range(world)
-        ]
+        if m == world:  # every forward first, as interleaved() runs it
+            warmups = [m * V] * world
+        else:
+            warmups = [2 * (world - s - 1) + (V - 1) * world for s in range(world)]
         peaks = [min(warmup + 1, m * V) for warmup in warmups]
     elif args.schedule == "zb-h1":
         bubble = (world - 1) / (3 * m + world - 1)
@@ -297,7 +313,7 @@ def formula(psi, world, args):
         param_bytes=4 * psi,
         grad_bytes=4 * psi,
         optim_bytes=optim_per_param * psi,
-        comm=dict(send=messages, recv=messages),
+        comm=dict(send=bytes_each_way, recv=bytes_each_way),
         bubble=bubble,
         peak_inflight=peaks,
         notes=dict(
@@ -321,7 +337,7 @@ def check_args(args, world):
         f"--batch-size {args.batch_size}, got {m}",
     )
     common.check(
-        args.depth >= world * V >= 1,
+        V >= 1 and args.depth >= world * V,
         f"--depth {args.depth} blocks cannot fill {world} stages x {V} chunks",
     )
     interleaved_ok = V >= 2 and world >= 2 and m % world == 0
@@ -452,7 +468,7 @@ def run(args):
             f"({len(train_set)} train / {len(test_set)} test), "
             f"batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
         )
-        zero_bubble = args.schedule == "zb-h1"  # its W: a pass of its own
+        zero_bubble = args.schedule == "zb-h1"  # its W, a backward pass of its own, is recorded
         recorder = common.record_pipeline_order(model, args.microbatches, weights=zero_bubble)
         with common.Meter(model, optimizer, args) as meter:
             out = train(model, optimizer, scheduler, loader, sampler, args, device)
@@ -464,7 +480,8 @@ def run(args):
         if rank == 0 and args.save:
             common.save_checkpoint(state, args.save)
             common.log(f"saved {args.save}")
-        promised = formula(sum(p.numel() for p in model.parameters()), world, args)  # Ψ_s
+        psi_stage = sum(p.numel() for p in model.parameters())  # Ψ_s: this rank's chunks only
+        promised = formula(psi_stage, world, args)
         timeline = common.pipeline_timeline(recorder, meter, promised)  # every rank: a gather
         common.report(
             SCRIPT,

@@ -349,8 +349,10 @@ class PipelineRecorder:
         self.forward_versions = {}  # micro-batch -> optimizer steps taken when its forward ran
         self.backward_versions = {}  # micro-batch -> optimizer steps taken when its backward began
         self.optimizer_steps = 0
+        # A hook does not see the micro-batch's number: every schedule runs a chunk's forwards
+        # (and ZB-H1 its Ws) in micro-batch order, so the n-th one is micro-batch n.
         self.forwards = {}  # chunk -> forwards recorded on it
-        self.weight_passes = 0
+        self.weight_passes = 0  # Ws recorded
         self.records_versions = optimizer is not None
         stage.register_forward_hook(self._forward_ran)
         if weights:
@@ -375,7 +377,8 @@ class PipelineRecorder:
 
     def _backward_hook(self, micro_batch, chunk):
         """A hook for this forward's output. ZB's W goes back through the output a second time: the
-        backward counts once, at its first pass."""
+        backward counts once, at its first pass. (On ZB-H1's first stage, whose B has no input
+        gradient to take and runs nothing, that first pass is its W, which runs right after it.)"""
         backward = ("B", micro_batch, chunk)
 
         def backward_ran(grad):

@@ -152,7 +152,7 @@ def pipeline_timeline(recorder, meter, promised):
     dist.gather_object(mine, stages, dst=0)
     if stages is None:
         return {}
-    orders = [[tuple(action) for action in stage["order"]] for stage in stages]
+    orders = [stage["order"] for stage in stages]
     picture, bubble, peaks = replay_pipeline(orders)
     chunks = 1 + max(chunk for order in orders for _, _, chunk in order)
     micro_batches = 1 + max(micro_batch for order in orders for _, micro_batch, _ in order)
@@ -192,29 +192,31 @@ def _replay_in_slots(orders, cost):
     """{(rank, action, micro-batch, chunk): the slot it ends in}, each action as early as it can
     run: after the rank's previous action and after the action that makes its input (F of global
     chunk c = v·p + s after F of chunk c-1, B of c after B of c+1; W needs only its B, earlier on
-    its rank). Repeated passes settle every action at its longest path, which holds no more
-    actions than there are."""
+    its rank). An action's end is set by the longest chain of actions leading to it; after n passes
+    over all the ranks every end whose chain has at most n actions is right, and no chain holds
+    more actions than there are, so that many passes settle them all (Bellman-Ford's argument)."""
     ranks = len(orders)
     global_chunks = ranks * (1 + max(chunk for order in orders for _, _, chunk in order))
     end = {}
     for _ in range(sum(len(order) for order in orders)):
         for rank, order in enumerate(orders):
-            previous_end = 0
+            rank_free_at = 0  # the end of the rank's previous action
             for action, micro_batch, chunk in order:
-                here = chunk * ranks + rank
-                source = here - 1 if action == "F" else here + 1
+                global_chunk = chunk * ranks + rank
+                # F's input comes from the chunk before, B's from the chunk after
+                input_chunk = global_chunk - 1 if action == "F" else global_chunk + 1
                 input_ready = 0
-                if action != "W" and 0 <= source < global_chunks:
-                    producer = (source % ranks, action, micro_batch, source // ranks)
+                if action != "W" and 0 <= input_chunk < global_chunks:
+                    producer = (input_chunk % ranks, action, micro_batch, input_chunk // ranks)
                     input_ready = end.get(producer, 0)
-                previous_end = max(previous_end, input_ready) + cost[action]
-                end[rank, action, micro_batch, chunk] = previous_end
+                rank_free_at = max(rank_free_at, input_ready) + cost[action]
+                end[rank, action, micro_batch, chunk] = rank_free_at
     return end
 
 
 def _peak_in_flight(order, cost):
     """The most micro-batch chunks whose forward has run and whose last backward pass has not."""
-    last_backward = "W" if cost["B"] == 1 else "B"
+    last_backward = "W" if cost["B"] == 1 else "B"  # split off, W is the one that frees them
     in_flight = 0
     peak = 0
     for action, _, _ in order:
