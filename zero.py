@@ -1,27 +1,45 @@
-"""ZeRO-1/2/3 written out with torch.distributed: like DDP, every rank trains on its slice of each global batch, but the
-optimizer state (stage 1), the gradients (stage 2) and the parameters (stage 3) are split across the W ranks. Each unit
-(embed, every block, head) is one flat fp32 buffer, padded to a multiple of W; rank r owns the shard [r·S, (r+1)·S):
+"""ZeRO stages 1-3, written out with torch.distributed. Like DDP, every rank trains on its slice of
+each global batch; unlike DDP, the W ranks split among them what DDP replicates: the optimizer
+state (stage 1), also the gradients (stage 2), also the parameters (stage 3).
 
-    unit buffer:  [ shard 0 | shard 1 | ... | shard W-1 ]     (shard r: rank r's)
-                 stage 1        stage 2        stage 3
-    params       full           full           own shard; a unit all-gathered before its forward and its backward
-    grads        full           own shard      own shard; stages 2-3 reduce-scatter and free them during backward
-    optimizer    own shard      own shard      own shard (m, v only for the elements it owns)
-Memory per rank (fp32, AdamW, Ψ' = Ψ padded per unit to a multiple of W; ZeRO's P_os, P_os+g, P_os+g+p):
-    stage 1: 4Ψ' + 4Ψ' + 8Ψ'/W    stage 2: 4Ψ' + 12Ψ'/W    stage 3: 16Ψ'/W    (DDP: 16Ψ)
-Per step each rank reduce-scatters Ψ' and all-gathers Ψ' (DDP's all-reduce), stage 3 Ψ' more for the backward; a ring
-sends (W-1)/W of it. --offload cpu (ZeRO-Offload, on a GPU): fp32 master shard, its gradient and optimizer state in
-pinned CPU memory, the step there. --offload disk (ZeRO-Infinity): each unit's master shard and state in DIR/zero-rank
-<r>-unit<i>.pt (atomic writes, left there); the step reads a unit in, steps it, writes it back while a thread reads the
-next: the optimizer holds 8S, one unit's (the Meter's peak), not 8Ψ'/W. DeepSpeed swaps through pinned buffers with
-async O_DIRECT reads and writes (libaio), the next read overlapping this step.
-    torchrun --standalone --nproc_per_node=4 zero.py --stage 1|2|3 [--offload cpu | --offload disk --offload-dir DIR]
+The model is cut into units (the embedding, every block, the head). A unit's parameters are views
+into one flat fp32 buffer, zero-padded to N = W·S elements; rank r owns the shard flat[r·S:(r+1)·S]
+and its optimizer steps that shard only:
+
+    a unit's flat buffer:  [ shard 0 | shard 1 | ... | shard W-1 ]
+
+                 stage 1 (P_os)     stage 2 (P_os+g)         stage 3 (P_os+g+p)
+    parameters   whole              whole                    own shard; the unit all-gathered
+                                                             before its forward and again before
+                                                             its backward, freed after each
+    gradients    whole              own shard (the unit's    own shard
+                                    whole gradient freed
+                                    once reduce-scattered)
+    optimizer    own shard          own shard                own shard
+
+    backward, unit by unit:  the unit's gradient --reduce-scatter / W--> own shard of the average
+    step:                    each rank steps its shards; stages 1-2 all-gather the updated shards
+
+Memory per rank (fp32, AdamW: 4 bytes of parameters, 4 of gradient, 8 of m and v per element; Ψ'
+is Ψ with each unit padded to a multiple of W):
+    stage 1 (P_os):      4Ψ' + 4Ψ' + 8Ψ'/W          (DDP: 4Ψ + 4Ψ + 8Ψ = 16Ψ)
+    stage 2 (P_os+g):    4Ψ' + 12Ψ'/W
+    stage 3 (P_os+g+p):  16Ψ'/W, plus the units whole at the moment (about two: the one computing
+                         and the next, whose all-gather is prefetched)
+Communication per step and rank: Ψ' gradient elements reduce-scattered and Ψ' updated parameters
+all-gathered, DDP's all-reduce in two halves; stage 3 all-gathers every unit twice (before its
+forward and before its backward) instead of once after the step: 2Ψ' all-gathered. A ring sends
+(W-1)/W of each collective's bytes.
+
+    torchrun --standalone --nproc_per_node=4 zero.py --stage 3
+    python zero.py --nproc 4 --stage 3                 # the same, through mp.spawn on a free port
+
+zero_offload.py is this file plus ZeRO-Offload (optimizer in CPU memory) and ZeRO-Infinity (disk).
 """
 
 import datetime
+import functools
 import os
-import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -35,226 +53,244 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 
 ### begin: ZeRO
-# Model contract: model.embed, model.blocks (a sequence) and model.head hold every parameter (the units ZeRO flattens);
-# each returns one tensor; every parameter gets a gradient in every backward; the same weights on every rank's device.
+# Model contract: model.embed, model.blocks (a sequence) and model.head hold every parameter (the
+# units ZeRO flattens) and forward runs them in that order, each returning one tensor; every
+# parameter gets a gradient in every backward; the same weights on every rank's device.
 
 
 class Unit:
-    """A module's parameters as views into one flat, zero-padded buffer of N = W·S elements. `local`: this rank's shard
-    flat[r·S:(r+1)·S] (a copy at stage 3); `shard`, the module's only nn.Parameter: `local` or its pinned CPU copy."""
+    """One module's parameters as views into a single flat buffer, and this rank's shard of it.
+
+    flat   N = W·S elements: the parameters one after another, then zeros up to a multiple of W
+    shard  flat[r·S:(r+1)·S], now the module's only nn.Parameter: what this rank's optimizer steps.
+           At stage 3 it is a copy, so that `flat` can be freed whenever the unit is not in use.
+    """
 
     @torch.no_grad()
-    def __init__(self, prefix, module, rank, world, stage, offload):
-        named, self.params, self.ready, self.grad = list(module.named_parameters()), [], 0, None
-        self.S = -(-sum(p.numel() for _, p in named) // world)
-        self.N, offset, self.flat = self.S * world, 0, named[0][1].new_zeros(self.S * world)
-        for name, p in named:  # each parameter becomes a plain tensor viewing into `flat`
-            # `.data = view`, not the view: the tensor keeps its own version counter, so autograd does
-            # not reject what it saved when stage 3 re-gathers `flat` before the backward
-            tensor = p.detach().requires_grad_()
-            tensor.data = self.flat[offset : offset + p.numel()].view_as(p).copy_(p)
-            owner, _, attr = name.rpartition(".")
-            delattr(module.get_submodule(owner), attr)
-            setattr(module.get_submodule(owner), attr, tensor)
-            self.params.append((f"{prefix}.{name}", tensor, offset))
-            offset += p.numel()
-        self.local = self.flat[rank * self.S : (rank + 1) * self.S]
-        self.local = self.local.clone() if stage == 3 else self.local
-        module.shard = self.shard = nn.Parameter(
-            self.local.cpu().pin_memory() if offload == "cpu" else self.local
-        )
-        self.gbuf = (
-            torch.zeros_like(self.flat) if stage == 1 else None
-        )  # the flat gradient: stage 1 keeps it
+    def __init__(self, name, module, rank, world, stage):
+        named = list(module.named_parameters())
+        numel = sum(param.numel() for _, param in named)
+        self.shard_numel = (numel + world - 1) // world  # S: numel / W, rounded up
+        self.flat = named[0][1].new_zeros(world * self.shard_numel)
+        self.params = []  # (state_dict key, the tensor in the parameter's place, offset in flat)
+        offset = 0
+        for param_name, param in named:
+            view = self.flat[offset : offset + param.numel()].view_as(param)
+            view.copy_(param)
+            tensor = replace_with_view(module, param_name, view)
+            self.params.append((f"{name}.{param_name}", tensor, offset))
+            offset += param.numel()
+        shard = self.flat[rank * self.shard_numel : (rank + 1) * self.shard_numel]
+        if stage == 3:
+            shard = shard.clone()
+        self.shard = nn.Parameter(shard)
+        module.shard = self.shard  # registered: model.parameters() are now the shards
+        self.flat_grad = None  # the unit's whole gradient, while it exists (always, at stage 1)
+        self.grad_shard = None  # this rank's shard of the averaged gradient, until the step
+        self.grads_arrived = 0  # how many of its parameters' gradients this backward has produced
+
+    def free(self):
+        """Stage 3: drop the whole parameters' memory (the shard keeps this rank's part)."""
+        self.flat.untyped_storage().resize_(0)
+
+    def allocate(self):
+        self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
+
+
+def replace_with_view(module, name, view):
+    """Put a plain tensor holding `view` where the parameter `name` was, and return it.
+
+    Its .data is set to the view instead of it being the view: it then has its own version counter,
+    so when stage 3 all-gathers into `flat` again before the backward (an in-place write), autograd
+    does not take the tensors it saved in forward for modified ones."""
+    owner_name, _, attribute = name.rpartition(".")
+    owner = module.get_submodule(owner_name)
+    tensor = torch.empty(0, dtype=view.dtype, device=view.device, requires_grad=True)
+    tensor.data = view
+    delattr(owner, attribute)  # a plain attribute from now on: the unit's shard is the parameter
+    setattr(owner, attribute, tensor)
+    return tensor
 
 
 class ZeRO:
-    """The engine (model.zero): gradient hooks (reduce-scatter), stage 3's gather and free; the step's work."""
+    """The engine, kept at model.zero. Its hooks reduce-scatter each unit's gradient as soon as the
+    unit's backward is done and, at stage 3, gather each unit's parameters just before forward or
+    backward needs them and free them right after; before_step / after_step wrap the step."""
 
-    def __init__(self, model, stage, offload, directory=None):
-        self.stage, self.offload, self.pending, self.pool = (
-            stage,
-            offload,
-            None,
-            ThreadPoolExecutor(1),
-        )
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        units = [
-            (name, m)
-            for name, m in model.named_modules()
-            if m in (model.embed, *model.blocks, model.head)
-        ]
-        self.units = [Unit(prefix, m, self.rank, self.world, stage, offload) for prefix, m in units]
-        for i, u in enumerate(
-            self.units if offload == "disk" else []
-        ):  # each rank its own files, written anew
-            u.path = os.path.join(directory, f"zero-rank{self.rank}-unit{i}.pt")
-            torch.save(dict(master=u.local.to("cpu", copy=True), state={}), u.path)
-        for (_, m), u in zip(units, self.units):
-            for _, p, offset in u.params:
-                p.register_post_accumulate_grad_hook(
-                    lambda p, u=u, offset=offset: self.on_grad(u, p, offset)
-                )
-            if stage == 3:
-                u.flat.untyped_storage().resize_(0)
-                m.register_forward_pre_hook(lambda m, args, u=u: self.gather(u))
-                m.register_forward_hook(lambda m, args, out, u=u: self.after_forward(u, out))
+    def __init__(self, model, stage):
+        self.stage = stage
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        modules = [model.embed, *model.blocks, model.head]  # the order forward runs them in
+        names = {module: name for name, module in model.named_modules()}
+        self.units = [Unit(names[m], m, self.rank, self.world, stage) for m in modules]
+        self.reducing = None  # (unit, work): the reduce-scatter in flight, at most one
+        self.gathering = {}  # unit index -> work: stage 3's all-gathers in flight
+        for unit in self.units:
+            for _, tensor, offset in unit.params:
+                hook = functools.partial(self.gradient_arrived, unit, offset)
+                tensor.register_post_accumulate_grad_hook(hook)
+        if stage == 3:
+            for index, module in enumerate(modules):
+                self.units[index].free()
+                module.register_forward_pre_hook(functools.partial(self.before_forward, index))
+                module.register_forward_hook(functools.partial(self.after_forward, index))
 
-    def gather(self, u):  # stage 3: a unit is whole only around its forward and backward
-        u.flat.untyped_storage().resize_(u.N * u.flat.element_size())
-        dist.all_gather_into_tensor(u.flat, u.local)
+    # stage 3: a unit is whole only around its forward and its backward
 
-    def after_forward(self, u, out):
-        u.flat.untyped_storage().resize_(0)
-        if out.requires_grad:  # the gradient reaching the unit's output: its backward is next
-            out.register_hook(lambda grad: self.gather(u))
+    def before_forward(self, index, module, args):
+        self.gather(index)
+        self.prefetch(index + 1)
+
+    def after_forward(self, index, module, args, output):
+        self.units[index].free()
+        if output.requires_grad:  # training: the gradient reaching this output starts its backward
+            output.register_hook(functools.partial(self.before_backward, index))
+
+    def before_backward(self, index, grad):
+        self.gather(index)
+        self.prefetch(index - 1)  # backward runs the units in reverse
+
+    @torch.no_grad()  # the parameters' values change, not what autograd tracks
+    def prefetch(self, index):
+        """Start unit `index`'s all-gather without waiting for it, as FSDP2 does: the network moves
+        the next unit's parameters while this unit computes, off the critical path."""
+        if index in self.gathering or not 0 <= index < len(self.units):
+            return
+        unit = self.units[index]
+        unit.allocate()
+        self.gathering[index] = dist.all_gather_into_tensor(unit.flat, unit.shard, async_op=True)
 
     @torch.no_grad()
-    def on_grad(self, u, p, offset):  # reduce-scatter a unit as soon as all its gradients are in
-        u.gbuf = u.local.new_zeros(u.N) if u.gbuf is None else u.gbuf
-        u.gbuf[offset : offset + p.numel()].copy_(
-            p.grad.flatten()
-        )  # into the unit's flat gradient;
-        p.grad = None  # the parameter's own one goes
-        u.ready = (u.ready + 1) % len(u.params)
-        if u.ready == 0:
-            self.wait()  # one reduce-scatter pending at a time: the previous unit's ends first
-            u.gbuf.div_(
-                self.world
-            )  # Σ_ranks grad/W: the gradient of the global batch's mean, as DDP
-            # stage 1 reduces in place (NCCL's in-place layout: the output is the input's slice r)
-            u.grad = (
-                u.gbuf[self.rank * u.S : (self.rank + 1) * u.S]
-                if self.stage == 1
-                else u.local.new_empty(u.S)
-            )
-            self.pending = (u, dist.reduce_scatter_tensor(u.grad, u.gbuf, async_op=True))
-            if self.stage == 3:
-                u.flat.untyped_storage().resize_(0)
+    def gather(self, index):
+        """Unit `index` whole: wait for its prefetched all-gather, or start it now if none was."""
+        self.prefetch(index)
+        self.gathering.pop(index).wait()
 
-    def wait(self):
-        if self.pending is not None:
-            u, work = self.pending
-            work.wait()
-            self.pending, u.gbuf = (
-                None,
-                u.gbuf if self.stage == 1 else None,
-            )  # stages 2-3 free it now
+    # every stage: a unit's gradient is reduce-scattered as soon as it is complete
+
+    @torch.no_grad()
+    def gradient_arrived(self, unit, offset, tensor):
+        """Autograd has put `tensor`'s gradient in .grad: move it into the unit's flat gradient. The
+        model contract gives every parameter a gradient in every backward, so the unit's gradient
+        is complete when all of its parameters' have arrived."""
+        if unit.flat_grad is None:
+            unit.flat_grad = unit.flat.new_zeros(unit.flat.numel())  # the padding stays zero
+        unit.flat_grad[offset : offset + tensor.numel()].copy_(tensor.grad.flatten())
+        tensor.grad = None
+        unit.grads_arrived += 1
+        if unit.grads_arrived == len(unit.params):
+            unit.grads_arrived = 0  # ready for the next backward
+            self.reduce_scatter(unit)
+
+    def reduce_scatter(self, unit):
+        """Start reduce-scattering the unit's gradient: rank r gets shard r of the average."""
+        self.finish_reduce_scatter()  # one at a time: at most two whole gradients exist at once
+        unit.flat_grad.div_(self.world)  # Σ_ranks grad/W: the global batch's mean gradient, as DDP
+        if self.stage == 1:
+            # stage 1 keeps the whole gradient anyway: the result goes in place, into this rank's
+            # own slice of it (the layout NCCL's in-place reduce-scatter asks for)
+            shard = slice(self.rank * unit.shard_numel, (self.rank + 1) * unit.shard_numel)
+            unit.grad_shard = unit.flat_grad[shard]
+        else:
+            unit.grad_shard = unit.flat_grad.new_empty(unit.shard_numel)
+        work = dist.reduce_scatter_tensor(unit.grad_shard, unit.flat_grad, async_op=True)
+        self.reducing = (unit, work)
+        if self.stage == 3:
+            unit.free()  # its backward is done
+
+    def finish_reduce_scatter(self):
+        if self.reducing is None:
+            return
+        unit, work = self.reducing
+        work.wait()
+        self.reducing = None
+        if self.stage >= 2:
+            unit.flat_grad = None  # only this rank's shard of the gradient stays
+
+    # the step: each rank steps its own shards
 
     def before_step(self):
-        self.wait()
-        for u in (
-            self.units if self.offload != "disk" else []
-        ):  # disk: the optimizer's own step sees no gradient
-            u.shard.grad, u.grad = (
-                u.grad.cpu() if self.offload == "cpu" else u.grad,
-                None,
-            )  # cpu: see after_step
+        self.finish_reduce_scatter()  # the last unit's (the embedding's)
+        for unit in self.units:
+            unit.shard.grad = unit.grad_shard
+            unit.grad_shard = None  # the optimizer's now: zero_grad(set_to_none=True) frees it
 
     @torch.no_grad()
-    def after_step(self, optimizer):
-        group, read = (
-            optimizer.param_groups[0],
-            lambda u: self.pool.submit(torch.load, u.path, weights_only=True),
-        )
-        load = self.offload == "disk" and read(self.units[0])
-        for u, after in zip(self.units, self.units[1:] + [None]):
-            if load:  # ZeRO-Infinity (see the top); the optimizer's own step, hooks left out (they would call this)
-                file, load, params = load.result(), after and read(after), group["params"]
-                u.shard.data, u.shard.grad, group["params"] = (
-                    file["master"],
-                    u.grad.cpu(),
-                    [u.shard],
-                )
-                optimizer.state[u.shard] = file["state"]
-                type(optimizer).step.__wrapped__(optimizer)
-                with open(f"{u.path}.tmp", "wb") as f:
-                    torch.save(dict(master=u.shard.data, state=optimizer.state.pop(u.shard)), f)
-                    f.flush(), os.fsync(f.fileno())
-                os.replace(f"{u.path}.tmp", u.path)
-                u.shard.data, u.shard.grad, u.grad, group["params"] = (
-                    u.local.copy_(u.shard),
-                    u.grad,
-                    None,
-                    params,
-                )
-            if (
-                self.offload == "cpu"
-            ):  # non_blocking, safe: the next before_step's .cpu() waits for this copy
-                u.local.copy_(u.shard, non_blocking=True)
-            if self.stage < 3:  # every rank needs the whole updated unit for the next forward
-                dist.all_gather_into_tensor(u.flat, u.local)
+    def after_step(self):
+        """Stages 1-2: the next forward needs every unit whole and updated everywhere. The shard is
+        flat's own slice r, so the all-gather fills the rest of flat around it. (Stage 3 gathers
+        each unit when it is needed.)"""
+        if self.stage == 3:
+            return
+        for unit in self.units:
+            dist.all_gather_into_tensor(unit.flat, unit.shard)
 
 
-def parallelize(model, device, stage, offload=None, directory=None):
-    """ZeRO stage 1, 2 or 3, in place: model.parameters() become the shards. Offload "cpu" (on a GPU) or "disk"."""
-    model.zero = ZeRO(model, stage, offload, directory)
+def parallelize(model, device, stage):
+    """ZeRO at `stage`, in place: the engine goes to model.zero and model.parameters() become the
+    shards; make the optimizer over them, then hook_optimizer(model, optimizer)."""
+    model.zero = ZeRO(model, stage)
     return model
 
 
 def hook_optimizer(model, optimizer):
-    optimizer.register_step_pre_hook(lambda *_: model.zero.before_step())
-    optimizer.register_step_post_hook(lambda optimizer, *_: model.zero.after_step(optimizer))
+    """The engine's work around each optimizer.step(): the gradient shards handed to the optimizer
+    before it, the updated shards all-gathered after it."""
+    optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: model.zero.before_step())
+    optimizer.register_step_post_hook(lambda optimizer, args, kwargs: model.zero.after_step())
 
 
+@torch.no_grad()
 def full_state_dict(model):
-    """The plain state_dict of the common model, on every rank: every unit's shards all-gathered."""
-    sd = {}
-    for u in model.zero.units:
-        dist.all_gather_into_tensor(flat := u.local.new_empty(u.N), u.local)
-        sd.update(
-            {
-                key: flat[offset : offset + t.numel()].view_as(t).cpu().clone()
-                for key, t, offset in u.params
-            }
-        )
-    return sd
+    """The plain state_dict of the common model on rank 0 ({} on the others): every rank sends
+    its shard of each unit to rank 0, which cuts the whole unit back into the parameters."""
+    state = {}
+    for unit in model.zero.units:
+        if dist.get_rank() != 0:
+            dist.gather(unit.shard, dst=0)
+            continue
+        flat = torch.empty_like(unit.flat)  # the shards land in its W slices, in rank order
+        dist.gather(unit.shard, list(flat.chunk(dist.get_world_size())), dst=0)
+        for key, tensor, offset in unit.params:
+            view = flat[offset : offset + tensor.numel()].view_as(tensor)
+            state[key] = view.to("cpu", copy=True)
+    return state
 
 
 ### end: ZeRO
 
 
-def formula(psi, world, args, largest=0):
-    """The papers' per-rank bytes for Ψ' = psi (padded), S = largest, next to the Meter's; offload: the optimizer's."""
-    k, s, cpu, disk = (
-        8 if args.optim == "adamw" else 4,
-        args.stage,
-        args.offload == "cpu",
-        args.offload == "disk",
-    )
-    p, g, note = (
-        s == 3 or cpu,
-        s >= 2 or cpu,
-        {True: "4Ψ'/W sharded" + " (CPU)" * cpu, False: "4Ψ' replicated"},
-    )
+def formula(psi, world, args):
+    """ZeRO's per-rank bytes for Ψ' = psi (each unit padded to a multiple of W), which the report
+    sets next to what the Meter measured."""
+    k = 8 if args.optim == "adamw" else 4
+    params_sharded = args.stage == 3
+    grads_sharded = args.stage >= 2
     return dict(
-        param_bytes=4 * psi // (world if p else 1),
-        grad_bytes=4 * psi // (world if g else 1),
-        optim_bytes=0 if disk else k * psi // world,
-        optim_peak_bytes=k * largest if disk else None,
-        comm=dict(reduce_scatter=4 * psi, all_gather=(8 if s == 3 else 4) * psi),
+        param_bytes=4 * psi // world if params_sharded else 4 * psi,
+        grad_bytes=4 * psi // world if grads_sharded else 4 * psi,
+        optim_bytes=k * psi // world,
+        comm=dict(reduce_scatter=4 * psi, all_gather=(8 if args.stage == 3 else 4) * psi),
         notes=dict(
-            param_bytes=note[p],
-            grad_bytes=note[g],
-            reduce_scatter="Ψ' fp32 gradients",
-            optim_bytes=f"{k}Ψ'/W sharded "
-            + ("in files" if disk else "m, v" if k == 8 else "momentum"),
-            all_gather="2Ψ': before forward and backward" if s == 3 else "Ψ' updated parameters",
+            param_bytes="4Ψ'/W sharded" if params_sharded else "4Ψ' replicated",
+            grad_bytes="4Ψ'/W sharded" if grads_sharded else "4Ψ' replicated",
+            optim_bytes=f"{k}Ψ'/W sharded " + ("AdamW m, v" if k == 8 else "SGD momentum"),
+            reduce_scatter="Ψ' fp32 gradients; a ring sends (W-1)/W of it",
+            all_gather=(
+                "2Ψ': every unit before its forward and its backward"
+                if args.stage == 3
+                else "Ψ' updated parameters"
+            ),
         ),
     )
 
 
 def check_args(args, world):
     common.check(
-        args.offload != "disk"
-        or os.path.isdir(d := args.offload_dir or "")
-        and os.access(d, os.W_OK),
-        f"--offload disk needs --offload-dir DIR, an existing writable directory (got {args.offload_dir})",
-    )
-    common.check(
         args.batch_size % world == 0,
-        f"--batch-size {args.batch_size} is not divisible by world size {world}: every rank must get "
-        f"the same whole number of samples per step",
+        f"--batch-size {args.batch_size} is not divisible by world size {world}: "
+        "every rank must get the same whole number of samples per step",
     )
 
 
@@ -368,29 +404,23 @@ def run(args):
         if args.load:
             model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
         psi = sum(p.numel() for p in model.parameters())
-        if args.offload == "cpu" and device.type != "cuda":
-            common.log(
-                "--offload cpu: the device is the CPU, where the optimizer state lives anyway: no change"
-            )
-            args.offload = "none"
-        model = parallelize(model.to(device), device, args.stage, args.offload, args.offload_dir)
-        padded = world * sum(
-            p.numel() for p in model.parameters()
-        )  # Ψ': every unit padded to a multiple of W
+        model = parallelize(model.to(device), device, args.stage)
+        # Ψ': every unit padded to a multiple of W (model.parameters() are the shards now)
+        padded = world * sum(p.numel() for p in model.parameters())
         optimizer = common.make_optimizer(model.parameters(), args)
         hook_optimizer(model, optimizer)  # before the Meter's hook: its window sees the all-gather
         scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
         common.log(
-            f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data ({len(train_set)} train / "
-            f"{len(test_set)} test), batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
+            f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data "
+            f"({len(train_set)} train / {len(test_set)} test), "
+            f"batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
         )
         with common.Meter(model, optimizer, args) as meter:
             out = train(model, optimizer, scheduler, loader, sampler, args, device)
-        acc = evaluate(
-            model,
-            common.test_loader(test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"),
-            device,
+        test_loader = common.test_loader(
+            test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"
         )
+        acc = evaluate(model, test_loader, device)
         state = full_state_dict(model)  # every rank takes part; rank 0 holds the whole
         if rank == 0 and args.save:
             common.save_checkpoint(state, args.save)
@@ -406,8 +436,7 @@ def run(args):
             out,
             acc,
             meter,
-            formula(padded, world, args, max(p.numel() for p in model.parameters())),
-            offload=args.offload,
+            formula(padded, world, args),
             params_padded=padded,
         )
     finally:
@@ -423,16 +452,7 @@ def main():
         type=int,
         choices=[1, 2, 3],
         default=1,
-        help="1: shard optimizer state, 2: + grads, 3: + params",
-    )
-    parser.add_argument(
-        "--offload",
-        choices=["none", "cpu", "disk"],
-        default="none",
-        help="ZeRO-Offload / -Infinity",
-    )
-    parser.add_argument(
-        "--offload-dir", default=None, help="--offload disk: where each rank's unit files go"
+        help="1: shard the optimizer state, 2: + the gradients, 3: + the parameters",
     )
     args = common.parse_args(parser)
     check_args(args, common.world_size(args))

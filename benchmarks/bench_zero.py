@@ -9,7 +9,7 @@ slow moment on a shared machine hits all of them alike. The median step time of 
 After the warm-up, each pair's parameters are compared (the same steps from the same seed).
 
     torchrun --standalone --nproc_per_node=2 benchmarks/bench_zero.py --dim 256 --depth 8
-    python benchmarks/bench_zero.py --nproc 2 --dim 256 --depth 8     # through mp.spawn on a free port
+    python benchmarks/bench_zero.py --nproc 2 --dim 256 --depth 8   # through mp.spawn, a free port
 """
 
 import os
@@ -34,95 +34,98 @@ PAIRS = [
 ]
 
 
+def ddp_state_dict(model):
+    return {key: value.detach().cpu() for key, value in model.module.state_dict().items()}
+
+
 def variants(args, device):
-    """name -> (model, optimizer, full_state_dict); every model starts from the same seed. Each loop
-    is the skeleton's: forward, loss, backward, optimizer.step(), optimizer.zero_grad(set_to_none=True)."""
+    """name -> (model, optimizer, full_state_dict); every model starts from the same seed. Each
+    loop is the skeleton's: forward, loss, backward, optimizer.step(), optimizer.zero_grad()."""
     out = {}
     model = DDP(
         common.build_model(args).to(device),
         device_ids=[device.index] if device.type == "cuda" else None,
     )
-    cls, kw = (
-        (torch.optim.SGD, dict(momentum=0.9))
-        if args.optim == "sgd"
-        else (torch.optim.AdamW, dict(weight_decay=0.01))
-    )
-    opt = ZeroRedundancyOptimizer(
-        model.parameters(), optimizer_class=cls, lr=args.lr, **kw
-    )  # = make_optimizer
-    out["ddp+ZeroRedundancyOptimizer"] = (
-        model,
-        opt,
-        lambda m=model: {k: v.detach().cpu() for k, v in m.module.state_dict().items()},
-    )
+    if args.optim == "sgd":  # what common.make_optimizer builds
+        optimizer = ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=torch.optim.SGD, lr=args.lr, momentum=0.9
+        )
+    else:
+        optimizer = ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=torch.optim.AdamW, lr=args.lr, weight_decay=0.01
+        )
+    out["ddp+ZeroRedundancyOptimizer"] = (model, optimizer, ddp_state_dict)
     for stage in (1, 3):
-        model = zero.parallelize(common.build_model(args).to(device), device, stage, offload=False)
-        opt = common.make_optimizer(model.parameters(), args)
-        zero.hook_optimizer(model, opt)
-        out[f"zero.py stage {stage}"] = (model, opt, lambda m=model: zero.full_state_dict(m))
+        model = zero.parallelize(common.build_model(args).to(device), device, stage)
+        optimizer = common.make_optimizer(model.parameters(), args)
+        zero.hook_optimizer(model, optimizer)
+        out[f"zero.py stage {stage}"] = (model, optimizer, zero.full_state_dict)
     model = fsdp.parallelize(common.build_model(args).to(device), device)  # fsdp.py's defaults
-    out["fsdp.py (FSDP2)"] = (
-        model,
-        common.make_optimizer(model.parameters(), args),
-        lambda m=model: fsdp.full_state_dict(m),
-    )
+    optimizer = common.make_optimizer(model.parameters(), args)
+    out["fsdp.py (FSDP2)"] = (model, optimizer, fsdp.full_state_dict)
     return out
 
 
 def snapshot(state):
-    """A copy: on the CPU .cpu() returns the tensor itself, which the timed steps go on to change."""
-    return {k: v.clone() for k, v in (state or {}).items()}
+    """A copy: on the CPU .cpu() returns the tensor itself, which the timed steps go on to change.
+    zero.py's full_state_dict is {} on every rank but 0."""
+    return {key: value.clone() for key, value in state.items()}
 
 
-def step(model, opt, x, y):
+def step(model, optimizer, x, y):
     loss = F.cross_entropy(model(x), y)
     loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def run(args):
     rank, world, device, backend = zero.setup(args)
     try:
-        g = torch.Generator().manual_seed(rank)
-        x = torch.randn(args.batch_size // world, 1, 28, 28, generator=g).to(device)
-        y = torch.randint(0, 10, (args.batch_size // world,), generator=g).to(device)
+        generator = torch.Generator().manual_seed(rank)
+        x = torch.randn(args.batch_size // world, 1, 28, 28, generator=generator).to(device)
+        y = torch.randint(0, 10, (args.batch_size // world,), generator=generator).to(device)
         runs = variants(args, device)
-        times, states = {name: [] for name in runs}, {}
-        for name, (model, opt, state) in runs.items():
+        times = {name: [] for name in runs}
+        states = {}
+        for name, (model, optimizer, state_dict) in runs.items():
             for _ in range(args.warmup_steps):
-                step(model, opt, x, y)
-            states[name] = snapshot(state())  # collective; the whole state_dict on rank 0
+                step(model, optimizer, x, y)
+            states[name] = snapshot(state_dict(model))  # collective; the whole state on rank 0
         for _ in range(args.rounds):
-            for name, (model, opt, _) in runs.items():
+            for name, (model, optimizer, _) in runs.items():
                 dist.barrier()
-                t0 = time.perf_counter()
+                start = time.perf_counter()
                 for _ in range(args.steps):
-                    step(model, opt, x, y)
+                    step(model, optimizer, x, y)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 dist.barrier()
-                times[name].append((time.perf_counter() - t0) / args.steps)
-        med = {name: statistics.median(t) for name, t in times.items()}
+                times[name].append((time.perf_counter() - start) / args.steps)
+        median = {name: statistics.median(seconds) for name, seconds in times.items()}
         psi = sum(p.numel() for p in common.build_model(args).parameters())
         common.log(
-            f"\nW={world}, {backend} on {device.type}, Ψ = {psi:,}, batch {args.batch_size}, {args.optim}, "
-            f"median of {args.rounds} rounds x {args.steps} steps"
+            f"\nW={world}, {backend} on {device.type}, Ψ = {psi:,}, batch {args.batch_size}, "
+            f"{args.optim}, median of {args.rounds} rounds x {args.steps} steps"
         )
-        for name, t in med.items():
+        for name, seconds in median.items():
             rounds = ", ".join(f"{1000 * s:.0f}" for s in times[name])
-            common.log(f"  {name:<30}{1000 * t:9.1f} ms/step   (rounds: {rounds})")
-        ratios, diffs = {}, {}
-        for mine, ref, target in PAIRS:
-            ratios[mine] = med[mine] / med[ref]
+            common.log(f"  {name:<30}{1000 * seconds:9.1f} ms/step   (rounds: {rounds})")
+        ratios = {}
+        diffs = {}
+        for mine, reference, target in PAIRS:
+            ratios[mine] = median[mine] / median[reference]
             if rank == 0:
                 diffs[mine] = max(
-                    (states[mine][k].double() - states[ref][k].double()).abs().max().item()
-                    for k in states[ref]
+                    (states[mine][key].double() - states[reference][key].double())
+                    .abs()
+                    .max()
+                    .item()
+                    for key in states[reference]
                 )
                 common.log(
-                    f"  {mine} / {ref} = {ratios[mine]:.2f}x   (target <= {target}x; parameters after "
-                    f"{args.warmup_steps} steps differ by {diffs[mine]:.2g})"
+                    f"  {mine} / {reference} = {ratios[mine]:.2f}x   (target <= {target}x; "
+                    f"parameters after {args.warmup_steps} steps differ by {diffs[mine]:.2g})"
                 )
         common.result(
             script="bench_zero",
@@ -130,7 +133,7 @@ def run(args):
             backend=backend,
             device=device.type,
             params=psi,
-            ms_per_step={k: 1000 * v for k, v in med.items()},
+            ms_per_step={name: 1000 * seconds for name, seconds in median.items()},
             stage1_vs_ddp_zero=ratios[PAIRS[0][0]],
             stage3_vs_fsdp=ratios[PAIRS[1][0]],
             max_param_diff=diffs,
@@ -144,10 +147,10 @@ def main():
         "zero.py vs DDP+ZeroRedundancyOptimizer and vs FSDP2: step-time ratios"
     )
     parser.conflict_handler = "resolve"  # --warmup here counts untimed steps, not the lr warm-up
-    g = parser.add_argument_group("benchmark")
-    g.add_argument("--steps", type=int, default=10, help="timed steps per variant per round")
-    g.add_argument("--rounds", type=int, default=5)
-    g.add_argument(
+    group = parser.add_argument_group("benchmark")
+    group.add_argument("--steps", type=int, default=10, help="timed steps per variant per round")
+    group.add_argument("--rounds", type=int, default=5)
+    group.add_argument(
         "--warmup", dest="warmup_steps", type=int, default=3, help="untimed steps per variant first"
     )
     parser.set_defaults(warmup=0.0)  # the shared lr warm-up fraction: no schedule is stepped here

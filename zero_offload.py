@@ -1,0 +1,597 @@
+"""ZeRO stages 1-3, written out with torch.distributed. Like DDP, every rank trains on its slice of
+each global batch; unlike DDP, the W ranks split among them what DDP replicates: the optimizer
+state (stage 1), also the gradients (stage 2), also the parameters (stage 3).
+
+The model is cut into units (the embedding, every block, the head). A unit's parameters are views
+into one flat fp32 buffer, zero-padded to N = W·S elements; rank r owns the shard flat[r·S:(r+1)·S]
+and its optimizer steps that shard only:
+
+    a unit's flat buffer:  [ shard 0 | shard 1 | ... | shard W-1 ]
+
+                 stage 1 (P_os)     stage 2 (P_os+g)         stage 3 (P_os+g+p)
+    parameters   whole              whole                    own shard; the unit all-gathered
+                                                             before its forward and again before
+                                                             its backward, freed after each
+    gradients    whole              own shard (the unit's    own shard
+                                    whole gradient freed
+                                    once reduce-scattered)
+    optimizer    own shard          own shard                own shard
+
+    backward, unit by unit:  the unit's gradient --reduce-scatter / W--> own shard of the average
+    step:                    each rank steps its shards; stages 1-2 all-gather the updated shards
+
+Memory per rank (fp32, AdamW: 4 bytes of parameters, 4 of gradient, 8 of m and v per element; Ψ'
+is Ψ with each unit padded to a multiple of W):
+    stage 1 (P_os):      4Ψ' + 4Ψ' + 8Ψ'/W          (DDP: 4Ψ + 4Ψ + 8Ψ = 16Ψ)
+    stage 2 (P_os+g):    4Ψ' + 12Ψ'/W
+    stage 3 (P_os+g+p):  16Ψ'/W, plus the units whole at the moment (about two: the one computing
+                         and the next, whose all-gather is prefetched)
+Communication per step and rank: Ψ' gradient elements reduce-scattered and Ψ' updated parameters
+all-gathered, DDP's all-reduce in two halves; stage 3 all-gathers every unit twice (before its
+forward and before its backward) instead of once after the step: 2Ψ' all-gathered. A ring sends
+(W-1)/W of each collective's bytes.
+
+Offload (this file is zero.py plus the offload; `diff -u zero.py zero_offload.py` shows it):
+--offload cpu (ZeRO-Offload): each unit's fp32 master shard and its gradient live in CPU buffers
+    allocated once (pinned on a GPU machine), the optimizer state beside them in CPU memory, and the
+    optimizer steps there. As backward reduce-scatters a unit, its gradient shard is copied to the
+    CPU without the host waiting; after the step the master goes back to the device shard, the
+    working copy that forward and the all-gathers use. Device memory: the shards and whole units of
+    the stage, no optimizer state. On a CPU device the same path runs with ordinary memory.
+--offload disk --offload-dir DIR (ZeRO-Infinity): each unit's master shard and optimizer state live
+    in DIR/zero-rank<r>-unit<i>.pt, written anew at the start and left there. The step goes unit by
+    unit: read the file (a thread reads the next one meanwhile), step an optimizer over that unit
+    alone, write the file back atomically (temporary file, flush, fsync, rename: a crash leaves the
+    old file or the new one, whole). The optimizer holds kS bytes of state, one unit's (two units'
+    files are in CPU memory at once: the one stepping and the next), not kΨ'/W; the gradient shards
+    wait in device memory until the step. DeepSpeed swaps through pinned buffers with asynchronous
+    O_DIRECT reads and writes (libaio) instead of torch.save and a thread.
+
+    torchrun --standalone --nproc_per_node=4 zero_offload.py --stage 3 --offload cpu
+    torchrun --standalone --nproc_per_node=4 zero_offload.py --offload disk --offload-dir DIR
+"""
+
+import datetime
+import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler
+
+import common
+
+SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
+
+
+### begin: ZeRO
+# Model contract: model.embed, model.blocks (a sequence) and model.head hold every parameter (the
+# units ZeRO flattens) and forward runs them in that order, each returning one tensor; every
+# parameter gets a gradient in every backward; the same weights on every rank's device.
+
+
+class Unit:
+    """One module's parameters as views into a single flat buffer, and this rank's shard of it.
+
+    flat   N = W·S elements: the parameters one after another, then zeros up to a multiple of W
+    shard  flat[r·S:(r+1)·S], now the module's only nn.Parameter: what this rank's optimizer steps.
+           At stage 3 it is a copy, so that `flat` can be freed whenever the unit is not in use.
+    """
+
+    @torch.no_grad()
+    def __init__(self, name, module, rank, world, stage):
+        named = list(module.named_parameters())
+        numel = sum(param.numel() for _, param in named)
+        self.shard_numel = (numel + world - 1) // world  # S: numel / W, rounded up
+        self.flat = named[0][1].new_zeros(world * self.shard_numel)
+        self.params = []  # (state_dict key, the tensor in the parameter's place, offset in flat)
+        offset = 0
+        for param_name, param in named:
+            view = self.flat[offset : offset + param.numel()].view_as(param)
+            view.copy_(param)
+            tensor = replace_with_view(module, param_name, view)
+            self.params.append((f"{name}.{param_name}", tensor, offset))
+            offset += param.numel()
+        shard = self.flat[rank * self.shard_numel : (rank + 1) * self.shard_numel]
+        if stage == 3:
+            shard = shard.clone()
+        self.shard = nn.Parameter(shard)
+        module.shard = self.shard  # registered: model.parameters() are now the shards
+        self.flat_grad = None  # the unit's whole gradient, while it exists (always, at stage 1)
+        self.grad_shard = None  # this rank's shard of the averaged gradient, until the step
+        self.grads_arrived = 0  # how many of its parameters' gradients this backward has produced
+
+    def free(self):
+        """Stage 3: drop the whole parameters' memory (the shard keeps this rank's part)."""
+        self.flat.untyped_storage().resize_(0)
+
+    def allocate(self):
+        self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
+
+
+def replace_with_view(module, name, view):
+    """Put a plain tensor holding `view` where the parameter `name` was, and return it.
+
+    Its .data is set to the view instead of it being the view: it then has its own version counter,
+    so when stage 3 all-gathers into `flat` again before the backward (an in-place write), autograd
+    does not take the tensors it saved in forward for modified ones."""
+    owner_name, _, attribute = name.rpartition(".")
+    owner = module.get_submodule(owner_name)
+    tensor = torch.empty(0, dtype=view.dtype, device=view.device, requires_grad=True)
+    tensor.data = view
+    delattr(owner, attribute)  # a plain attribute from now on: the unit's shard is the parameter
+    setattr(owner, attribute, tensor)
+    return tensor
+
+
+@torch.no_grad()
+def move_master_to_cpu(unit, module, pin_memory):
+    """ZeRO-Offload: the optimizer steps an fp32 master copy of the shard in CPU memory, next to its
+    gradient, both allocated once. Pinned memory lets copies between it and the GPU run without the
+    host waiting. The shard on the device stays, as the working copy."""
+    unit.master = nn.Parameter(torch.empty_like(unit.shard, device="cpu", pin_memory=pin_memory))
+    unit.master.copy_(unit.shard)
+    unit.master_grad = torch.empty_like(unit.master, pin_memory=pin_memory)
+    module.shard = unit.master  # the module's parameter now: model.parameters() are the masters
+
+
+def save_atomically(obj, path):
+    """torch.save to a temporary file, forced to the disk, then renamed over `path`: killed at any
+    moment, the process leaves the old file or the new one, whole."""
+    temporary = f"{path}.tmp"
+    with open(temporary, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
+
+
+class ZeRO:
+    """The engine, kept at model.zero. Its hooks reduce-scatter each unit's gradient as soon as the
+    unit's backward is done and, at stage 3, gather each unit's parameters just before forward or
+    backward needs them and free them right after; before_step / after_step wrap the step."""
+
+    def __init__(self, model, stage, offload, directory, pin_memory):
+        self.stage = stage
+        self.offload = offload
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        modules = [model.embed, *model.blocks, model.head]  # the order forward runs them in
+        names = {module: name for name, module in model.named_modules()}
+        self.units = [Unit(names[m], m, self.rank, self.world, stage) for m in modules]
+        self.reducing = None  # (unit, work): the reduce-scatter in flight, at most one
+        self.gathering = {}  # unit index -> work: stage 3's all-gathers in flight
+        for unit in self.units:
+            for _, tensor, offset in unit.params:
+                hook = functools.partial(self.gradient_arrived, unit, offset)
+                tensor.register_post_accumulate_grad_hook(hook)
+        if stage == 3:
+            for index, module in enumerate(modules):
+                self.units[index].free()
+                module.register_forward_pre_hook(functools.partial(self.before_forward, index))
+                module.register_forward_hook(functools.partial(self.after_forward, index))
+        if offload == "cpu":
+            for index, module in enumerate(modules):
+                move_master_to_cpu(self.units[index], module, pin_memory)
+        if offload == "disk":
+            self.reader = ThreadPoolExecutor(1)  # reads the next unit's file while one steps
+            for index, unit in enumerate(self.units):  # each rank its own files
+                unit.path = os.path.join(directory, f"zero-rank{self.rank}-unit{index}.pt")
+
+    # stage 3: a unit is whole only around its forward and its backward
+
+    def before_forward(self, index, module, args):
+        self.gather(index)
+        self.prefetch(index + 1)
+
+    def after_forward(self, index, module, args, output):
+        self.units[index].free()
+        if output.requires_grad:  # training: the gradient reaching this output starts its backward
+            output.register_hook(functools.partial(self.before_backward, index))
+
+    def before_backward(self, index, grad):
+        self.gather(index)
+        self.prefetch(index - 1)  # backward runs the units in reverse
+
+    @torch.no_grad()  # the parameters' values change, not what autograd tracks
+    def prefetch(self, index):
+        """Start unit `index`'s all-gather without waiting for it, as FSDP2 does: the network moves
+        the next unit's parameters while this unit computes, off the critical path."""
+        if index in self.gathering or not 0 <= index < len(self.units):
+            return
+        unit = self.units[index]
+        unit.allocate()
+        self.gathering[index] = dist.all_gather_into_tensor(unit.flat, unit.shard, async_op=True)
+
+    @torch.no_grad()
+    def gather(self, index):
+        """Unit `index` whole: wait for its prefetched all-gather, or start it now if none was."""
+        self.prefetch(index)
+        self.gathering.pop(index).wait()
+
+    # every stage: a unit's gradient is reduce-scattered as soon as it is complete
+
+    @torch.no_grad()
+    def gradient_arrived(self, unit, offset, tensor):
+        """Autograd has put `tensor`'s gradient in .grad: move it into the unit's flat gradient. The
+        model contract gives every parameter a gradient in every backward, so the unit's gradient
+        is complete when all of its parameters' have arrived."""
+        if unit.flat_grad is None:
+            unit.flat_grad = unit.flat.new_zeros(unit.flat.numel())  # the padding stays zero
+        unit.flat_grad[offset : offset + tensor.numel()].copy_(tensor.grad.flatten())
+        tensor.grad = None
+        unit.grads_arrived += 1
+        if unit.grads_arrived == len(unit.params):
+            unit.grads_arrived = 0  # ready for the next backward
+            self.reduce_scatter(unit)
+
+    def reduce_scatter(self, unit):
+        """Start reduce-scattering the unit's gradient: rank r gets shard r of the average."""
+        self.finish_reduce_scatter()  # one at a time: at most two whole gradients exist at once
+        unit.flat_grad.div_(self.world)  # Σ_ranks grad/W: the global batch's mean gradient, as DDP
+        if self.stage == 1:
+            # stage 1 keeps the whole gradient anyway: the result goes in place, into this rank's
+            # own slice of it (the layout NCCL's in-place reduce-scatter asks for)
+            shard = slice(self.rank * unit.shard_numel, (self.rank + 1) * unit.shard_numel)
+            unit.grad_shard = unit.flat_grad[shard]
+        else:
+            unit.grad_shard = unit.flat_grad.new_empty(unit.shard_numel)
+        work = dist.reduce_scatter_tensor(unit.grad_shard, unit.flat_grad, async_op=True)
+        self.reducing = (unit, work)
+        if self.stage == 3:
+            unit.free()  # its backward is done
+
+    def finish_reduce_scatter(self, last=False):
+        if self.reducing is None:
+            return
+        unit, work = self.reducing
+        work.wait()
+        self.reducing = None
+        if self.offload == "cpu":
+            # ZeRO-Offload: the gradient shard to the CPU while backward goes on. The copies run in
+            # order on the device's stream, so only the last one makes the host wait: when it
+            # returns, every unit's gradient has landed, and the step on the host can read them.
+            unit.master_grad.copy_(unit.grad_shard, non_blocking=not last)
+            unit.grad_shard = None
+        if self.stage >= 2:
+            unit.flat_grad = None  # only this rank's shard of the gradient stays
+
+    # the step: each rank steps its own shards
+
+    def before_step(self):
+        self.finish_reduce_scatter(last=True)  # the last unit's (the embedding's)
+        for unit in self.units:
+            if self.offload == "cpu":  # the optimizer steps the master (zero_grad drops .grad)
+                unit.master.grad = unit.master_grad
+            if self.offload == "none":  # (disk: the gradient shards wait for step_on_disk)
+                unit.shard.grad = unit.grad_shard
+                unit.grad_shard = None  # the optimizer's now: zero_grad(set_to_none=True) frees it
+
+    @torch.no_grad()
+    def after_step(self, optimizer):
+        """Stages 1-2: the next forward needs every unit whole and updated everywhere. The shard is
+        flat's own slice r, so the all-gather fills the rest of flat around it. (Stage 3 gathers
+        each unit when it is needed.)"""
+        if self.offload == "disk":
+            self.step_on_disk(optimizer)
+        if self.offload == "cpu":
+            for unit in self.units:
+                # the host goes on at once: the next before_step's last copy waits for this one
+                unit.shard.copy_(unit.master, non_blocking=True)
+        if self.stage == 3:
+            return
+        for unit in self.units:
+            dist.all_gather_into_tensor(unit.flat, unit.shard)
+
+    # ZeRO-Infinity: the master shards and the optimizer state on disk, one unit in memory at a time
+
+    def write_unit_files(self, optimizer):
+        """Each unit's file, written anew: its master shard and the empty state of an optimizer
+        like `optimizer` over it."""
+        for unit in self.units:
+            master = nn.Parameter(unit.shard.to("cpu", copy=True))
+            fresh = type(optimizer)([master])
+            save_atomically(dict(master=master.detach(), optimizer=fresh.state_dict()), unit.path)
+
+    def step_on_disk(self, optimizer):
+        """Step the units one at a time, from their files; a thread reads the next unit's file
+        while this one steps."""
+        # the hyperparameters of this step (the schedule sets the learning rate on `optimizer`)
+        group = optimizer.param_groups[0]
+        hyperparameters = {key: value for key, value in group.items() if key != "params"}
+        reading = self.reader.submit(torch.load, self.units[0].path, weights_only=True)
+        for index, unit in enumerate(self.units):
+            saved = reading.result()
+            if index + 1 < len(self.units):
+                next_path = self.units[index + 1].path
+                reading = self.reader.submit(torch.load, next_path, weights_only=True)
+            self.step_unit(unit, saved, type(optimizer), hyperparameters)
+
+    def step_unit(self, unit, saved, optimizer_class, hyperparameters):
+        """One unit's step: an optimizer over its master shard alone, its state from the file."""
+        master = nn.Parameter(saved["master"])
+        master.grad = unit.grad_shard.cpu()
+        unit.grad_shard = None
+        unit_optimizer = optimizer_class([master])
+        unit_optimizer.load_state_dict(saved["optimizer"])
+        unit_optimizer.param_groups[0].update(hyperparameters)  # the file holds the last step's
+        unit_optimizer.step()
+        state = dict(master=master.detach(), optimizer=unit_optimizer.state_dict())
+        save_atomically(state, unit.path)
+        unit.shard.copy_(master)
+
+
+def parallelize(model, device, stage, offload="none", directory=None):
+    """ZeRO at `stage`, in place: the engine goes to model.zero and model.parameters() become the
+    shards; make the optimizer over them, then hook_optimizer(model, optimizer). Offload "cpu" or
+    "disk" (into `directory`)."""
+    model.zero = ZeRO(model, stage, offload, directory, pin_memory=device.type == "cuda")
+    return model
+
+
+def hook_optimizer(model, optimizer):
+    """The engine's work around each optimizer.step(): the gradient shards handed to the optimizer
+    before it, the updated shards all-gathered after it."""
+    if model.zero.offload == "disk":
+        model.zero.write_unit_files(optimizer)
+    optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: model.zero.before_step())
+    optimizer.register_step_post_hook(
+        lambda optimizer, args, kwargs: model.zero.after_step(optimizer)
+    )
+
+
+@torch.no_grad()
+def full_state_dict(model):
+    """The plain state_dict of the common model on rank 0 ({} on the others): every rank sends
+    its shard of each unit to rank 0, which cuts the whole unit back into the parameters."""
+    state = {}
+    for unit in model.zero.units:
+        if dist.get_rank() != 0:
+            dist.gather(unit.shard, dst=0)
+            continue
+        flat = torch.empty_like(unit.flat)  # the shards land in its W slices, in rank order
+        dist.gather(unit.shard, list(flat.chunk(dist.get_world_size())), dst=0)
+        for key, tensor, offset in unit.params:
+            view = flat[offset : offset + tensor.numel()].view_as(tensor)
+            state[key] = view.to("cpu", copy=True)
+    return state
+
+
+### end: ZeRO
+
+
+def formula(psi, world, args, largest=0):
+    """ZeRO's per-rank bytes for Ψ' = psi (each unit padded to a multiple of W), which the report
+    sets next to what the Meter measured. --offload cpu: the parameters the optimizer steps are the
+    CPU master shards, with their gradients. --offload disk: the optimizer holds one unit's state
+    at a time, at most the largest shard's (S = largest); the gradient shards wait in the engine,
+    which the Meter (reading .grad) does not see."""
+    k = 8 if args.optim == "adamw" else 4
+    cpu = args.offload == "cpu"
+    disk = args.offload == "disk"
+    params_sharded = args.stage == 3 or cpu
+    grads_sharded = args.stage >= 2 or cpu
+    on_cpu = " (CPU)" if cpu else ""
+    state_where = " in files" if disk else on_cpu
+    return dict(
+        param_bytes=4 * psi // world if params_sharded else 4 * psi,
+        grad_bytes=None if disk else (4 * psi // world if grads_sharded else 4 * psi),
+        optim_bytes=0 if disk else k * psi // world,
+        optim_peak_bytes=k * largest if disk else None,
+        comm=dict(reduce_scatter=4 * psi, all_gather=(8 if args.stage == 3 else 4) * psi),
+        notes=dict(
+            param_bytes=("4Ψ'/W sharded" if params_sharded else "4Ψ' replicated") + on_cpu,
+            grad_bytes=(
+                "held by the engine until the step, not in .grad: not measured"
+                if disk
+                else ("4Ψ'/W sharded" if grads_sharded else "4Ψ' replicated") + on_cpu
+            ),
+            optim_bytes=f"{k}Ψ'/W sharded "
+            + ("AdamW m, v" if k == 8 else "SGD momentum")
+            + state_where,
+            optim_peak_bytes=f"{k}S: the largest unit's shard, in memory while it steps",
+            reduce_scatter="Ψ' fp32 gradients; a ring sends (W-1)/W of it",
+            all_gather=(
+                "2Ψ': every unit before its forward and its backward"
+                if args.stage == 3
+                else "Ψ' updated parameters"
+            ),
+        ),
+    )
+
+
+def check_args(args, world):
+    if args.offload == "disk":
+        directory = args.offload_dir or ""
+        common.check(
+            os.path.isdir(directory) and os.access(directory, os.W_OK),
+            "--offload disk needs --offload-dir DIR, an existing writable directory "
+            f"(got {args.offload_dir})",
+        )
+    common.check(
+        args.batch_size % world == 0,
+        f"--batch-size {args.batch_size} is not divisible by world size {world}: "
+        "every rank must get the same whole number of samples per step",
+    )
+
+
+def setup(args):
+    """Join the process group. torchrun (or common.launch) put RANK, WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT in the environment; LOCAL_RANK picks this process's GPU."""
+    backend, device = common.pick_backend(args.backend)  # NCCL and a GPU per rank, else Gloo
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = datetime.timedelta(seconds=args.timeout)
+    # torchrun keeps one store across restarts (--max-restarts): prefix it per attempt, or a
+    # restarted rank may read the address of a worker that died in the last attempt and hang.
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"attempt_{attempt}", store)
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+        # NCCL: bind the communicator to this GPU now (not lazily at the first collective), so
+        # that device meshes can split it and the first call is not a point-to-point one.
+        device_id=device if device.type == "cuda" else None,
+    )
+    return rank, world, device, backend
+
+
+def cleanup():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
+    """The loop every script shares: forward, loss, backward, step, schedule, log."""
+    stop = args.max_steps or float("inf")
+    world = dist.get_world_size()
+    loss_sum = torch.zeros((), device=device)  # stays on the device until a logging step
+    losses_summed = 0
+    last_loss = float("nan")
+    for epoch in range(step // len(loader), args.epochs):
+        if step >= stop:
+            break
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        loader.dataset.set_epoch(epoch)  # and new augmentations (--shift), the same everywhere
+        model.train()
+        bar = common.progress(loader, args, epoch)
+        for i, (x, y) in enumerate(bar):
+            x = x.to(device, non_blocking=True)
+            y = y.to(device, non_blocking=True)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            loss_sum += loss.detach()
+            losses_summed += 1
+            if step % args.log_every == 0 or step >= stop or i + 1 == len(loader):
+                dist.all_reduce(loss_sum)  # each rank's loss is its slice's: average them
+                last_loss = loss_sum.item() / world / losses_summed
+                loss_sum.zero_()
+                losses_summed = 0
+                common.log_loss(bar, args, epoch, step, last_loss)
+            if step >= stop:
+                break
+        common.log(f"epoch {epoch}: step {step}, train loss {last_loss:.4f}")
+    return dict(steps=step, loss=last_loss)
+
+
+@torch.no_grad()
+def evaluate(model, loader, device):
+    """Exact: the loader pads every rank to the same number of batches (padding masked out), so
+    every rank runs the same forward passes and collectives and each sample counts once."""
+    model.eval()
+    counts = torch.zeros(2, dtype=torch.long, device=device)
+    for x, y, keep in loader:
+        x, y, keep = x.to(device), y.to(device), keep.to(device)
+        counts += torch.stack([((model(x).argmax(1) == y) & keep).sum(), keep.sum()])
+    dist.all_reduce(counts)
+    return counts[0].item() / max(counts[1].item(), 1)
+
+
+def run(args):
+    """One rank, in the seeds' order: join the group, deal the data, build the model, wrap it,
+    train, evaluate, save on rank 0, leave the group."""
+    rank, world, device, backend = setup(args)
+    try:
+        train_set, test_set, source = common.load_data(args, device)
+        dp_rank, dp_world = rank, world  # every rank is a data-parallel rank
+        sampler = DistributedSampler(
+            train_set,
+            num_replicas=dp_world,
+            rank=dp_rank,
+            shuffle=True,
+            seed=args.seed,
+            drop_last=True,
+        )
+        loader = DataLoader(
+            train_set,
+            batch_size=args.batch_size // dp_world,
+            sampler=sampler,
+            drop_last=True,
+            pin_memory=device.type == "cuda",
+        )
+        common.check(
+            len(loader) > 0,
+            f"{len(train_set)} training samples make no full batch of {args.batch_size}",
+        )
+        model = common.build_model(args)  # the same seeded weights on every rank
+        if args.load:
+            model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
+        psi = sum(p.numel() for p in model.parameters())
+        model = parallelize(model.to(device), device, args.stage, args.offload, args.offload_dir)
+        # Ψ': every unit padded to a multiple of W (model.parameters() are the shards now)
+        padded = world * sum(p.numel() for p in model.parameters())
+        optimizer = common.make_optimizer(model.parameters(), args)
+        hook_optimizer(model, optimizer)  # before the Meter's hook: its window sees the all-gather
+        scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
+        common.log(
+            f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data "
+            f"({len(train_set)} train / {len(test_set)} test), "
+            f"batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
+        )
+        with common.Meter(model, optimizer, args) as meter:
+            out = train(model, optimizer, scheduler, loader, sampler, args, device)
+        test_loader = common.test_loader(
+            test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"
+        )
+        acc = evaluate(model, test_loader, device)
+        state = full_state_dict(model)  # every rank takes part; rank 0 holds the whole
+        if rank == 0 and args.save:
+            common.save_checkpoint(state, args.save)
+            common.log(f"saved {args.save}")
+        common.report(
+            SCRIPT,
+            args,
+            world,
+            backend,
+            device,
+            source,
+            psi,
+            out,
+            acc,
+            meter,
+            formula(padded, world, args, max(p.numel() for p in model.parameters())),
+            params_padded=padded,
+            offload=args.offload,
+        )
+    finally:
+        cleanup()
+
+
+def main():
+    parser = common.get_parser(
+        "ZeRO stages 1-3 written out with torch.distributed, on the common ViT"
+    )
+    parser.add_argument(
+        "--stage",
+        type=int,
+        choices=[1, 2, 3],
+        default=1,
+        help="1: shard the optimizer state, 2: + the gradients, 3: + the parameters",
+    )
+    parser.add_argument(
+        "--offload",
+        choices=["none", "cpu", "disk"],
+        default="none",
+        help="cpu: ZeRO-Offload, disk: ZeRO-Infinity (with --offload-dir)",
+    )
+    parser.add_argument(
+        "--offload-dir", default=None, help="--offload disk: where each rank's unit files go"
+    )
+    args = common.parse_args(parser)
+    check_args(args, common.world_size(args))
+    common.launch(run, args)
+
+
+if __name__ == "__main__":
+    main()
