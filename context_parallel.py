@@ -1,29 +1,46 @@
-"""Context parallelism: each of W ranks holds the whole model and T/W tokens of every sample (the whole
-batch); only attention needs the others. Ring attention (Liu et al. 2023) passes K/V blocks around a ring,
-merged by the online softmax; DeepSpeed-Ulysses (Jacobs et al. 2023) all-to-alls the token split into a
-head split for attention, and back. The rest runs on local tokens; gradients are summed.
+"""Context parallelism: each of W ranks holds the whole model and T/W of the tokens of every
+sample (the whole batch). Only attention needs the other ranks' tokens. Ring attention (Liu et
+al. 2023) passes the key/value blocks round a ring and merges them with the online softmax;
+DeepSpeed-Ulysses (Jacobs et al. 2023) all-to-alls the token split into a head split for
+attention, and back. Everything else runs on local tokens; DDP sums the weight gradients.
 
-    ring, W = 4, rank r holds Q_r:   step  0    1    2    3     each step: post the send of K/V to r+1 and
-                             rank 0:     KV0  KV3  KV2  KV1     the receive from r-1 (one batch), compute
-                             rank 1:     KV1  KV0  KV3  KV2     with the block in hand, then wait
-    merge block j (per query, S_j = Q·K_jᵀ/√d):  m' = max(m, rowmax S_j),  l' = l·e^(m-m') + rowsum e^(S_j-m'),
-        O' = O·e^(m-m') + e^(S_j-m')·V_j;  at the end out = O / l, and lse = m + log l is kept for backward
-    ulysses:  [B, T/W, H, d] --all-to-all--> [B, T, H/W, d] --attention--> --all-to-all--> [B, T/W, H, d]
+Ring attention, W = 4: rank r keeps its queries Q_r; one K/V block is in hand at a time.
 
-Memory per rank (fp32): 16Ψ as DDP; activations / W: attention's (4a·B·T·D + 4·B·H·T)/W bytes a block, a = 5
-[B, T/W, D] tensors (input, q, k, v, out) for ring, 6 for Ulysses (+ proj input), and lse. Ring never holds
-T×T scores: one (T/W)² block a step, recomputed from lse in backward; Ulysses' kernel sees T×T for H/W
-heads. Communication per step (K/V block: 2·B·(T/W)·D fp32): ring sends W-1 blocks per attention forward,
-2(W-1) backward (K/V again, dK/dV partial sums); Ulysses 4 all-to-alls of B·T·D/W forward, 4 backward;
-both all-reduce B·D pooled features (the head) and, as DDP, Ψ gradients.
+    step      0     1     2     3      Each step, in one batch_isend_irecv: send the block in
+    rank 0   KV0   KV3   KV2   KV1     hand to rank r+1 and receive the next one from rank r-1;
+    rank 1   KV1   KV0   KV3   KV2     attend to the block in hand while the next one travels.
+    rank 2   KV2   KV1   KV0   KV3
+    rank 3   KV3   KV2   KV1   KV0       rank 0 --> rank 1 --> rank 2 --> rank 3 --+
+                                           ^-------------------------------------+
+    Per query row: running max m, running sum l of e^(S - m), unnormalised output O. Block j,
+    with scores S_j = Q_r K_jᵀ / √d, merges as
+        m' = max(m, rowmax S_j),  l' = l·e^(m - m') + rowsum e^(S_j - m'),
+        O' = O·e^(m - m') + e^(S_j - m')·V_j;
+    at the end out = O / l, and lse = m + log l lets backward recompute each block's softmax.
+
+Ulysses, W = 2: an all-to-all trades the token split for a head split, and back after.
+
+                   q, k, v on this rank's tokens               on all tokens, half the heads
+    rank 0   [B, T/2, H, d]  tokens 0..T/2   ==all-to-all==>   [B, T, H/2, d]  heads 0..H/2
+    rank 1   [B, T/2, H, d]  tokens T/2..T   ==all-to-all==>   [B, T, H/2, d]  heads H/2..H
+                                                                  | attention (SDPA)
+    out      [B, T/2, H, d]  this rank's tokens  <==all-to-all==  [B, T, H/2, d]
+
+Memory per rank (fp32, AdamW): 16Ψ, as DDP. Attention's activations per block are 1/W of one
+process's: (4a·B·T·D + 4·B·H·T)/W bytes, a = 5 [B, T/W, D] tensors for ring (input, q, k, v,
+out), 6 for Ulysses (+ the output back on this rank's tokens), and the log-sum-exp. The ring
+never holds T x T scores: one (T/W)² block per head at a time, recomputed in backward; Ulysses'
+kernel sees all T tokens for H/W heads.
+Communication per step, per block: ring sends W-1 K/V blocks (2·B·(T/W)·D fp32 each) forward
+and 2(W-1) backward (K/V again, then the dK/dV partial sums); Ulysses 4 all-to-alls of B·T·D/W
+each way. Both all-reduce the B·D pooled features (the head) and, as DDP, the Ψ gradients.
 
     torchrun --standalone --nproc_per_node=4 context_parallel.py --patch 2 --method ring
-    python context_parallel.py --nproc 2 --patch 2 --method ulysses     # through mp.spawn on a free port
+    python context_parallel.py --nproc 2 --patch 2 --method ulysses   # mp.spawn on a free port
 """
 
 import datetime
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -38,157 +55,229 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 
 ### begin: Context parallel
-# Model contract: `model.embed` (proj on patch² pixels, pos [1, T, D], patch) -> `model.blocks` (attn.q/k/v/
-# proj nn.Linear, attn.head_dim) -> `model.head` (fc(norm(x).mean(1))), the same weights on every rank.
+# Model contract: `model.embed` (proj on patch² pixels, pos [1, T, D], patch), `model.blocks`
+# (attn.q, attn.k, attn.v, attn.proj nn.Linear, attn.head_dim), `model.head` (fc applied to
+# norm(x).mean(1)), the same weights on every rank.
 
 
-def ring_pass(tensors, group):
-    """Post, in one batch, the send of `tensors` to the next rank and the receive of as many from the
-    previous one (one batch: NCCL blocks a send until its receive is posted). Returns recv(): wait, get them."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    nxt, prv = (dist.get_global_rank(group, (rank + i) % world) for i in (1, -1))
-    bufs = [torch.empty_like(t) for t in tensors]
-    ops = [dist.P2POp(dist.isend, t, nxt, group) for t in tensors] + [
-        dist.P2POp(dist.irecv, b, prv, group) for b in bufs
-    ]
-    reqs = dist.batch_isend_irecv(ops) if ops else []
-    return lambda: ([r.wait() for r in reqs], bufs)[1]
+class RingPass:
+    """Start passing `blocks` to the next rank of the ring and receiving as many from the previous
+    one; wait() returns the received blocks. Sends and receives go in one batch_isend_irecv: on
+    NCCL a send blocks until its peer posts the matching receive, so every rank must post both."""
+
+    def __init__(self, blocks, group):
+        rank = dist.get_rank(group)
+        world = dist.get_world_size(group)
+        next_rank = dist.get_global_rank(group, (rank + 1) % world)
+        previous_rank = dist.get_global_rank(group, (rank - 1) % world)
+        self.received = [torch.empty_like(block) for block in blocks]
+        sends = [dist.P2POp(dist.isend, block, next_rank, group) for block in blocks]
+        receives = [dist.P2POp(dist.irecv, block, previous_rank, group) for block in self.received]
+        self.requests = dist.batch_isend_irecv(sends + receives) if blocks else []
+
+    def wait(self):
+        for request in self.requests:
+            request.wait()
+        return self.received
+
+
+# The merge needs each block's log-sum-exp next to its output. F.scaled_dot_product_attention
+# would not materialise the block's scores, but its public API returns only the normalised output:
+# its fused kernels compute the log-sum-exp, yet only private aten ops return it (and
+# flex_attention's return_lse is fused only under torch.compile). So each block is attended in
+# eager ops, one [T/W, T/W] score block per head at a time, in q's dtype. Ulysses, which needs no
+# merge, calls SDPA.
 
 
 class RingAttention(torch.autograd.Function):
-    """softmax(q·kᵀ/√d)·v over the whole sequence; q, k, v, out: [B, H, T/W, d], this rank's tokens."""
+    """softmax(q·kᵀ/√d)·v over the whole sequence; q, k, v and the output: [B, H, T/W, d], this
+    rank's tokens. Forward is the online softmax over the ring; backward is flash attention's,
+    one K/V block at a time, recomputing each block's softmax from the saved log-sum-exp."""
 
     @staticmethod
     def forward(ctx, q, k, v, group):
-        world, scale, ctx.group = dist.get_world_size(group), q.shape[-1] ** -0.5, group
-        kv, out = (
-            torch.stack([k, v]),
-            torch.zeros_like(q),
-        )  # out in q's layout: proj reads it without a copy
-        m, l = q.new_full((*q.shape[:-1], 1), -float("inf")), q.new_zeros((*q.shape[:-1], 1))
-        for step in range(world):  # step s: the K/V block of rank - s
-            recv = ring_pass(
-                [kv] if step + 1 < world else [], group
-            )  # post the next block's transfer,
-            s = q @ kv[0].transpose(-2, -1) * scale  # compute on this one,
-            m_new = torch.maximum(m, s.amax(-1, keepdim=True))
-            p, c = torch.exp(s - m_new), torch.exp(m - m_new)
-            l, out, m = l * c + p.sum(-1, keepdim=True), out * c + p @ kv[1], m_new
-            kv = recv()[0] if step + 1 < world else kv  # then wait for it
-        out = out / l
-        ctx.save_for_backward(
-            q, k, v, out, m + l.log()
-        )  # the log-sum-exp: recomputes p block by block
+        world = dist.get_world_size(group)
+        q_scaled = q * q.shape[-1] ** -0.5
+        kv_block = torch.stack([k, v])  # one message per step: the K/V block in hand
+        out = torch.zeros_like(q)  # q's layout: proj then reads it without a copy
+        row_max = q.new_full((*q.shape[:-1], 1), -float("inf"))
+        row_sum = q.new_zeros((*q.shape[:-1], 1))
+        for step in range(world):  # at step s the block in hand is rank (r - s)'s
+            last_step = step == world - 1
+            if not last_step:
+                transfer = RingPass([kv_block], group)  # the next block travels meanwhile
+            scores = q_scaled @ kv_block[0].mT
+            new_max = torch.maximum(row_max, scores.amax(-1, keepdim=True))
+            # What was summed under the old max is rescaled to the new one, e^(m - m') <= 1:
+            # no exponent ever exceeds 0, so nothing overflows however large the scores.
+            correction = torch.exp(row_max - new_max)
+            probs = scores.sub_(new_max).exp_()  # in place: the scores are not needed again
+            row_sum = row_sum * correction + probs.sum(-1, keepdim=True)
+            out = out * correction + probs @ kv_block[1]
+            row_max = new_max
+            if not last_step:
+                kv_block = transfer.wait()[0]
+        out = out / row_sum
+        log_sum_exp = row_max + row_sum.log()
+        ctx.save_for_backward(q, k, v, out, log_sum_exp)
+        ctx.group = group
         return out
 
-    @staticmethod  # flash-attention's backward, one K/V block at a time
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        group, world, scale = ctx.group, dist.get_world_size(ctx.group), q.shape[-1] ** -0.5
-        delta = (dout * out).sum(-1, keepdim=True)  # rowsum(dO ∘ O) = Σ_j p_ij dp_ij
-        kv, dq, own, acc = torch.stack([k, v]), torch.zeros_like(q), None, None
-        for step in range(
-            world
-        ):  # post the next K/V block and the last step's dK/dV (to its block)
-            recv = ring_pass(
-                ([kv] if step + 1 < world else []) + ([acc] if step >= 2 else []), group
-            )
-            p = torch.exp(q @ kv[0].transpose(-2, -1) * scale - lse)
-            ds = p * (dout @ kv[1].transpose(-2, -1) - delta) * scale
-            dq += ds @ kv[0]
-            dkv = torch.stack([ds.transpose(-2, -1) @ q, p.transpose(-2, -1) @ dout])
-            bufs = recv()  # own: this rank's block, kept until the rest comes home
-            own, acc = (dkv, None) if step == 0 else (own, dkv if step == 1 else dkv + bufs[-1])
-            kv = bufs[0] if step + 1 < world else kv
-        if world > 1:  # the last partial sum goes home: W - 1 dK/dV hops in all
-            own = own + ring_pass([acc], group)()[0]
-        return dq, own[0], own[1], None
-
-
-def all_to_all(x, group, scatter, gather):
-    """Chunk j of dim `scatter` goes to rank j; the W chunks received are joined along dim `gather`."""
-    x = torch.stack(x.chunk(dist.get_world_size(group), scatter))
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
-    return torch.cat(out.unbind(0), gather)
-
-
-class AllToAll(torch.autograd.Function):  # the gradient goes back the opposite way
     @staticmethod
-    def forward(ctx, x, group, scatter, gather):
-        ctx.back = group, gather, scatter
-        return all_to_all(x, group, scatter, gather)
+    def backward(ctx, grad_out):
+        q, k, v, out, log_sum_exp = ctx.saved_tensors
+        group = ctx.group
+        world = dist.get_world_size(group)
+        scale = q.shape[-1] ** -0.5
+        q_scaled = q * scale
+        # Softmax's backward needs rowsum(P ∘ dP) over the whole row; it equals rowsum(dO ∘ O),
+        # known before any block comes by.
+        grad_dot_out = (grad_out * out).sum(-1, keepdim=True)
+        kv_block = torch.stack([k, v])
+        grad_q = torch.zeros_like(q)
+        # The dK/dV of a block is a sum over every rank's queries. This rank's share of its own
+        # block waits at home (step 0); every other block's partial sum follows its K/V round the
+        # ring one step behind, gathering each rank's share, and makes a last hop home.
+        grad_kv_home = None
+        grad_kv_partial = None  # the block computed last step, summed over the ranks it visited
+        for step in range(world):
+            outgoing = []
+            if step < world - 1:
+                outgoing.append(kv_block)
+            if step >= 2:
+                outgoing.append(grad_kv_partial)
+            transfer = RingPass(outgoing, group)
+            # The block's softmax P = e^(S - lse), as in forward; dS = P ∘ (dO·Vᵀ - rowsum(dO ∘ O));
+            # dQ += dS·K/√d, dK = dSᵀ·Q/√d, dV = Pᵀ·dO.
+            key, value = kv_block
+            probs = (q_scaled @ key.mT).sub_(log_sum_exp).exp_()
+            grad_scores = (grad_out @ value.mT).sub_(grad_dot_out).mul_(probs)
+            grad_q += grad_scores @ key * scale
+            grad_kv = torch.stack([grad_scores.mT @ q_scaled, probs.mT @ grad_out])
+            incoming = transfer.wait()
+            if step == 0:
+                grad_kv_home = grad_kv
+            elif step == 1:
+                grad_kv_partial = grad_kv  # the first rank the block visits after its owner
+            else:
+                grad_kv_partial = grad_kv + incoming[-1]  # the ranks before this one, same block
+            if step < world - 1:
+                kv_block = incoming[0]
+        if world > 1:  # the last partial sum goes home: W - 1 dK/dV hops in all
+            grad_kv_home = grad_kv_home + RingPass([grad_kv_partial], group).wait()[0]
+        return grad_q, grad_kv_home[0], grad_kv_home[1], None
 
-    backward = staticmethod(lambda ctx, grad: (all_to_all(grad, *ctx.back), None, None, None))
+
+def all_to_all(x, group, scatter_dim, gather_dim):
+    """Cut x into W chunks along `scatter_dim` and send chunk j to rank j; join the W chunks
+    received (chunk j from rank j) along `gather_dim`."""
+    world = dist.get_world_size(group)
+    outgoing = torch.stack(x.chunk(world, scatter_dim))
+    incoming = torch.empty_like(outgoing)
+    dist.all_to_all_single(incoming, outgoing, group=group)
+    return torch.cat(incoming.unbind(0), gather_dim)
+
+
+class AllToAll(torch.autograd.Function):
+    """Ulysses' all-to-all: a token split becomes a head split, or back. Its gradient goes the
+    opposite way: the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x, group, scatter_dim, gather_dim):
+        ctx.group = group
+        ctx.scatter_dim = scatter_dim
+        ctx.gather_dim = gather_dim
+        return all_to_all(x, group, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_to_all(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
 
 
 class ContextParallelAttention(nn.Module):
-    """The block's attention on this rank's T/W tokens; the same q, k, v, proj (same state_dict keys)."""
+    """The block's attention on this rank's T/W tokens, attending to all T: the same q, k, v and
+    proj modules, so the state_dict keys are the model's."""
 
     def __init__(self, attn, method, group):
         super().__init__()
-        self.q, self.k, self.v, self.proj, self.head_dim = (
-            attn.q,
-            attn.k,
-            attn.v,
-            attn.proj,
-            attn.head_dim,
-        )
-        self.method, self.group = method, group
+        self.q = attn.q
+        self.k = attn.k
+        self.v = attn.v
+        self.proj = attn.proj
+        self.head_dim = attn.head_dim
+        self.method = method
+        self.group = group
 
     def forward(self, x):  # x: [B, T/W, D]
-        B, n, D = x.shape
-        q, k, v = (lin(x).view(B, n, -1, self.head_dim) for lin in (self.q, self.k, self.v))
-        if self.method == "ring":  # [B, H, T/W, d] in, out
-            out = RingAttention.apply(
-                *(t.transpose(1, 2) for t in (q, k, v)), self.group
-            ).transpose(1, 2)
-        else:  # [B, T/W, H, d] -> [B, T, H/W, d] and back
+        B, local_tokens, D = x.shape
+        q, k, v = (
+            linear(x).view(B, local_tokens, -1, self.head_dim)
+            for linear in (self.q, self.k, self.v)
+        )
+        if self.method == "ring":  # [B, H, T/W, d] in and out
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            out = RingAttention.apply(q, k, v, self.group).transpose(1, 2)
+        else:  # [B, T/W, H, d] -> [B, T, H/W, d], attention, and back
             q, k, v = (AllToAll.apply(t, self.group, 2, 1).transpose(1, 2) for t in (q, k, v))
-            out = AllToAll.apply(
-                F.scaled_dot_product_attention(q, k, v).transpose(1, 2), self.group, 1, 2
-            )
-        return self.proj(out.reshape(B, n, D))
+            out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+            out = AllToAll.apply(out, self.group, 1, 2)
+        return self.proj(out.reshape(B, local_tokens, D))
 
 
 class LocalPatchEmbed(nn.Module):
     """This rank's T/W tokens only (a contiguous run of patches) and their position embeddings."""
 
-    def __init__(self, embed, mine):
+    def __init__(self, embed, local_tokens):
         super().__init__()
-        self.proj, self.pos, self.patch, self.mine = embed.proj, embed.pos, embed.patch, mine
+        self.proj = embed.proj
+        self.pos = embed.pos
+        self.patch = embed.patch
+        self.local_tokens = local_tokens  # a slice of the T patches
 
     def forward(self, img):
-        B, p, n = img.shape[0], self.patch, img.shape[-1] // self.patch
-        patches = img.reshape(B, n, p, n, p).transpose(2, 3).reshape(B, n * n, p * p)
-        return self.proj(patches[:, self.mine]) + self.pos[:, self.mine]
+        B, p = img.shape[0], self.patch
+        side = img.shape[-1] // p  # patches per side
+        patches = img.reshape(B, side, p, side, p).transpose(2, 3).reshape(B, side * side, p * p)
+        local = self.local_tokens
+        return self.proj(patches[:, local]) + self.pos[:, local]
 
 
 class SumOverRanks(torch.autograd.Function):
-    """All-reduce forward; backward W·grad: the all-reduce of the W ranks' gradients, equal (same loss)."""
+    """Forward: the all-reduced sum. Backward: W·grad, which is the sum over the W ranks of their
+    gradients, since every rank computes the same loss from the same sum (no communication)."""
 
     @staticmethod
     def forward(ctx, x, group):
-        ctx.world, x = dist.get_world_size(group), x.clone()
-        dist.all_reduce(x, group=group)
-        return x
+        ctx.world = dist.get_world_size(group)
+        total = x.clone()
+        dist.all_reduce(total, group=group)
+        return total
 
-    backward = staticmethod(lambda ctx, grad: (grad * ctx.world, None))
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.world, None
 
 
 def parallelize(model, device, method="ring", group=None):
     """Every rank keeps the whole model and runs it on its T/W tokens of every sample."""
     group = group or dist.group.WORLD
-    rank, world, T = dist.get_rank(group), dist.get_world_size(group), model.embed.pos.shape[1]
-    model.embed = LocalPatchEmbed(model.embed, slice(rank * T // world, (rank + 1) * T // world))
+    rank = dist.get_rank(group)
+    world = dist.get_world_size(group)
+    tokens = model.embed.pos.shape[1]
+    local_tokens = slice(rank * tokens // world, (rank + 1) * tokens // world)
+    model.embed = LocalPatchEmbed(model.embed, local_tokens)
     for block in model.blocks:
         block.attn = ContextParallelAttention(block.attn, method, group)
-    # The head's mean over all T tokens: the all-reduced sum of the ranks' means over T/W, / W.
-    model.head.fc.register_forward_pre_hook(
-        lambda fc, args: SumOverRanks.apply(args[0] / world, group)
-    )
-    # A weight's gradient is a sum over all tokens; each rank has its tokens' part, times W (SumOverRanks'
-    # backward; the classifier's is whole everywhere). DDP's all-reduce / W leaves the whole gradient.
+
+    def mean_over_all_tokens(fc, inputs):
+        # The head's mean over T tokens is the sum over ranks of each rank's mean over T/W, / W.
+        local_mean = inputs[0]
+        return SumOverRanks.apply(local_mean / world, group)
+
+    model.head.fc.register_forward_pre_hook(mean_over_all_tokens)
+    # A weight's gradient is a sum over all tokens; each rank holds its own tokens' part, times W
+    # (SumOverRanks' backward; the classifier's is whole on every rank). DDP's all-reduce / W
+    # then leaves the whole gradient on every rank.
     return DDP(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
@@ -207,34 +296,29 @@ def full_state_dict(model):
 
 def formula(psi, world, args):
     """The paper's per-rank bytes, which the report sets next to what the Meter measured."""
-    k, d, B, D, T = (
-        (8 if args.optim == "adamw" else 4),
-        args.depth,
-        args.batch_size,
-        args.dim,
-        (28 // args.patch) ** 2,
-    )
-    a, kv = (
-        (5 if args.method == "ring" else 6),
-        3 * (world - 1) * d * 8 * B * T * D // world,
-    )  # K/V: [2, B, T/W, D]
-    comm = (
-        dict(send=kv, recv=kv)
-        if args.method == "ring"
-        else dict(all_to_all=32 * d * B * T * D // world)
-    )
+    k = 8 if args.optim == "adamw" else 4
+    depth = args.depth
+    B = args.batch_size
+    D = args.dim
+    T = (common.IMAGE // args.patch) ** 2
+    saved = 5 if args.method == "ring" else 6  # [B, T/W, D] tensors attention keeps per block
+    if args.method == "ring":
+        kv_bytes = 3 * (world - 1) * depth * 8 * B * T * D // world  # [2, B, T/W, D] fp32 blocks
+        comm = dict(send=kv_bytes, recv=kv_bytes)
+    else:
+        comm = dict(all_to_all=32 * depth * B * T * D // world)  # 8 of B·T·D/W fp32 per block
     return dict(
         param_bytes=4 * psi,
         grad_bytes=4 * psi,
         optim_bytes=k * psi,
         comm={**comm, "all_reduce": 4 * (B * D + psi)},
-        act_bytes_attention=d * (4 * a * B * T * D + 4 * B * args.heads * T) // world,
+        act_bytes_attention=depth * (4 * saved * B * T * D + 4 * B * args.heads * T) // world,
         notes=dict(
             param_bytes="4Ψ replicated",
             grad_bytes="4Ψ replicated",
             optim_bytes=f"{k}Ψ",
             recv="as sent",
-            act_bytes_attention=f"depth·({4 * a}·B·T·D + 4·B·H·T)/W",
+            act_bytes_attention=f"depth·({4 * saved}·B·T·D + 4·B·H·T)/W",
             all_to_all="8·depth·B·T·D/W",
             send="3(W-1)·depth K/V blocks",
             all_reduce="B·D pooled + Ψ gradients",
@@ -247,8 +331,9 @@ def check_args(args, world):
         not args.experts,
         "--experts: the load-balancing loss of an MoE block needs all of an image's tokens",
     )
+    tokens = (common.IMAGE // args.patch) ** 2
     common.check(
-        (tokens := (common.IMAGE // args.patch) ** 2) % world == 0,
+        tokens % world == 0,
         f"--patch {args.patch} gives {tokens} tokens: not divisible by {world} ranks",
     )
     common.check(
@@ -372,18 +457,18 @@ def run(args):
         optimizer = common.make_optimizer(model.parameters(), args)
         scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
         common.log(
-            f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data ({len(train_set)} train / "
-            f"{len(test_set)} test), batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
+            f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data "
+            f"({len(train_set)} train / {len(test_set)} test), "
+            f"batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
         )
         with common.Meter(
             model, optimizer, args, parts=dict(attention=[b.attn for b in model.module.blocks])
         ) as meter:
             out = train(model, optimizer, scheduler, loader, sampler, args, device)
-        acc = evaluate(
-            model,
-            common.test_loader(test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"),
-            device,
+        test_loader = common.test_loader(
+            test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"
         )
+        acc = evaluate(model, test_loader, device)
         state = full_state_dict(model)  # every rank takes part; rank 0 holds the whole
         if rank == 0 and args.save:
             common.save_checkpoint(state, args.save)

@@ -1,22 +1,29 @@
 """Expert parallelism: a mixture-of-experts ViT (--experts E --top-k K) whose experts live on
 different ranks. Each of W ranks holds the dense part whole and trains on its slice of each batch
-(data parallel), and owns E/W whole experts of every MoE block (expert parallel). The router picks
-each token's K experts; the token travels to the ranks that own them and its outputs travel back.
+(data parallel), and owns E/W whole experts of every MoE block (expert parallel). The router
+picks each token's K experts; the token travels to the ranks that own them (dispatch) and the
+experts' outputs travel back (combine).
 
-    rank 0 (experts 0,1)            rank 1 (experts 2,3)        E=4, W=2, K=1
-    tokens a b c d                  tokens e f g h
-    router: a->0 b->2 c->1 d->3     e->3 f->0 g->2 h->1
-        sort by expert, count, all-to-all the counts, then the tokens (uneven splits):
-    experts 0,1 get a c | f h       experts 2,3 get b d | e g
-        run the experts, all-to-all the outputs back the same way, unsort:
-    a' b' c' d' = weight * out      e' f' g' h'
+    rank 0 owns experts 0, 1                rank 1 owns experts 2, 3        E = 4, W = 2, K = 1
+    tokens      a  b  c  d                  tokens      e  f  g  h
+    router      0  2  1  3                  router      3  0  2  1
+    by expert   a  c | b  d                 by expert   f  h | g  e      (| : next owner)
+        all-to-all the counts, then the tokens (uneven splits): rank r gets its experts' rows,
+        grouped by source rank, then by expert
+    received    a  c | f  h                 received    b  d | g  e
+    expert 0 runs on a f, expert 1 on c h   expert 2 on b g, expert 3 on d e
+        the outputs go back by the reverse all-to-all; each token sums weight · output
+    a' b' c' d'                             e' f' g' h'
 
 Memory per rank (fp32, AdamW): 16 bytes for each parameter it holds: the dense part Ψ_d
 (attention, norms, routers, embed, head) replicated, the experts' Ψ_e / W: 16(Ψ_d + Ψ_e/W).
 Communication per step: per MoE layer, 2 all-to-alls of the routed tokens forward (dispatch,
-combine) and 2 backward (their reverses), each k·b·T·D fp32 elements on average over ranks for b =
-batch/W images of T tokens (routed evenly, (W-1)/W of them leave the rank), plus one all-to-all of
-the E token counts (int64) forward; one all-reduce of the Ψ_d dense gradients (instead of DDP's Ψ).
+combine) and 2 backward (their reverses), each k·b·T·D fp32 elements on average over ranks for
+b = batch/W images of T tokens (routed evenly, (W-1)/W of them leave the rank), plus one
+all-to-all of the E token counts (int64) forward; the Ψ_d dense gradients all-reduced (instead
+of DDP's Ψ), in depth + 2 buckets overlapped with backward.
+Host syncs: one per MoE layer forward (the token counts, which the uneven all-to-alls need as
+host integers); none in backward.
 
     torchrun --standalone --nproc_per_node=4 expert_parallel.py --experts 8 --top-k 2
     python expert_parallel.py --nproc 2 --experts 4 --top-k 2
@@ -25,10 +32,10 @@ the E token counts (int64) forward; one all-reduce of the Ψ_d dense gradients (
 
 import datetime
 import os
-import time
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -38,9 +45,10 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 
 ### begin: Expert parallel
-# Model contract: model.blocks[i].mlp.experts is a list of E expert modules, called with the routing
-# as experts(tokens [N, D], expert of each (token, slot) [N, K], weights [N, K]) -> [N, D]
-# (the sum over slots of weight * expert(token)); every other parameter is dense.
+# Model contract: model.blocks[i].mlp.experts is a list of E expert modules, called with the
+# routing as experts(tokens [N, D], expert of each (token, slot) [N, K], weights [N, K]) -> [N, D]
+# (the sum over slots of weight * expert(token)); every other parameter is dense and lives in
+# model.embed, model.blocks or model.head.
 
 
 class AllToAll(torch.autograd.Function):
@@ -50,7 +58,8 @@ class AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, send, recv):
-        ctx.send, ctx.recv = send, recv
+        ctx.send = send
+        ctx.recv = recv
         out = x.new_empty(sum(recv), *x.shape[1:])
         dist.all_to_all_single(out, x.contiguous(), recv, send)
         return out
@@ -62,35 +71,63 @@ class AllToAll(torch.autograd.Function):
         return out, None, None
 
 
-class ExpertParallel(torch.nn.Module):
+class ExpertParallel(nn.Module):
     """This rank's E/W experts of one block (rank r: experts r·E/W .. (r+1)·E/W - 1, named by their
     global index, so the state_dict has the model's keys), called like the whole list."""
 
     def __init__(self, experts, rank, world):
         super().__init__()
-        self.E, self.world, self.n = len(experts), world, len(experts) // world
-        for j in range(rank * self.n, (rank + 1) * self.n):
-            self.add_module(str(j), experts[j])
+        self.num_experts = len(experts)
+        self.world = world
+        self.num_local = len(experts) // world
+        first = rank * self.num_local
+        for index in range(first, first + self.num_local):
+            self.add_module(str(index), experts[index])
 
-    def forward(self, h, idx, weights):
-        (N, K), W, n = idx.shape, self.world, self.n
-        flat = idx.reshape(-1)
-        order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert, so by owner
-        counts = torch.bincount(flat, minlength=self.E)  # what this rank sends each expert
-        received = torch.empty_like(counts)  # [W, n]: from rank s, for my expert j
-        dist.all_to_all_single(received, counts)
-        self.received = received.view(W, n)
-        # split sizes are host integers: one device sync per layer, which every uneven all-to-all needs
-        send, recv = counts.view(W, n).sum(1).tolist(), self.received.sum(1).tolist()
-        x = AllToAll.apply(h[order // K], send, recv)  # dispatch
-        mine = (
-            torch.arange(n, device=h.device).repeat(W).repeat_interleave(received)
-        )  # my expert of each row
-        group = mine.argsort(stable=True)
-        chunks = x[group].split(self.received.sum(0).tolist())
-        y = torch.cat([expert(c) for expert, c in zip(self.children(), chunks)])[group.argsort()]
-        y = AllToAll.apply(y, recv, send)  # combine: back to the token's rank
-        return (weights.unsqueeze(-1) * y[order.argsort()].view(N, K, -1)).sum(1)
+    def forward(self, tokens, expert_index, weights):
+        num_tokens, top_k = expert_index.shape
+        # One row per (token, slot), token-major. Experts are numbered owner by owner, so sorting
+        # the rows by expert also groups them by the rank they go to.
+        slot_expert = expert_index.reshape(-1)
+        by_expert = slot_expert.argsort(stable=True)
+        sent, received = self.exchange_counts(slot_expert)
+        send_splits = [sum(counts) for counts in sent]  # rows to each rank
+        recv_splits = [sum(counts) for counts in received]  # rows from each rank
+        rows = AllToAll.apply(tokens[by_expert // top_k], send_splits, recv_splits)  # dispatch
+        rows = self.run_experts(rows, received)
+        rows = AllToAll.apply(rows, recv_splits, send_splits)  # combine: back in the sent order
+        # Sent row i was (token, slot) by_expert[i]: put each output back in its slot.
+        per_slot = torch.empty_like(rows).index_copy(0, by_expert, rows)
+        return (weights.unsqueeze(-1) * per_slot.view(num_tokens, top_k, -1)).sum(1)
+
+    def exchange_counts(self, slot_expert):
+        """Host lists [W][E/W]: sent[r][j], the rows this rank sends to rank r's j-th expert;
+        received[r][j], the rows this rank's j-th expert gets from rank r."""
+        # Counted with scatter_add_, not bincount: bincount reads the largest index to size its
+        # output, which waits for the device.
+        sent = torch.zeros(self.num_experts, dtype=torch.long, device=slot_expert.device)
+        sent.scatter_add_(0, slot_expert, torch.ones_like(slot_expert))
+        received = torch.empty_like(sent)
+        dist.all_to_all_single(received, sent)  # E/W counts to each rank, E/W from each
+        # The layer's one host sync: the uneven all-to-alls take their split sizes as host
+        # integers (backward reuses them).
+        counts = torch.stack([sent, received]).view(2, self.world, self.num_local).tolist()
+        return counts[0], counts[1]
+
+    def run_experts(self, rows, received):
+        """The rows arrive grouped by source rank, then by expert (each source sorted its rows by
+        expert): [from rank 0: expert 0 | expert 1 | ... | from rank 1: expert 0 | ...]. Each
+        expert runs once on its rows from every rank; the outputs go back in the arrival order."""
+        chunks = rows.split([count for from_rank in received for count in from_rank])
+        outputs = []  # outputs[j][source]: expert j's output for the rows from rank `source`
+        for j, expert in enumerate(self.children()):
+            expert_rows = torch.cat(chunks[j :: self.num_local])  # chunk r·E/W + j: from rank r
+            rows_per_rank = [from_rank[j] for from_rank in received]
+            outputs.append(expert(expert_rows).split(rows_per_rank))
+        in_arrival_order = [
+            outputs[j][source] for source in range(self.world) for j in range(self.num_local)
+        ]
+        return torch.cat(in_arrival_order)
 
 
 def parallelize(model, device):
@@ -106,44 +143,107 @@ def expert_params(model):
     return [p for block in model.blocks for p in block.mlp.experts.parameters()]
 
 
-def hook_optimizer(model, optimizer):
-    """Before each step: the dense gradients are averaged over the W ranks, like DDP (one
-    all-reduce of them flattened). The expert gradients need no all-reduce: the all-to-alls already
-    brought every token routed to an expert, from every rank, to its one owner. Each rank's loss is
-    the mean over its batch/W images, so what the owner accumulated is the sum of W ranks' mean
-    gradients, W times the gradient of the global batch's mean: only the scale, 1/W, is missing."""
-    world, experts = dist.get_world_size(), {id(p) for p in expert_params(model)}
+def dense_buckets(model):
+    """The dense parameters in the order backward finishes them, one bucket per unit: the head,
+    the blocks from last to first (attention, norms, router: not the experts), the embedding."""
+    experts = {id(p) for p in expert_params(model)}
+    units = [model.head, *reversed(model.blocks), model.embed]
+    buckets = [[p for p in unit.parameters() if id(p) not in experts] for unit in units]
     dense = [p for p in model.parameters() if id(p) not in experts]
+    if sum(len(bucket) for bucket in buckets) != len(dense):
+        raise ValueError("every dense parameter must live in model.embed, .blocks or .head")
+    return buckets
 
-    def hook(*_):
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in dense]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
-        for p, g in zip(dense, flat.div_(world).split([p.numel() for p in dense])):
-            p.grad = g.view_as(p)
-        for p in expert_params(model):
-            if p.grad is not None:
-                p.grad.div_(world)
 
-    optimizer.register_step_pre_hook(hook)
+class GradientAverager:
+    """Averages every gradient over the W ranks before the step, as DDP would.
+
+    The dense gradients: all-reduced like DDP's, bucket by bucket, each as soon as backward has
+    finished it, so that a block's all-reduce travels while backward runs the blocks before it.
+    The expert gradients need no all-reduce: the all-to-alls already brought every token routed
+    to an expert, from every rank, to its one owner. Each rank's loss is the mean over its batch/W
+    images, so what the owner accumulated is the sum of W ranks' mean gradients, W times the
+    gradient of the global batch's mean: only the scale, 1/W, is missing. One backward per step,
+    as the training loop does."""
+
+    def __init__(self, model, world):
+        self.world = world
+        self.buckets = dense_buckets(model)
+        self.experts = expert_params(model)
+        self.missing = [len(bucket) for bucket in self.buckets]  # gradients not yet accumulated
+        self.in_flight = []  # (flat gradients, all-reduce work) per launched bucket, in order
+        for index, bucket in enumerate(self.buckets):
+            for param in bucket:
+                param.register_post_accumulate_grad_hook(self.grad_ready_hook(index))
+
+    def grad_ready_hook(self, index):
+        def grad_ready(param):
+            self.missing[index] -= 1
+            self.launch_ready_buckets()
+
+        return grad_ready
+
+    def launch_ready_buckets(self):
+        # In bucket order, whatever order the gradients come in: every rank must issue the same
+        # all-reduces in the same order.
+        while len(self.in_flight) < len(self.buckets):
+            next_bucket = len(self.in_flight)
+            if self.missing[next_bucket] > 0:
+                return
+            self.launch(next_bucket)
+
+    def launch(self, index):
+        bucket = self.buckets[index]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
+        flat = torch.cat([grad.reshape(-1) for grad in grads])
+        work = dist.all_reduce(flat, async_op=True)
+        self.in_flight.append((flat, work))
+
+    def wait(self, optimizer, args, kwargs):
+        """The optimizer's step pre-hook: finish the all-reduces, then scale."""
+        for index in range(len(self.in_flight), len(self.buckets)):
+            self.launch(index)  # a bucket with a parameter that got no gradient this step
+        for bucket, (flat, work) in zip(self.buckets, self.in_flight, strict=True):
+            work.wait()
+            flat.div_(self.world)
+            sizes = [p.numel() for p in bucket]
+            for param, grad in zip(bucket, flat.split(sizes), strict=True):
+                param.grad = grad.view_as(param)  # a view of the bucket: no copy
+        for param in self.experts:
+            if param.grad is not None:
+                param.grad.div_(self.world)
+        self.missing = [len(bucket) for bucket in self.buckets]
+        self.in_flight = []
+
+
+def hook_optimizer(model, optimizer):
+    """Before each step, every gradient averaged over the W ranks (GradientAverager)."""
+    averager = GradientAverager(model, dist.get_world_size())
+    optimizer.register_step_pre_hook(averager.wait)
 
 
 def full_state_dict(model):
     """The plain state_dict of the common model, the experts gathered on rank 0 (None elsewhere)."""
-    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object({k: v.detach().cpu() for k, v in model.state_dict().items()}, parts, dst=0)
-    return {k: v for part in parts for k, v in part.items()} if parts else None
+    local = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    if dist.get_rank() != 0:
+        dist.gather_object(local, None, dst=0)
+        return None
+    parts = [None] * dist.get_world_size()
+    dist.gather_object(local, parts, dst=0)
+    return {k: v for part in parts for k, v in part.items()}
 
 
 ### end: Expert parallel
 
 
 def formula(psi, world, args):
-    """Per-rank bytes: the dense Ψ_d whole, the experts' Ψ_e / W. All-to-all bytes per step, the mean
-    over ranks (a rank sends its own k·b·T tokens and returns what its experts received, which the
-    routing decides; the sum over ranks is exact): per MoE layer, 4 token all-to-alls of k·b·T·D fp32
-    elements (2 forward, 2 backward), plus E int64 counts."""
-    k, D, E = 8 if args.optim == "adamw" else 4, args.dim, args.experts
+    """Per-rank bytes: the dense Ψ_d whole, the experts' Ψ_e / W. All-to-all bytes per step, the
+    mean over ranks (a rank sends its own k·b·T tokens and returns what its experts received,
+    which the routing decides; the sum over ranks is exact): per MoE layer, 4 token all-to-alls
+    of k·b·T·D fp32 elements (2 forward, 2 backward), plus E int64 counts."""
+    k = 8 if args.optim == "adamw" else 4
+    D = args.dim
+    E = args.experts
     psi_e = args.depth * E * (8 * D * D + 5 * D)  # per expert: fc1 D·4D + 4D, fc2 4D·D + D
     held = psi - psi_e + psi_e // world
     tokens = args.batch_size // world * (common.IMAGE // args.patch) ** 2
@@ -157,7 +257,7 @@ def formula(psi, world, args):
             param_bytes="4(Ψ_d + Ψ_e/W)",
             grad_bytes="4(Ψ_d + Ψ_e/W)",
             optim_bytes=f"{k}(Ψ_d + Ψ_e/W)",
-            all_reduce="Ψ_d dense fp32 gradients",
+            all_reduce="Ψ_d dense fp32 gradients, in depth + 2 buckets",
             all_to_all="rank 0's; the mean over ranks: layers·(4·k·b·T·D fp32 + E counts)",
         ),
     )
@@ -175,45 +275,9 @@ def check_args(args, world):
     )
     common.check(
         args.batch_size % world == 0,
-        f"--batch-size {args.batch_size} is not divisible by world size {world}: every rank must get "
-        f"the same whole number of samples per step",
+        f"--batch-size {args.batch_size} is not divisible by world size {world}: "
+        "every rank must get the same whole number of samples per step",
     )
-
-
-def record_load(model):
-    """Tokens each expert received in training forwards (from the run, outside the technique)."""
-    load = [None] * len(model.blocks)
-
-    def hook(i):
-        def add(module, inputs, out):
-            if module.training:
-                got = module.received.sum(0).cpu()
-                load[i] = got if load[i] is None else load[i] + got
-
-        return add
-
-    for i, block in enumerate(model.blocks):
-        block.mlp.experts.register_forward_hook(hook(i))
-    return load
-
-
-def show_load(load, steps, meter, world):
-    """Rank 0: tokens received per expert per step (every layer), all ranks' all-to-all bytes."""
-    per_rank = [None] * world
-    window = meter.counter.bytes.get(
-        "all_to_all", 0
-    )  # this rank's bytes in the Meter's window of steps
-    dist.all_gather_object(per_rank, dict(load=[x.tolist() for x in load], a2a=window))
-    table = [[v / max(steps, 1) for r in per_rank for v in r["load"][i]] for i in range(len(load))]
-    common.log("\ntokens received per expert per step (mean over the run's steps):")
-    for i, row in enumerate(table):
-        common.log(f"  block {i}: " + " ".join(f"{v:7.1f}" for v in row))
-    a2a, n = [r["a2a"] for r in per_rank], meter.comm()[2]
-    common.log(
-        f"all-to-all per step on each rank: {', '.join(common.fmt_bytes(b / n) for b in a2a)}; "
-        f"mean over ranks {common.fmt_bytes(sum(a2a) / n / world)} (the formula's)"
-    )
-    return dict(tokens_per_expert=table, all_to_all_window=a2a)
 
 
 def setup(args):
@@ -331,22 +395,22 @@ def run(args):
         hook_optimizer(model, optimizer)  # dense gradients averaged, expert gradients / W
         scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
         common.log(
-            f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data ({len(train_set)} train / "
-            f"{len(test_set)} test), batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
+            f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data "
+            f"({len(train_set)} train / {len(test_set)} test), "
+            f"batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
         )
-        load = record_load(model)
+        load = common.record_expert_load(model)
         with common.Meter(model, optimizer, args) as meter:
             out = train(model, optimizer, scheduler, loader, sampler, args, device)
-        acc = evaluate(
-            model,
-            common.test_loader(test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"),
-            device,
+        test_loader = common.test_loader(
+            test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"
         )
+        acc = evaluate(model, test_loader, device)
         state = full_state_dict(model)  # every rank takes part; rank 0 holds the whole
         if rank == 0 and args.save:
             common.save_checkpoint(state, args.save)
             common.log(f"saved {args.save}")
-        extra = show_load(load, meter.loop_steps, meter, world)
+        extra = common.show_expert_load(load, meter, world)
         common.report(
             SCRIPT,
             args,

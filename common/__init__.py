@@ -52,6 +52,7 @@ from common.meter import (  # noqa: F401
     Meter,
     SavedActivations,
     memory,
+    record_expert_load,
     record_pipeline_order,
     storage_bytes,
 )
@@ -78,6 +79,7 @@ from common.report import (  # noqa: F401
     progress,
     report,
     result,
+    show_expert_load,
 )
 from common.training import (  # noqa: F401
     load_state_dict_file,

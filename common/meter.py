@@ -5,6 +5,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 # TorchDispatchMode has no public home: CommDebugMode (torch.distributed.tensor.debug) is built on
 # it but counts DTensor collectives only, not the c10d ops DDP and FSDP issue from C++.
@@ -118,6 +119,16 @@ def storage_bytes(tensors):
     return sum(seen.values())
 
 
+def optimizer_state_bytes(optimizer):
+    """Bytes of an optimizer's state tensors, the scalar step counters left out."""
+    return storage_bytes(
+        value
+        for state in optimizer.state.values()
+        for key, value in state.items()
+        if torch.is_tensor(value) and key != "step"
+    )
+
+
 def memory(params, optimizer):
     """Per-rank bytes of parameters, gradients and optimizer state (the scalar step counters are
     left out, as the papers do), read off the storages that hold them right now."""
@@ -210,6 +221,9 @@ class Meter:
         self.samples_per_step = args.batch_size
         self.elapsed = (0.0, 0)  # (seconds, loop steps) timed
         self.counter.sample = self._sample_optimizer_state
+        # a technique may step optimizers of its own inside this one's step (zero_offload.py
+        # --offload disk steps one per unit): their state counts toward the first step's peak
+        self.inner_hook = register_optimizer_step_post_hook(self._inner_step)
         self.hook = optimizer.register_step_post_hook(lambda *_: self._after_step())
         self.parts = parts or {}
         self.part_hooks = []
@@ -237,6 +251,11 @@ class Meter:
             if torch.is_tensor(v) and k != "step"
         ]
         self.optim_peak = max(self.optim_peak, storage_bytes(state))
+
+    def _inner_step(self, optimizer, args, kwargs):
+        if optimizer is not self.optimizer and self.seen == 0:
+            held = optimizer_state_bytes(self.optimizer) + optimizer_state_bytes(optimizer)
+            self.optim_peak = max(self.optim_peak, held)
 
     def __enter__(self):
         Meter.active = self
@@ -311,6 +330,7 @@ class Meter:
     def __exit__(self, *exc):
         self._close()
         self.hook.remove()
+        self.inner_hook.remove()
         Meter.active = None
         if self.loop_steps:
             end = self._now()
@@ -408,3 +428,29 @@ def record_pipeline_order(stage, micro_batches, optimizer=None, weights=False):
     """Attach a PipelineRecorder to `stage` (before training, like the Meter); hand it to
     common.pipeline_timeline after training."""
     return PipelineRecorder(stage, micro_batches, optimizer, weights)
+
+
+def record_expert_load(model):
+    """Tokens this rank routes to each expert in training forwards, per block, summed on its
+    device: a forward pre-hook on each block's experts module reads the routing it is called with
+    (tokens, chosen experts, weights). The module's `num_experts` (or its length) is E."""
+    load = [None] * len(model.blocks)
+
+    def counter(block_index):
+        def add(module, inputs):
+            if not module.training:
+                return
+            chosen = inputs[1].reshape(-1)
+            experts = getattr(module, "num_experts", None) or len(module)
+            counts = torch.zeros(experts, dtype=torch.long, device=chosen.device)
+            counts.scatter_add_(0, chosen, torch.ones_like(chosen))  # no host sync, unlike bincount
+            if load[block_index] is None:
+                load[block_index] = counts
+            else:
+                load[block_index] += counts
+
+        return add
+
+    for block_index, block in enumerate(model.blocks):
+        block.mlp.experts.register_forward_pre_hook(counter(block_index))
+    return load

@@ -80,8 +80,10 @@ class Experts(nn.ModuleList):
         N, K = chosen.shape
         slots = chosen.reshape(-1)  # [N * K]: the expert of each (token, slot)
         by_expert = slots.argsort(stable=True)  # slots grouped by expert, token order kept
-        per_expert = torch.bincount(slots, minlength=len(self)).tolist()
-        inputs = tokens[by_expert // K].split(per_expert)
+        # tokens per expert: scatter_add_, not bincount, which waits for the device on CUDA
+        per_expert = torch.zeros(len(self), dtype=torch.long, device=slots.device)
+        per_expert.scatter_add_(0, slots, torch.ones_like(slots))
+        inputs = tokens[by_expert // K].split(per_expert.tolist())  # the one host sync
         outputs = torch.cat([expert(x) for expert, x in zip(self, inputs, strict=True)])
         outputs = torch.empty_like(outputs).index_copy(0, by_expert, outputs)  # slot order again
         return (weights.unsqueeze(-1) * outputs.view(N, K, -1)).sum(1)

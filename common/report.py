@@ -238,3 +238,30 @@ def _draw(ranks, end, cost):
     width = 1 + max(len(cell) for row in cells for cell in row)
     rows = ["".join(cell.ljust(width) for cell in row).rstrip() for row in cells]
     return "\n".join(f"  rank {rank}:  {row}" for rank, row in enumerate(rows))
+
+
+def show_expert_load(load, meter, world):
+    """Every rank takes part; rank 0 prints the tokens each expert received per step (every
+    block), and each rank's all-to-all bytes per step. Returns the RESULT fields."""
+    per_rank = [None] * world
+    window = meter.counter.bytes.get("all_to_all", 0)  # this rank's, in the Meter's window
+    mine = dict(load=[counts.tolist() for counts in load], all_to_all=window)
+    dist.all_gather_object(per_rank, mine)
+    steps = max(meter.loop_steps, 1)
+    table = []
+    for block_index, counts in enumerate(load):
+        # an expert receives what every rank routes to it
+        received = []
+        for expert in range(len(counts)):
+            total = sum(seen["load"][block_index][expert] for seen in per_rank)
+            received.append(total / steps)
+        table.append(received)
+    log("\ntokens received per expert per step (mean over the run's steps):")
+    for block_index, row in enumerate(table):
+        log(f"  block {block_index}: " + " ".join(f"{tokens:7.1f}" for tokens in row))
+    all_to_all = [seen["all_to_all"] for seen in per_rank]
+    window_steps = meter.comm()[2]
+    each = ", ".join(fmt_bytes(size / window_steps) for size in all_to_all)
+    mean = fmt_bytes(sum(all_to_all) / window_steps / world)
+    log(f"all-to-all per step on each rank: {each}; mean over ranks {mean} (the formula's)")
+    return dict(tokens_per_expert=table, all_to_all_window=all_to_all)

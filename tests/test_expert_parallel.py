@@ -1,10 +1,12 @@
-"""expert_parallel.py and the mixture of experts in common.py: experts spread over W ranks end with the
-parameters of one ddp.py process with the same --experts --top-k; the dispatch/combine equals a loop
-over experts (output and gradients, an expert that receives no token included); the all-to-all bytes
-the Meter counts add up to the formula; the scripts that take an MoE block unchanged stay exact.
+"""expert_parallel.py and the mixture of experts in common.py: experts spread over W ranks end
+with the parameters of one ddp.py process with the same --experts --top-k; the dispatch/combine
+equals a loop over experts (output and gradients, an expert that receives no token included) and
+waits for the device once per layer; the dense gradients' all-reduces start during backward; the
+all-to-all bytes the Meter counts add up to the formula; the scripts that take an MoE block
+unchanged stay exact.
 
-Launches: 3 ddp.py W=1 references (sgd and adamw for E=4 K=2, sgd for E=8 K=1), expert_parallel.py twice
-at W=2 and once at W=4, 3 other scripts at W=2, and one mp.spawn of 2 processes.
+Launches: 3 ddp.py W=1 references (sgd and adamw for E=4 K=2, sgd for E=8 K=1), expert_parallel.py
+twice at W=2 and once at W=4, 3 other scripts at W=2, and one mp.spawn of 2 processes.
 """
 
 import os
@@ -14,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import common
 from helpers import SMALL, ddp_reference, max_diff, ok, torchrun
@@ -33,15 +36,17 @@ def sizes(cfg):
 
 @pytest.fixture(scope="module")
 def refs(tmp_path_factory):
-    """ddp.py at W=1: sgd and adamw on CFG, sgd on CFG8 (as "sgd8"); one-process launches, two at a time."""
+    """ddp.py at W=1: sgd and adamw on CFG, sgd on CFG8 (as "sgd8"); one-process launches, two at
+    a time."""
     jobs = [(CFG, "sgd"), (CFG, "adamw"), (CFG8, "sgd")]
     tmp_path_factory.getbasetemp()  # made here, not by two threads at once
     with ThreadPoolExecutor(2) as pool:
         paths = list(pool.map(lambda job: ddp_reference(tmp_path_factory, *job), jobs))
-    return dict(zip(("sgd", "adamw", "sgd8"), paths))
+    return dict(zip(("sgd", "adamw", "sgd8"), paths, strict=True))
 
 
-# SGD catches a missing 1/W on the expert gradients (AdamW would all but hide it), AdamW the optimizer state
+# SGD catches a missing 1/W on the expert gradients (AdamW would all but hide it), AdamW the
+# optimizer state
 @pytest.mark.parametrize(
     "world,cfg,optim",
     [(2, CFG, "sgd"), (2, CFG, "adamw"), (4, CFG8, "sgd")],
@@ -67,13 +72,14 @@ def test_equals_one_ddp_process(world, cfg, optim, refs, tmp_path):
         k * held,
     )
 
-    # communication: one all-reduce of the dense gradients per step; per MoE layer per step 4 token
-    # all-to-alls (dispatch and combine, forward and backward) and one of the E int64 counts. A rank's own
-    # bytes depend on the routing; over all ranks they add up to 4·k·(B·T)·D fp32 per layer per step.
+    # communication: the dense gradients all-reduced per step in L + 2 buckets (head, blocks,
+    # embedding); per MoE layer per step 4 token all-to-alls (dispatch and combine, forward and
+    # backward) and one of the E int64 counts. A rank's own bytes depend on the routing; over all
+    # ranks they add up to 4·k·(B·T)·D fp32 per layer per step.
     E, K, D, L = args.experts, args.top_k, args.dim, args.depth
     tokens = args.batch_size * (common.IMAGE // args.patch) ** 2
     assert res["comm"]["all_reduce"] == 4 * (psi - psi_e)
-    assert res["comm_calls"] == {"all_reduce": STEPS, "all_to_all": STEPS * L * 5}
+    assert res["comm_calls"] == {"all_reduce": STEPS * (L + 2), "all_to_all": STEPS * L * 5}
     assert sum(res["all_to_all_window"]) == STEPS * L * (4 * K * tokens * D * 4 + world * 8 * E)
     assert res["formula"]["comm"]["all_to_all"] * world == L * (
         4 * K * tokens * D * 4 + world * 8 * E
@@ -83,10 +89,52 @@ def test_equals_one_ddp_process(world, cfg, optim, refs, tmp_path):
         assert len(row) == E and abs(sum(row) - K * tokens) < 1e-6
 
 
+class HostSyncs(TorchDispatchMode):
+    """Counts what would make the host wait for a GPU, seen on CPU: .tolist() and .item(), and the
+    ops whose output size depends on the values (nonzero, bincount, boolean masks, ...)."""
+
+    WAITS = {
+        "_local_scalar_dense",
+        "nonzero",
+        "bincount",
+        "masked_select",
+        "_unique2",
+        "unique_dim",
+    }
+
+    def __enter__(self):
+        self.count = 0
+        self.tolist = torch.Tensor.tolist
+
+        def counted_tolist(tensor):
+            self.count += 1
+            return self.tolist(tensor)
+
+        torch.Tensor.tolist = counted_tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self.tolist
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        sized_by_values = name == "repeat_interleave" and kwargs.get("output_size") is None
+        masked = name == "index" and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]
+        )
+        if name in self.WAITS or sized_by_values or masked:
+            self.count += 1
+        return func(*args, **kwargs)
+
+
 def _dispatch_worker(rank, world, port):
-    """Each rank routes its own random tokens (expert 1 never picked, so it gets none); the expert-parallel
-    layer's output and input gradients must equal the loop over all experts on this rank's tokens, and each
-    owned expert's gradient the sum over ranks of the loop's."""
+    """Each rank routes its own random tokens (expert 1 never picked, so it gets none); the
+    expert-parallel layer's output and input gradients must equal the loop over all experts on this
+    rank's tokens, and each owned expert's gradient the sum over ranks of the loop's; forward and
+    backward wait for the device once. Then a whole model: its dense all-reduces start before
+    backward's last all-to-all."""
     import expert_parallel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -97,9 +145,8 @@ def _dispatch_worker(rank, world, port):
         experts = common.Experts(common.MLP(D, 16) for _ in range(E))
         torch.manual_seed(1 + rank)  # this rank's tokens and routing
         h, out_grad = torch.randn(N, D), torch.randn(N, D)
-        idx = torch.tensor([0, 2, 3])[
-            torch.rand(N, 3).argsort(1)[:, :K]
-        ]  # K distinct experts, never 1
+        never_one = torch.tensor([0, 2, 3])
+        idx = never_one[torch.rand(N, 3).argsort(1)[:, :K]]  # K distinct experts, never 1
         weights = torch.rand(N, K).softmax(-1)
 
         def run(layer):
@@ -114,22 +161,61 @@ def _dispatch_worker(rank, world, port):
         for g in ref_g.values():
             dist.all_reduce(g)  # the owner's tokens come from every rank
         layer = expert_parallel.ExpertParallel(experts, rank, world)
-        out, gx, gw, grads = run(layer)
+        with HostSyncs() as syncs:
+            out, gx, gw, grads = run(layer)
+        assert syncs.count == 1, syncs.count  # the token counts, once
         assert torch.allclose(out, ref_out, atol=1e-6) and torch.allclose(gx, ref_x, atol=1e-6)
         assert torch.allclose(gw, ref_w, atol=1e-6)
-        assert sorted(grads) == sorted(
-            n for n in ref_g if int(n.split(".")[0]) // (E // world) == rank
-        )
+        owned = [n for n in ref_g if int(n.split(".")[0]) // (E // world) == rank]
+        assert sorted(grads) == sorted(owned)
         for n, g in grads.items():
             assert torch.allclose(g, ref_g[n], atol=1e-5), n
             if n.startswith("1."):
                 assert torch.count_nonzero(g) == 0  # no token: a zero gradient, not none
-        got = layer.received.sum(0)  # tokens each owned expert received
+        _, received = layer.exchange_counts(idx.reshape(-1))
+        got = [sum(from_rank[j] for from_rank in received) for j in range(E // world)]
         want = torch.bincount(idx.reshape(-1), minlength=E)
         dist.all_reduce(want)
-        assert torch.equal(got, want.view(world, -1)[rank])
+        assert got == want.view(world, -1)[rank].tolist()  # rows each owned expert receives
+        _check_overlap(expert_parallel)
     finally:
         dist.destroy_process_group()
+
+
+class _Collectives(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.order = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            self.order.append(func._opname)
+        return func(*args, **(kwargs or {}))
+
+
+def _check_overlap(expert_parallel):
+    """The dense gradients go in L + 2 all-reduces issued during backward, interleaved with the
+    MoE layers' all-to-alls; once waited for (the optimizer's pre-step hook; no optimizer here, it
+    would import torch._dynamo for seconds), every gradient is the average over ranks."""
+    args = common.parse_args(common.get_parser("t"), CFG)
+    model = expert_parallel.parallelize(common.build_model(args), torch.device("cpu"))
+    averager = expert_parallel.GradientAverager(model, dist.get_world_size())
+    torch.manual_seed(2 + dist.get_rank())
+    x, y = torch.randn(4, 1, 28, 28), torch.randint(0, 10, (4,))
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    with _Collectives() as seen:
+        loss.backward()
+    all_reduces = [i for i, name in enumerate(seen.order) if name == "allreduce_"]
+    all_to_alls = [i for i, name in enumerate(seen.order) if name.startswith("alltoall")]
+    assert len(all_reduces) == args.depth + 2, seen.order
+    assert all_reduces[0] < all_to_alls[-1], seen.order  # the first starts before backward ends
+    local = {n: p.grad.clone() for n, p in model.named_parameters()}
+    averager.wait(None, (), {})
+    for n, p in model.named_parameters():
+        want = local[n] / dist.get_world_size()
+        if ".experts." not in n:
+            dist.all_reduce(want)
+        assert torch.allclose(p.grad, want, atol=1e-7), n
 
 
 def test_dispatch_combine_equals_loop_over_experts():
@@ -145,31 +231,30 @@ OTHERS = [
 
 @pytest.mark.parametrize("script,extra", OTHERS, ids=[s for s, _ in OTHERS])
 def test_other_scripts_stay_exact_on_moe(script, extra, refs, tmp_path):
-    """The load-balancing gradient is added inside the MoE layer (scaled for pipeline.py's micro-batches):
-    these scripts take the MoE model unchanged and stay exact (SGD). amp_checkpoint.py's accumulation is
-    the next test's, in this process."""
+    """The load-balancing gradient is added inside the MoE layer (scaled for pipeline.py's
+    micro-batches): these scripts take the MoE model unchanged and stay exact (SGD).
+    amp_checkpoint.py's accumulation is the next test's, in this process."""
     path = tmp_path / "out.pt"
     ok(torchrun(script, 2, *CFG, *extra, "--optim", "sgd", "--save", path, timeout=240))
     assert max_diff(path, refs["sgd"]) <= TOL["sgd"]
 
 
 def test_aux_gradient_scaled_for_micro_batches():
-    """amp_checkpoint.py --grad-accum 2 (and pipeline.py --microbatches 2) run two halves, each loss / 2: the
-    model built for them must give the whole batch's gradients; one built for single forwards must not."""
+    """amp_checkpoint.py --grad-accum 2 (and pipeline.py --microbatches 2) run two halves, each
+    loss / 2: the model built for them must give the whole batch's gradients; one built for single
+    forwards must not."""
     args = common.parse_args(common.get_parser("t"), CFG + ["--aux-loss", "0.1"])
     torch.manual_seed(0)
     x, y = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
 
     def grads(model, parts):
-        for xm, ym in zip(x.chunk(parts), y.chunk(parts)):
+        for xm, ym in zip(x.chunk(parts), y.chunk(parts), strict=True):
             (torch.nn.functional.cross_entropy(model(xm), ym) / parts).backward()
         return {n: p.grad for n, p in model.named_parameters()}
 
     whole = grads(common.build_model(args), 1)
-    args.grad_accum = 2
-    halves = grads(common.build_model(args), 2)
+    halves = grads(common.build_model(args, forwards_per_step=2), 2)
     assert max((whole[n] - halves[n]).abs().max().item() for n in whole) < 1e-7
-    del args.grad_accum
     unscaled = grads(common.build_model(args), 2)
     assert (
         whole["blocks.0.mlp.router.weight"] - unscaled["blocks.0.mlp.router.weight"]
@@ -177,8 +262,9 @@ def test_aux_gradient_scaled_for_micro_batches():
 
 
 def test_aux_loss_is_a_per_image_mean():
-    """What the layer adds in backward is the gradient of coef · mean over images of sum_i f_i P_i, f from the
-    counts of the image's tokens: computed here by hand, for a batch and for its halves (the mean of halves)."""
+    """What the layer adds in backward is the gradient of coef · mean over images of sum_i f_i P_i,
+    f from the counts of the image's tokens: computed here by hand, for a batch and for its halves
+    (the mean of halves)."""
     args = common.parse_args(common.get_parser("t"), CFG + ["--aux-loss", "0.5"])
     torch.manual_seed(0)
     moe = common.build_model(args).blocks[0].mlp

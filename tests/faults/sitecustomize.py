@@ -334,11 +334,24 @@ if os.environ.get("MUTANT"):
     elif _mutant == "ep-dense-sum":  # expert parallelism: the dense gradients summed, not averaged
         _ar1 = dist.all_reduce
 
+        class _TimesWorldOnWait:  # an async all-reduce (bucketed gradients): scaled once done
+            def __init__(self, work, tensor):
+                self.work = work
+                self.tensor = tensor
+
+            def wait(self, *a, **k):
+                done = self.work.wait(*a, **k)
+                self.tensor.mul_(dist.get_world_size())
+                return done
+
         def _summed(t, *a, **k):
-            out = _ar1(t, *a, **k)
-            if t.dim() == 1 and t.is_floating_point():
+            work = _ar1(t, *a, **k)
+            if not (t.dim() == 1 and t.is_floating_point()):
+                return work
+            if work is None:  # a blocking all-reduce: t holds the sum already
                 t.mul_(dist.get_world_size())
-            return out
+                return None
+            return _TimesWorldOnWait(work, t)
 
         dist.all_reduce = _summed
     else:
