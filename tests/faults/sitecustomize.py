@@ -1,9 +1,10 @@
 """Fault injection for the reliability tests, loaded into every worker through PYTHONPATH.
 
 FAULT=raise|hang|exit  FAULT_RANK=r  FAULT_STEP=k: on global rank r, just before its k-th
-optimizer step (1-based), raise an exception, sleep forever, or exit(3). FAULT=exit-in-save: in the
-k-th torch.save of rank r (to an open file), write half of its bytes, then exit(3). Only on the first
-attempt of a torchrun job (TORCHELASTIC_RESTART_COUNT 0), so a restarted group runs clean.
+optimizer step (1-based), raise an exception, sleep forever, or exit(3). FAULT=exit-in-save: in
+the k-th torch.save of rank r (to an open file), write half of its bytes, then exit(3). Only on
+the first attempt of a torchrun job (TORCHELASTIC_RESTART_COUNT 0), so a restarted group runs
+clean.
 OFFLINE=1: no connection to any host but this one (MNIST cannot be downloaded).
 FAKE_MNIST=DIR: downloading MNIST copies DIR's IDX files, slowly, and logs who downloaded.
 HIDE=PATH FAULT_RANK=r: on rank r that file does not exist (a node without the shared file system).
@@ -44,7 +45,8 @@ if os.environ.get("FAULT") and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if os.environ["FAULT"] == "exit-in-save" and os.environ.get("RANK", "0") == os.environ.get(
         "FAULT_RANK", "0"
     ):
-        # the FAULT_STEP-th torch.save of that rank writes half of its bytes, then the process dies (killed mid-write)
+        # the FAULT_STEP-th torch.save of that rank writes half of its bytes, then the process
+        # dies (killed mid-write)
         import io
 
         import torch
@@ -169,15 +171,21 @@ if os.environ.get("MUTANT"):
             if fullname not in _after_import:
                 return None
             for finder in sys.meta_path:
-                spec = None if finder is self else finder.find_spec(fullname, path, target)
+                if finder is self:
+                    continue
+                spec = finder.find_spec(fullname, path, target)
                 if spec is not None:
-                    run = spec.loader.exec_module
-                    spec.loader.exec_module = lambda module: (
-                        run(module),
-                        _after_import[fullname](module),
-                    )
+                    spec.loader.exec_module = self.then_patch(spec.loader.exec_module, fullname)
                     return spec
             return None
+
+        @staticmethod
+        def then_patch(exec_module, fullname):
+            def exec_and_patch(module):
+                exec_module(module)
+                _after_import[fullname](module)
+
+            return exec_and_patch
 
     sys.meta_path.insert(0, _PatchOnImport())
 
