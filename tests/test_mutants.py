@@ -13,29 +13,80 @@ from helpers import ROOT
 
 pytestmark = pytest.mark.full  # minutes of reruns: the full tier (`python -m pytest -m full`)
 
-MUTANTS = {  # mutant -> the test that must fail under it (the promise in the README it guards)
-    "sampler-same-shard": "tests/test_ddp.py::test_ddp_equals_one_process[sgd-W2-torchrun]",  # sampler
-    "ddp-sum": "tests/test_ddp.py::test_ddp_equals_one_process[sgd-W2-torchrun]",  # exactness
-    "eval-counts-padding": "tests/test_ddp.py::test_distributed_accuracy_equals_one_process_accuracy",  # evaluation
-    "resume-forgets-schedule": "tests/test_ddp.py::test_snapshot_resume_equals_uninterrupted",  # resume
+# mutant -> (the promise it breaks, the test in tests/ that must fail under it)
+MUTANTS = {
+    "sampler-same-shard": (
+        "every rank trains on rank 0's shard",
+        "test_ddp.py::test_ddp_equals_one_process[sgd-W2-torchrun]",
+    ),
+    "ddp-sum": (
+        "DDP sums the gradients",
+        "test_ddp.py::test_ddp_equals_one_process[sgd-W2-torchrun]",
+    ),
+    "eval-counts-padding": (
+        "evaluation counts the padding",
+        "test_ddp.py::test_distributed_accuracy_equals_one_process_accuracy",
+    ),
+    "resume-forgets-schedule": (
+        "a resume restarts the schedule",
+        "test_ddp.py::test_snapshot_resume_equals_uninterrupted",
+    ),
     "no-checkpoint": (
-        "tests/test_amp_checkpoint.py::test_checkpointed_blocks_run_forward_twice_in_training[ckpt]"
+        "checkpoint() runs the block plainly",
+        "test_amp_checkpoint.py::test_checkpointed_blocks_run_forward_twice_in_training[ckpt]",
     ),
-    "no-autocast": "tests/test_amp_checkpoint.py::test_bf16_is_active",  # mixed precision
-    "no-clip": "tests/test_amp_checkpoint.py::test_clip_bounds_every_step",  # clipping
     "checkpoint-stops-after-first-step": (
-        "tests/test_amp_checkpoint.py::test_checkpointed_blocks_recompute_in_every_step"
+        "checkpointing off after step 1",
+        "test_amp_checkpoint.py::test_checkpointed_blocks_recompute_in_every_step",
     ),
-    "autocast-stops-after-first-step": "tests/test_amp_checkpoint.py::test_autocast_in_every_step",
-    "zero-no-average": "tests/test_zero.py::test_stage_equals_one_ddp_process[2-2-sgd]",  # ZeRO exactness
-    "fsdp-sum": "tests/test_fsdp.py::test_equals_ddp_one_process[W2-sgd]",  # FSDP exactness
-    "tp-f-identity": "tests/test_tensor_parallel.py::test_same_parameters_as_ddp_one_process[W2-tp-sgd]",  # TP
-    "pipeline-unpaired": "tests/test_pipeline.py::test_p2p_order_is_nccl_safe",  # NCCL order
-    "pipedream-eager-send": "tests/test_pipeline_pipedream.py::test_p2p_order_is_nccl_safe[2]",
-    "schedules-unpaired": "tests/test_pipeline_schedules.py::test_p2p_order_is_nccl_safe[2]",  # NCCL order
-    "cp-head-not-summed": "tests/test_context_parallel.py::test_same_parameters_as_ddp_one_process[ring-W2-sgd]",
-    "ep-dense-sum": "tests/test_expert_parallel.py::test_equals_one_ddp_process[W2-E4-K2-sgd]",  # EP exactness
-    "nd-fsdp-sum": "tests/test_nd_parallel.py::test_same_parameters_as_ddp_one_process[R1S2T1P2-sgd]",  # N-D
+    "no-autocast": (
+        "autocast disabled",
+        "test_amp_checkpoint.py::test_bf16_is_active",
+    ),
+    "autocast-stops-after-first-step": (
+        "autocast off after step 1",
+        "test_amp_checkpoint.py::test_autocast_in_every_step",
+    ),
+    "no-clip": (
+        "clip_grad_norm_ does nothing",
+        "test_amp_checkpoint.py::test_clip_bounds_every_step",
+    ),
+    "zero-no-average": (
+        "ZeRO's reduce-scatter sums",
+        "test_zero.py::test_stage_equals_one_ddp_process[2-2-sgd]",
+    ),
+    "fsdp-sum": (
+        "FSDP sums the gradients",
+        "test_fsdp.py::test_equals_ddp_one_process[W2-sgd]",
+    ),
+    "tp-f-identity": (
+        "TP's f skips its backward all-reduce",
+        "test_tensor_parallel.py::test_same_parameters_as_ddp_one_process[W2-tp-sgd]",
+    ),
+    "pipeline-unpaired": (
+        "one op per batch_isend_irecv",
+        "test_pipeline.py::test_p2p_order_is_nccl_safe",
+    ),
+    "schedules-unpaired": (
+        "one op per batch_isend_irecv",
+        "test_pipeline_schedules.py::test_p2p_order_is_nccl_safe[2]",
+    ),
+    "pipedream-eager-send": (
+        "PipeDream's closing send posted at once",
+        "test_pipeline_pipedream.py::test_p2p_order_is_nccl_safe[2]",
+    ),
+    "cp-head-not-summed": (
+        "the head pools this rank's tokens only",
+        "test_context_parallel.py::test_same_parameters_as_ddp_one_process[ring-W2-sgd]",
+    ),
+    "ep-dense-sum": (
+        "EP sums the dense gradients",
+        "test_expert_parallel.py::test_equals_one_ddp_process[W2-E4-K2-sgd]",
+    ),
+    "nd-fsdp-sum": (
+        "N-D: FSDP sums under a pipeline",
+        "test_nd_parallel.py::test_same_parameters_as_ddp_one_process[R1S2T1P2-sgd]",
+    ),
 }
 
 
@@ -61,7 +112,7 @@ def under(mutant, basetemp):
             "full or not full",  # the guarding test may itself be in the full tier
             "--basetemp",
             str(basetemp),
-            MUTANTS[mutant],
+            "tests/" + MUTANTS[mutant][1],
         ],
         cwd=ROOT,
         env=env,
@@ -82,7 +133,7 @@ def outcomes(request, tmp_path_factory):
     ]
     with ThreadPoolExecutor(2) as pool:
         runs = pool.map(lambda m: under(m, tmp_path_factory.mktemp(m) / "t"), wanted)
-        return dict(zip(wanted, runs))
+        return dict(zip(wanted, runs, strict=True))
 
 
 @pytest.mark.parametrize("mutant", MUTANTS)
@@ -90,7 +141,6 @@ def test_the_guarding_test_fails_under_the_mutant(mutant, outcomes):
     r = outcomes[mutant]
     tail = "\n".join(r.stdout.splitlines()[-15:])
     assert "unknown MUTANT" not in r.stdout + r.stderr, tail
-    assert "no tests ran" not in r.stdout and " error" not in r.stdout.splitlines()[-1], (
-        tail
-    )  # it ran, and failed
-    assert r.returncode == 1 and " failed" in r.stdout.splitlines()[-1], tail
+    summary = r.stdout.splitlines()[-1]
+    assert "no tests ran" not in r.stdout and " error" not in summary, tail  # it ran
+    assert r.returncode == 1 and " failed" in summary, tail  # and it failed
