@@ -2,9 +2,10 @@
 on its slice of each global batch; gradients are averaged with an all-reduce during backward)
 with levers that trade precision or compute for memory, and change no communication:
 - `--amp bf16|fp16`: torch.autocast runs matmuls and attention (its softmax too) in 16 bits;
-  parameters, gradients, optimizer state (the "master weights"), LayerNorms and the loss stay fp32. bf16 needs no
-  loss scaling and runs on CPU too; fp16 (CUDA only) uses a GradScaler: loss x S before backward,
-  gradients / S (`unscale_`) before clipping (`--clip`) and the step, inf/nan steps skipped.
+  parameters, gradients, optimizer state (the "master weights"), LayerNorms and the loss stay
+  fp32. bf16 needs no loss scaling and runs on CPU too; fp16 (CUDA only) uses a GradScaler:
+  loss x S before backward, gradients / S (`unscale_`) before clipping (`--clip`) and the step,
+  a step whose gradients hold an inf or nan skipped.
 - `--checkpoint`: each block runs under checkpoint(..., use_reentrant=False), which keeps only the
   block's input for backward and recomputes the rest there: about one more forward per step.
 - `--grad-accum k`: k micro-batches per step, all but the last under no_sync() (no all-reduce).
@@ -33,7 +34,6 @@ import contextlib
 import datetime
 import functools
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -53,12 +53,16 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 
 def parallelize(model, device, checkpointing=False):
-    """Checkpointing replaces each block's forward (a new module around it would rename the keys).
+    """Checkpointing replaces each block's forward by checkpoint(forward): it runs without keeping
+    what the block computes inside, and runs again in backward to get it back. Replacing the
+    forward, not wrapping the block in a new module, keeps the parameter names (and so the saved
+    state_dict) those of the plain model.
     DDP hooks every parameter: as backward produces gradients it all-reduces them in ~25 MB
     buckets, overlapped with the rest of backward, and divides by W. Each rank's loss is the mean
     over its batch/W samples, so every rank then holds the gradient of the global batch's mean."""
-    for block in model.blocks if checkpointing else []:
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    if checkpointing:
+        for block in model.blocks:
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
     return DDP(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
@@ -76,14 +80,18 @@ def forward_backward(model, x, y, amp, scaler, grad_accum=1):
     and the last backward all-reduces the sum. Each micro-loss / grad_accum: the sum is the
     gradient of the batch's mean. Autocast covers the forward only (backward follows its dtypes;
     the loss is computed in fp32); the scaler multiplies the loss by S. Returns the batch's loss."""
-    total, dtype = 0, torch.float16 if amp == "fp16" else torch.bfloat16
-    for i, (xm, ym) in enumerate(zip(x.chunk(grad_accum), y.chunk(grad_accum))):
-        with model.no_sync() if i < grad_accum - 1 else contextlib.nullcontext():
-            with torch.autocast(x.device.type, dtype=dtype, enabled=amp != "off"):
-                loss = F.cross_entropy(model(xm), ym) / grad_accum
+    autocast_dtype = torch.float16 if amp == "fp16" else torch.bfloat16
+    batch_loss = torch.zeros((), device=x.device)
+    micro_batches = zip(x.chunk(grad_accum), y.chunk(grad_accum), strict=True)
+    for i, (micro_x, micro_y) in enumerate(micro_batches):
+        last = i == grad_accum - 1
+        gradient_sync = contextlib.nullcontext() if last else model.no_sync()
+        with gradient_sync:
+            with torch.autocast(x.device.type, dtype=autocast_dtype, enabled=amp != "off"):
+                loss = F.cross_entropy(model(micro_x), micro_y) / grad_accum
             scaler.scale(loss).backward()
-        total = total + loss.detach()
-    return total
+        batch_loss += loss.detach()
+    return batch_loss
 
 
 def optimizer_step(model, optimizer, scaler, clip=0.0):
@@ -119,24 +127,34 @@ def formula(psi, world, args):
 def check_args(args, world):
     common.check(
         args.batch_size % world == 0,
-        f"--batch-size {args.batch_size} is not divisible by world size {world}: every rank must get "
-        f"the same whole number of samples per step",
+        f"--batch-size {args.batch_size} is not divisible by world size {world}: "
+        "every rank must get the same whole number of samples per step",
     )
+    samples_per_rank = args.batch_size // world
     common.check(
-        args.grad_accum >= 1 and args.batch_size // world % args.grad_accum == 0,
-        f"--grad-accum {args.grad_accum} must be >= 1 and divide the {args.batch_size // world} samples "
-        f"each rank gets per step",
+        args.grad_accum >= 1 and samples_per_rank % args.grad_accum == 0,
+        f"--grad-accum {args.grad_accum} must be >= 1 and divide the {samples_per_rank} samples "
+        "each rank gets per step",
     )
     common.check(args.clip >= 0, f"--clip must be >= 0 (0: no clipping), got {args.clip}")
-    cuda = args.backend != "gloo" and torch.cuda.device_count() > 0 and dist.is_nccl_available()
+    on_cuda = args.backend != "gloo" and torch.cuda.device_count() > 0 and dist.is_nccl_available()
     common.check(
-        args.amp != "fp16" or cuda,
+        args.amp != "fp16" or on_cuda,
         "--amp fp16 needs CUDA (fp16 autocast with a GradScaler); this run "
         "is on the CPU: use --amp bf16 (no loss scaling needed) or --amp off",
     )
     common.check(
-        args.amp != "bf16" or not cuda or torch.cuda.is_bf16_supported(including_emulation=False),
+        args.amp != "bf16"
+        or not on_cuda
+        or torch.cuda.is_bf16_supported(including_emulation=False),
         "--amp bf16: this GPU only emulates bf16 (no bf16 tensor cores); use --amp fp16",
+    )
+    # The load-balancing gradient is added inside backward (common.AuxLossScaler), where the
+    # GradScaler's factor S never multiplies it, yet unscale_ divides it by S.
+    common.check(
+        not args.experts or args.amp != "fp16",
+        "--experts with --amp fp16: the load-balancing gradient is added inside backward, "
+        "where the GradScaler's loss scale does not reach it (use bf16)",
     )
 
 
@@ -246,7 +264,9 @@ def run(args):
             len(loader) > 0,
             f"{len(train_set)} training samples make no full batch of {args.batch_size}",
         )
-        model = common.build_model(args)  # the same seeded weights on every rank
+        # The same seeded weights on every rank. Each micro-batch's loss is divided by
+        # --grad-accum: the MoE balance loss (--experts) must be divided the same way.
+        model = common.build_model(args, forwards_per_step=args.grad_accum)
         if args.load:
             model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
         psi = sum(p.numel() for p in model.parameters())
@@ -254,8 +274,9 @@ def run(args):
         optimizer = common.make_optimizer(model.parameters(), args)
         scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
         common.log(
-            f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data ({len(train_set)} train / "
-            f"{len(test_set)} test), batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
+            f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data "
+            f"({len(train_set)} train / {len(test_set)} test), "
+            f"batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
         )
         common.log(
             f"--amp {args.amp}, checkpointing {'on' if args.checkpoint else 'off'}, "
@@ -263,11 +284,10 @@ def run(args):
         )
         with common.Meter(model, optimizer, args) as meter:
             out = train(model, optimizer, scheduler, loader, sampler, args, device)
-        acc = evaluate(
-            model,
-            common.test_loader(test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"),
-            device,
+        test_loader = common.test_loader(
+            test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"
         )
+        acc = evaluate(model, test_loader, device)
         state = full_state_dict(model)  # every rank takes part; rank 0 holds the whole
         if rank == 0 and args.save:
             common.save_checkpoint(state, args.save)

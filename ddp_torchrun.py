@@ -1,6 +1,7 @@
 """DDP under torchrun, with snapshots: the training of ddp.py, plus a snapshot (model, optimizer,
 LR schedule, step, RNG state) written after every epoch, from which a restarted run carries on
-exactly where the last one stopped, as if it had never been interrupted.
+where the last one stopped: the same steps on the same batches with the same state (bit for bit
+on CPU; on GPUs as closely as their kernels repeat themselves).
 
     rank 0: [ full model ]  batch[0::W] --\
     rank 1: [ full model ]  batch[1::W] ---+-- all-reduce(grads) / W --> same step on every rank
@@ -12,11 +13,13 @@ backward); a ring all-reduce sends 2(W-1)/W · 4Ψ bytes per rank.
 
     torchrun --standalone --nproc_per_node=4 --max-restarts=3 ddp_torchrun.py --snapshot snap.pt
         # a crashed worker makes torchrun restart all of them; they resume from snap.pt
-    python ddp_torchrun.py --nproc 4 --snapshot snap.pt       # after a crash, the same command resumes
+    python ddp_torchrun.py --nproc 4 --snapshot snap.pt
+        # after a crash, the same command resumes
 
     # two nodes, 4 processes each; run on every node (node-rank 0 on the first, 1 on the second):
     torchrun --nnodes=2 --nproc_per_node=4 --node-rank=0 --rdzv-backend=c10d --max-restarts=3 \
-             --rdzv-endpoint=HOST_OF_NODE0:29500 --rdzv-id=job1 ddp_torchrun.py --snapshot /shared/snap.pt
+             --rdzv-endpoint=HOST_OF_NODE0:29500 --rdzv-id=job1 \
+             ddp_torchrun.py --snapshot /shared/snap.pt
 
 --snapshot needs a file system every node shares: rank 0 alone decides whether to resume (and
 broadcasts the step), then every rank reads the file. Resume with the same command: the LR
@@ -30,7 +33,6 @@ normalises with the statistics of its own batch/W samples only.
 
 import datetime
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -75,80 +77,90 @@ def full_state_dict(model):
 def save_snapshot(path, model, optimizer, scheduler, step, device):
     """All a restarted run needs to go on exactly: the weights, the optimizer state, the schedule's
     position, the step and every rank's RNG state (its CPU generator and its own GPU's), gathered
-    to rank 0. Rank 0 writes a temporary file, fsyncs it and renames it over `path`: a crash while
-    saving leaves the last snapshot whole."""
+    to rank 0, which writes them."""
     if not path:
         return
-    rng = dict(
+    rng_state = dict(
         cpu=torch.get_rng_state(),
         cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
     )
-    rngs = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(rng, rngs, dst=0)
-    state = full_state_dict(model)  # every rank: it is a collective under sharding techniques
+    rng_states = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(rng_state, rng_states, dst=0)
+    weights = full_state_dict(model)  # every rank: it is a collective under sharding techniques
     if dist.get_rank() == 0:
-        tmp = f"{path}.tmp.{os.getpid()}"
-        with open(tmp, "wb") as f:
-            torch.save(
-                dict(
-                    model=state,
-                    optimizer=optimizer.state_dict(),
-                    scheduler=scheduler.state_dict(),
-                    step=step,
-                    rng=rngs,
-                ),
-                f,
-            )
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        snapshot = dict(
+            model=weights,
+            optimizer=optimizer.state_dict(),
+            scheduler=scheduler.state_dict(),
+            step=step,
+            rng=rng_states,
+        )
+        write_atomically(snapshot, path)
         print(f"snapshot: step {step} saved to {path}", flush=True)
+
+
+def write_atomically(snapshot, path):
+    """torch.save to a temporary file, flushed to disk, then renamed over `path`: a crash while
+    saving leaves the last snapshot whole, and no reader ever sees half a file."""
+    temporary = f"{path}.tmp.{os.getpid()}"
+    with open(temporary, "wb") as f:
+        torch.save(snapshot, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
 
 
 def load_snapshot(path, model, device):
     """Rank 0 alone decides: it looks for `path` and broadcasts the step the snapshot holds (-1:
-    none), so ranks that see different files cannot diverge. Then every rank reads the snapshot
-    and loads its weights into the bare model, before DDP wraps it (DDP's start-up broadcast then
-    sends the loaded weights). Returns the snapshot, or None to start afresh."""
+    none), so that ranks that see different files cannot diverge. Then every other rank reads the
+    snapshot too, and each loads its weights into the bare model, before DDP wraps it (DDP's
+    start-up broadcast then sends the loaded weights). Returns the snapshot, or None to start
+    afresh."""
     if not path:
         return None
-    rank = dist.get_rank()
-    snap = (
-        torch.load(path, map_location="cpu", weights_only=True)
-        if rank == 0 and os.path.exists(path)
-        else None
-    )
-    step = torch.tensor([snap["step"] if snap else -1], device=device)
+    snapshot = None
+    step = torch.tensor([-1], device=device)
+    if dist.get_rank() == 0 and os.path.exists(path):
+        snapshot = torch.load(path, map_location="cpu", weights_only=True)
+        step.fill_(snapshot["step"])
     dist.broadcast(step, src=0)
     if step.item() < 0:
         return None
-    if snap is None and os.path.exists(path):
-        snap = torch.load(path, map_location="cpu", weights_only=True)
-    if snap is None or snap["step"] != step.item():
+    if dist.get_rank() != 0:
+        snapshot = read_snapshot_of_step(path, step.item())
+    model.load_state_dict(snapshot["model"])
+    return snapshot
+
+
+def read_snapshot_of_step(path, step):
+    """A rank other than 0 reads `path`, which must hold the step rank 0 found there. A rank that
+    cannot see it (no shared file system) must stop, not train from scratch beside the others."""
+    snapshot = None
+    if os.path.exists(path):
+        snapshot = torch.load(path, map_location="cpu", weights_only=True)
+    if snapshot is None or snapshot["step"] != step:
         raise RuntimeError(
-            f"rank {rank} does not find the snapshot of step {step.item()} that rank 0 resumes "
-            f"from in {path}: --snapshot must be on a file system every rank shares"
+            f"rank {dist.get_rank()} does not find the snapshot of step {step} that rank 0 "
+            f"resumes from in {path}: --snapshot must be on a file system every rank shares"
         )
-    model.load_state_dict(snap["model"])
-    return snap
+    return snapshot
 
 
-def resume(snap, optimizer, scheduler, device):
+def resume(snapshot, optimizer, scheduler, device):
     """Restore the optimizer, the schedule's position and this rank's RNG state; returns the step
     to go on from (0: no snapshot)."""
-    if snap is None:
+    if snapshot is None:
         return 0
-    optimizer.load_state_dict(snap["optimizer"])  # moves the state to the parameters' device
-    scheduler.load_state_dict(snap["scheduler"])
-    rng = snap["rng"][
-        dist.get_rank() % len(snap["rng"])
-    ]  # (restarted at another world size: some rank's)
-    torch.set_rng_state(rng["cpu"])
-    if device.type == "cuda" and rng["cuda"] is not None:
-        torch.cuda.set_rng_state(rng["cuda"], device)  # this rank's own GPU only
+    optimizer.load_state_dict(snapshot["optimizer"])  # moves the state to the parameters' device
+    scheduler.load_state_dict(snapshot["scheduler"])
+    # Restarted at another world size, a rank takes some rank's generator state.
+    rng_state = snapshot["rng"][dist.get_rank() % len(snapshot["rng"])]
+    torch.set_rng_state(rng_state["cpu"])
+    if device.type == "cuda" and rng_state["cuda"] is not None:
+        torch.cuda.set_rng_state(rng_state["cuda"], device)  # this rank's own GPU only
     if dist.get_rank() == 0:
-        print(f"snapshot: resuming at step {snap['step']}", flush=True)
-    return snap["step"]
+        print(f"snapshot: resuming at step {snapshot['step']}", flush=True)
+    return snapshot["step"]
 
 
 ### end: Snapshots
@@ -174,8 +186,8 @@ def formula(psi, world, args):
 def check_args(args, world):
     common.check(
         args.batch_size % world == 0,
-        f"--batch-size {args.batch_size} is not divisible by world size {world}: every rank must get "
-        f"the same whole number of samples per step",
+        f"--batch-size {args.batch_size} is not divisible by world size {world}: "
+        "every rank must get the same whole number of samples per step",
     )
 
 
@@ -289,25 +301,24 @@ def run(args):
         model = common.build_model(args)  # the same seeded weights on every rank
         if args.load:
             model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
-        snap = load_snapshot(
-            args.snapshot, model, device
-        )  # before DDP wraps it, whose broadcast sends it
+        # Into the bare model, before DDP wraps it: DDP's start-up broadcast then sends it.
+        snapshot = load_snapshot(args.snapshot, model, device)
         psi = sum(p.numel() for p in model.parameters())
         model = parallelize(model.to(device), device)
         optimizer = common.make_optimizer(model.parameters(), args)
         scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
-        step = resume(snap, optimizer, scheduler, device)
+        step = resume(snapshot, optimizer, scheduler, device)
         common.log(
-            f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data ({len(train_set)} train / "
-            f"{len(test_set)} test), batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
+            f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data "
+            f"({len(train_set)} train / {len(test_set)} test), "
+            f"batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
         )
         with common.Meter(model, optimizer, args) as meter:
             out = train(model, optimizer, scheduler, loader, sampler, args, device, step)
-        acc = evaluate(
-            model,
-            common.test_loader(test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"),
-            device,
+        test_loader = common.test_loader(
+            test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"
         )
+        acc = evaluate(model, test_loader, device)
         state = full_state_dict(model)  # every rank takes part; rank 0 holds the whole
         if rank == 0 and args.save:
             common.save_checkpoint(state, args.save)

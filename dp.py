@@ -1,6 +1,6 @@
-"""DP: torch.nn.DataParallel -- one process drives every visible GPU. Each step it copies
-the model from GPU 0 to the others, splits the batch, runs the replicas in threads, gathers
-the outputs on GPU 0, and backward sums the gradients back onto GPU 0's parameters.
+"""DP: torch.nn.DataParallel -- one process drives every visible GPU. Each step it copies the
+model from GPU 0 to the others, splits the batch, runs the replicas in threads, gathers the
+outputs on GPU 0, and backward sums the gradients back onto GPU 0's parameters.
 
     GPU 0: [ model ] --replicate--> GPU 1..N-1: [ copy ]     x --scatter--> x[0], x[1], ...
            outputs <----gather---- each GPU's forward;      grads --reduce--> GPU 0 --> optimizer
@@ -10,14 +10,19 @@ every other GPU a 4Ψ replica (+ its gradients) rebuilt each step.
 Communication per step, all through GPU 0: broadcast Ψ parameters to N-1 GPUs, reduce Ψ
 gradients from them ((N-1) · 4Ψ bytes each way), plus scattering inputs and gathering outputs.
 These are CUDA copies, not c10d collectives: the Meter, which counts collectives, sees none.
-One Python process and GIL for all GPUs is why DistributedDataParallel (ddp.py) replaced it.
+Nor does it see the activations over several GPUs: it watches what autograd saves through
+hooks that belong to one thread, and the replicas run in threads of their own (the report says
+"not measured"). One Python process and GIL for all GPUs is why DistributedDataParallel
+(ddp.py) replaced it.
 
-    python dp.py                 # nn.DataParallel over all visible GPUs
-    python dp.py --manual        # the same step written out: replicate -> scatter -> parallel_apply -> gather
+    python dp.py                  # nn.DataParallel over all visible GPUs
+    python dp.py --manual         # the same step written out: replicate, scatter, apply, gather
     CUDA_VISIBLE_DEVICES=0,1 python dp.py --epochs 1
 
-Without GPUs it trains on the CPU as one device, and says so. There is no process group, so
-this file's skeleton has no setup(), sampler ranks or all-reduces: compare it with ddp.py.
+Not under torchrun: every process it started would run its own DataParallel training over the
+same GPUs, so dp.py refuses a WORLD_SIZE above 1. Without GPUs it trains on the CPU as one
+device, and says so. There is no process group, so this file's skeleton has no setup(),
+sampler ranks or all-reduces: compare it with ddp.py.
 """
 
 import os
@@ -38,39 +43,44 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 
 class ManualDataParallel(nn.Module):
-    """What nn.DataParallel.forward does, one primitive at a time (all differentiable)."""
+    """What nn.DataParallel.forward does, one primitive at a time (each differentiable, so that
+    backward runs the same steps in reverse: gradients are summed back onto GPU 0's parameters)."""
 
     def __init__(self, module, device_ids):
         super().__init__()
-        self.module, self.device_ids = module, device_ids
+        self.module = module
+        self.device_ids = device_ids
 
     def forward(self, x):
-        replicas = replicate(self.module, self.device_ids)  # broadcast the parameters to every GPU
-        inputs = scatter(x, self.device_ids)  # split the batch along dim 0
-        outputs = parallel_apply(
-            replicas[: len(inputs)], [(i,) for i in inputs]
-        )  # one thread per GPU
+        replicas = replicate(self.module, self.device_ids)  # copy the parameters to every GPU
+        shards = scatter(x, self.device_ids)  # split the batch along dim 0, a shard per GPU
+        # One thread per GPU runs its replica on its shard (a batch smaller than the number of
+        # GPUs leaves the last GPUs without a shard).
+        outputs = parallel_apply(replicas[: len(shards)], [(shard,) for shard in shards])
         return gather(outputs, self.device_ids[0])  # concatenate the outputs on GPU 0
 
 
-def parallelize(model, device_ids, manual):
+def parallelize(model, device_ids, manual=False):
+    """Wrap the model to run over `device_ids`; without GPUs there is nothing to split."""
     if not device_ids:
         return model
-    return (
-        ManualDataParallel(model, device_ids)
-        if manual
-        else nn.DataParallel(model, device_ids=device_ids)
-    )
+    if manual:
+        return ManualDataParallel(model, device_ids)
+    return nn.DataParallel(model, device_ids=device_ids)
 
 
 def full_state_dict(model):
-    return {k: v.detach().cpu() for k, v in getattr(model, "module", model).state_dict().items()}
+    """The plain state_dict of the common model, inside the wrapper if there is one."""
+    if isinstance(model, (nn.DataParallel, ManualDataParallel)):
+        model = model.module
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
 
 ### end: DataParallel
 
 
 def formula(psi, gpus, args):
+    """The paper's bytes on GPU 0, which the report sets next to what the Meter measured."""
     k = 8 if args.optim == "adamw" else 4
     return dict(
         param_bytes=4 * psi,
@@ -84,7 +94,11 @@ def formula(psi, gpus, args):
     )
 
 
-def check_args(args, gpus):
+def visible_gpus():
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_args(args, world):
     common.check(
         args.backend == "auto",
         "dp.py makes no process group, so --backend does not apply (leave it at auto)",
@@ -94,13 +108,20 @@ def check_args(args, gpus):
         "dp.py is one process driving every GPU: --nproc does not apply (see ddp.py)",
     )
     common.check(
+        world == 1,
+        f"dp.py is one process driving every GPU, but this launch started {world} "
+        f"(WORLD_SIZE={world}): each would train its own DataParallel copy over the same GPUs. "
+        "Run `python dp.py`, or ddp.py under torchrun",
+    )
+    gpus = visible_gpus()
+    common.check(
         args.batch_size >= max(gpus, 1),
         f"--batch-size {args.batch_size} is smaller than the {gpus} GPUs",
     )
     common.check(
         not args.experts or gpus <= 1,
         f"--experts over {gpus} GPUs: each DataParallel replica would add the "
-        f"load-balancing gradient again (use ddp.py or expert_parallel.py)",
+        "load-balancing gradient again (use ddp.py or expert_parallel.py)",
     )
 
 
@@ -120,9 +141,8 @@ def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
         for i, (x, y) in enumerate(bar):
             x = x.to(device, non_blocking=True)
             y = y.to(device, non_blocking=True)
-            loss = F.cross_entropy(
-                model(x), y
-            )  # outputs are gathered on GPU 0: one loss, one backward
+            # The outputs are gathered on GPU 0: one loss, one backward for all replicas.
+            loss = F.cross_entropy(model(x), y)
             loss.backward()
             optimizer.step()
             scheduler.step()
@@ -143,6 +163,7 @@ def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
 
 @torch.no_grad()
 def evaluate(model, loader, device):
+    """Exact: every test sample once, in one process (the padding the loader adds is masked out)."""
     model.eval()
     counts = torch.zeros(2, dtype=torch.long, device=device)
     for x, y, keep in loader:
@@ -151,14 +172,25 @@ def evaluate(model, loader, device):
     return counts[0].item() / max(counts[1].item(), 1)
 
 
-def run(args, gpus):
+def run(args):
     """One process, in the seeds' order: the data, the model, the wrap, train, evaluate, save."""
-    device, device_ids = (
-        (torch.device("cuda", 0), list(range(gpus))) if gpus else (torch.device("cpu"), [])
-    )
+    gpus = visible_gpus()
+    if gpus:
+        device = torch.device("cuda", 0)  # the parameters, the loss and the optimizer live here
+        device_ids = list(range(gpus))
+        wrapper = "replicate/scatter/parallel_apply/gather" if args.manual else "nn.DataParallel"
+        common.log(f"{SCRIPT}: {wrapper} over {gpus} GPU(s)")
+    else:
+        device = torch.device("cpu")
+        device_ids = []
+        common.log(
+            f"{SCRIPT}: no GPUs visible, training on the CPU as a single device "
+            "(nothing is parallel here)"
+        )
     train_set, test_set, source = common.load_data(args, device)
     # One process sees every sample. A sampler for a world of one shuffles exactly as ddp.py's do
-    # at any W, so dp.py trains on the same global batches (and, on one device, to the same weights).
+    # at any W, so dp.py trains on the same global batches (and, on one device, to the same
+    # weights).
     sampler = DistributedSampler(
         train_set, num_replicas=1, rank=0, shuffle=True, seed=args.seed, drop_last=True
     )
@@ -177,27 +209,20 @@ def run(args, gpus):
     if args.load:
         model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
     psi = sum(p.numel() for p in model.parameters())
-    model = parallelize(
-        model.to(device), device_ids, args.manual
-    )  # DataParallel needs them on device_ids[0]
+    model = parallelize(model.to(device), device_ids, args.manual)  # needs them on GPU 0
     optimizer = common.make_optimizer(model.parameters(), args)
     scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
     common.log(
-        f"{SCRIPT}: "
-        + (
-            f"{'replicate/scatter/parallel_apply/gather' if args.manual else 'nn.DataParallel'} "
-            f"over {gpus} GPU{'s' * (gpus > 1)}"
-            if gpus
-            else "no GPUs visible, training on the CPU as a single device (nothing is parallel here)"
-        )
+        f"{SCRIPT}: Ψ = {psi:,} parameters, {source} data "
+        f"({len(train_set)} train / {len(test_set)} test), "
+        f"batch {args.batch_size} split over {max(gpus, 1)} device(s)"
     )
-    common.log(
-        f"{SCRIPT}: Ψ = {psi:,} parameters, {source} data ({len(train_set)} train / {len(test_set)} test), "
-        f"batch {args.batch_size} split over {max(gpus, 1)} device{'s' * (gpus > 1)}"
-    )
-    with common.Meter(model, optimizer, args) as meter:
+    # The Meter's saved-tensor hooks are per thread: they see what autograd keeps for backward
+    # only where the forward runs in this thread, on one device.
+    with common.Meter(model, optimizer, args, activations=len(device_ids) <= 1) as meter:
         out = train(model, optimizer, scheduler, loader, sampler, args, device)
-    acc = evaluate(model, common.test_loader(test_set, pin_memory=device.type == "cuda"), device)
+    test_loader = common.test_loader(test_set, pin_memory=device.type == "cuda")
+    acc = evaluate(model, test_loader, device)
     if args.save:
         common.save_checkpoint(full_state_dict(model), args.save)
         common.log(f"saved {args.save}")
@@ -227,9 +252,8 @@ def main():
         help="write the step out: replicate, scatter, parallel_apply, gather",
     )
     args = common.parse_args(parser)
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    check_args(args, gpus)
-    run(args, gpus)
+    check_args(args, common.world_size(args))
+    run(args)
 
 
 if __name__ == "__main__":

@@ -1,20 +1,25 @@
-"""FSDP: PyTorch's fully sharded data parallel (FSDP2, `fully_shard`), ZeRO-3 as a library: DDP, but each
-rank holds only its shard of every parameter (a DTensor). Each block, then the root (embed + head), is a
-unit: all-gathered before its forward and its backward, freed after, its gradients reduce-scattered.
+"""FSDP: PyTorch's fully sharded data parallel (FSDP2, `fully_shard`), ZeRO-3 as a library. It is
+DDP, except that each rank keeps only its shard of every parameter (a DTensor). Each block, and
+then the root (what is left: embed and head), is a unit: all-gathered before its forward and
+again before its backward, freed after each, its gradients reduce-scattered so that every rank
+receives the averaged gradient of its own shard only.
 
-    a parameter's dim 0 in W contiguous chunks of c = ceil(dim0 / W) rows, the last zero-padded:
+    every parameter's dim 0 in W chunks of c = ceil(dim0 / W) rows, the last chunk zero-padded:
     rank 0: rows [0, c)    rank 1: rows [c, 2c)    ...    rank W-1: rows [(W-1)c, dim0) + padding
 
-Memory per rank (fp32, AdamW, Ψ parameters): 4Ψ/W params + 4Ψ/W grads + 8Ψ/W optimizer = 16Ψ/W bytes
-(dim 0 padded to a multiple of W), plus the units gathered at the time. Communication per step:
-Ψ all-gathered for forward, Ψ again for backward (not the root, nor with --no-reshard-after-forward),
-Ψ fp32 gradients reduce-scattered; a ring sends (W-1)/W of each. --mixed-precision: bf16 compute and
-all-gathers; fp32 reduce-scatter, shards and output (the loss). --dcp DIR: sharded checkpoints DIR/step-N,
-the newest resumed at any W; every rank reads and writes DIR, so it must be on a shared file system.
+    forward:  all-gather block i -> compute -> free        (one unit at a time)
+    backward: all-gather block i -> compute grads -> reduce-scatter them -> free
 
-    torchrun --standalone --nproc_per_node=2 fsdp.py --max-steps 100 --dcp ckpt/   # sharded save
-    torchrun --standalone --nproc_per_node=4 fsdp.py --max-steps 200 --dcp ckpt/   # resume at W=4
+Memory per rank (fp32, AdamW, Ψ parameters): 4Ψ/W params + 4Ψ/W grads + 8Ψ/W optimizer
+= 16Ψ/W bytes (dim 0 padded to a multiple of W), plus the units gathered at the time.
+Communication per step: Ψ all-gathered for forward, Ψ again for backward (not the root, which
+stays gathered, nor with --no-reshard-after-forward), Ψ fp32 gradients reduce-scattered; a ring
+sends (W-1)/W of each. --mixed-precision: bf16 compute and all-gathers; fp32 reduce-scatter,
+shards and output (the loss). fsdp_resume.py adds sharded checkpoints (DCP) to this file.
+
+    torchrun --standalone --nproc_per_node=4 fsdp.py
     python fsdp.py --nproc 4 --mixed-precision --offload cpu   # through mp.spawn on a free port
+    python fsdp.py                                             # a world of one process
 
 This model has no BatchNorm. A model that does would need
 `model = nn.SyncBatchNorm.convert_sync_batchnorm(model)` before wrapping, or each rank
@@ -22,20 +27,13 @@ normalises with the statistics of its own batch/W samples only.
 """
 
 import datetime
+import math
 import os
-import time
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -51,56 +49,58 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 
 ### begin: FSDP
-# Model contract: `model.blocks` (a unit each; the rest, embed and head, is the root unit), the same
-# weights on every rank, on this rank's device. Build the optimizer after sharding: on the shards.
+# Model contract: `model.blocks` (a unit each; the rest, embed and head, is the root unit), built
+# with the same weights on every rank, on this rank's device. Build the optimizer after sharding:
+# it must hold the shards, not the full parameters that sharding replaces.
 
 
 def parallelize(model, device, mixed_precision=False, offload=False, reshard_after_forward=True):
-    """fully_shard each block, then the root, which stays gathered from its forward to its backward (used
-    last, then first). Parameters become DTensor shards; hooks gather units and reduce-scatter their grads."""
-    kw = dict(
-        mesh=init_device_mesh(device.type, (dist.get_world_size(),)),
-        offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda")
-        if offload
-        else OffloadPolicy(),
-    )
-    mp = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else {}
+    """fully_shard each block, then the root. Each call replaces the unit's parameters by DTensor
+    shards and hooks the unit: all-gather before its forward and its backward, free after, and
+    reduce-scatter its gradients, divided by W. The root is not resharded after forward: it is
+    used last in forward and first in backward, so freeing it would only gather it again."""
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    if offload:
+        # Shards, gradients and the optimizer step live on the CPU; a unit is copied to the
+        # device for its forward and backward. Pinned memory lets those copies run async.
+        offload_policy = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    else:
+        offload_policy = OffloadPolicy()  # no offload
+    if mixed_precision:
+        # Gathered parameters and compute in bf16 (half the all-gather bytes); gradients are
+        # reduce-scattered in fp32 and the shards the optimizer updates stay fp32.
+        block_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        # The root returns fp32 logits, so that the loss is computed in fp32.
+        root_policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16,
+            reduce_dtype=torch.float32,
+            output_dtype=torch.float32,
+        )
+    else:
+        block_policy = MixedPrecisionPolicy()  # everything in the parameters' dtype, fp32
+        root_policy = MixedPrecisionPolicy()
     for block in model.blocks:
         fully_shard(
             block,
+            mesh=mesh,
             reshard_after_forward=reshard_after_forward,
-            mp_policy=MixedPrecisionPolicy(**mp),
-            **kw,
+            mp_policy=block_policy,
+            offload_policy=offload_policy,
         )
-    root = MixedPrecisionPolicy(
-        **mp, output_dtype=torch.float32
-    )  # fp32 logits: the loss runs in fp32
-    return fully_shard(model, reshard_after_forward=False, mp_policy=root, **kw)
-
-
-def full_state_dict(model):
-    """The plain state_dict of the common model on rank 0's CPU, gathered tensor by tensor; {} elsewhere."""
-    return get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return fully_shard(
+        model,
+        mesh=mesh,
+        reshard_after_forward=False,
+        mp_policy=root_policy,
+        offload_policy=offload_policy,
     )
 
 
-def dcp_state(model, optimizer, scheduler):
-    """A sharded checkpoint: this rank's shards of the model and of the optimizer state, and the schedule."""
-    return {
-        "model": get_model_state_dict(model),
-        "optim": get_optimizer_state_dict(model, optimizer),
-        "scheduler": scheduler.state_dict(),
-    }
-
-
-def load_dcp(path, model, optimizer, scheduler):
-    """Every rank reads its own shards (DCP reshards: the saving world size may differ)."""
-    state = dcp_state(model, optimizer, scheduler)
-    dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optim"])
-    scheduler.load_state_dict(state["scheduler"])
+def full_state_dict(model):
+    """The plain state_dict of the common model on rank 0's CPU, gathered tensor by tensor (no
+    rank ever holds a second whole copy on its device); an empty dict on the other ranks."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
 
 
 ### end: FSDP
@@ -109,23 +109,25 @@ def load_dcp(path, model, optimizer, scheduler):
 def formula(psi, world, args):
     """The paper's per-rank bytes, which the report sets next to what the Meter measured."""
     k = 8 if args.optim == "adamw" else 4
-    shard, gathers = (
-        -(-psi // world),
-        2 if args.reshard else 1,
-    )  # the paper's; FSDP2 pads each dim 0 (a bit more)
+    # The paper's Ψ/W; FSDP2 pads each parameter's dim 0 to a multiple of W, a little more.
+    shard = math.ceil(psi / world)
+    # Each block is gathered for forward and, once freed, again for backward.
+    gathers = 2 if args.reshard else 1
+    gathered_element_bytes = 2 if args.mixed_precision else 4  # bf16 or fp32 all-gathers
     return dict(
         param_bytes=4 * shard,
         grad_bytes=4 * shard,
         optim_bytes=k * shard,
         comm=dict(
-            all_gather=gathers * (2 if args.mixed_precision else 4) * psi, reduce_scatter=4 * psi
+            all_gather=gathers * gathered_element_bytes * psi,
+            reduce_scatter=4 * psi,
         ),
         notes=dict(
             param_bytes="4Ψ/W",
             grad_bytes="4Ψ/W",
-            optim_bytes=f"{k}Ψ/W",
-            all_gather=f"{gathers}Ψ",
-            reduce_scatter="Ψ",
+            optim_bytes=f"{k}Ψ/W " + ("AdamW m, v" if k == 8 else "SGD momentum"),
+            all_gather=f"{gathers}Ψ " + ("bf16" if args.mixed_precision else "fp32"),
+            reduce_scatter="Ψ fp32 gradients",
         ),
     )
 
@@ -133,41 +135,9 @@ def formula(psi, world, args):
 def check_args(args, world):
     common.check(
         args.batch_size % world == 0,
-        f"--batch-size {args.batch_size} is not divisible by world size {world}: every rank must get "
-        f"the same whole number of samples per step",
+        f"--batch-size {args.batch_size} is not divisible by world size {world}: "
+        "every rank must get the same whole number of samples per step",
     )
-
-
-def check_dcp(args):
-    """Rank 0 only: (why --dcp cannot be resumed, or None; the step of its newest complete checkpoint, or 0)."""
-    if not os.path.exists(path := args.dcp) or (os.path.isdir(path) and not os.listdir(path)):
-        return None, 0  # a new or empty directory: start fresh
-    done = [
-        int(n[5:])
-        for n in (os.listdir(path) if os.path.isdir(path) else [])
-        if n[:5] == "step-"
-        and n[5:].isdigit()
-        and os.path.isfile(os.path.join(path, n, ".metadata"))
-    ]  # .metadata comes last
-    if not done:
-        return (
-            f"--dcp {path}: not a torch.distributed.checkpoint directory (no step-N/.metadata in it)",
-            0,
-        )
-    meta = (
-        dcp.FileSystemReader(os.path.join(path, f"step-{max(done)}"))
-        .read_metadata()
-        .state_dict_metadata
-    )
-    state = "exp_avg" if args.optim == "adamw" else "momentum_buffer"
-    for k, v in common.build_model(args).state_dict().items():
-        for key in (f"model.{k}", f"optim.state.{k}.{state}"):
-            if (saved := tuple(meta[key].size) if key in meta else "missing") != tuple(v.shape):
-                return (
-                    f"--dcp {path}: '{key}' is {saved}, this run needs {tuple(v.shape)} (other --dim/--optim?)",
-                    0,
-                )
-    return None, max(done)
 
 
 def setup(args):
@@ -213,9 +183,8 @@ def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
         loader.dataset.set_epoch(epoch)  # and new augmentations (--shift), the same everywhere
         model.train()
-        done = max(step - epoch * len(loader), 0)  # resumed mid-epoch: batches trained on
-        bar = common.progress(loader, args, epoch, skip=done)
-        for i, (x, y) in enumerate(bar, start=done):
+        bar = common.progress(loader, args, epoch)
+        for i, (x, y) in enumerate(bar):
             x = x.to(device, non_blocking=True)
             y = y.to(device, non_blocking=True)
             loss = F.cross_entropy(model(x), y)
@@ -256,11 +225,6 @@ def run(args):
     train, evaluate, save on rank 0, leave the group."""
     rank, world, device, backend = setup(args)
     try:
-        decision = list(
-            check_dcp(args) if args.dcp and rank == 0 else (None, 0)
-        )  # rank 0 decides for all
-        dist.broadcast_object_list(decision, src=0)
-        common.check(decision[0] is None, decision[0])
         train_set, test_set, source = common.load_data(args, device)
         dp_rank, dp_world = rank, world  # every rank is a data-parallel rank
         sampler = DistributedSampler(
@@ -287,34 +251,29 @@ def run(args):
             model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
         psi = sum(p.numel() for p in model.parameters())
         model = parallelize(
-            model.to(device), device, args.mixed_precision, args.offload == "cpu", args.reshard
+            model.to(device),
+            device,
+            mixed_precision=args.mixed_precision,
+            offload=args.offload == "cpu",
+            reshard_after_forward=args.reshard,
         )
         optimizer = common.make_optimizer(model.parameters(), args)
         scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
-        if decision[1]:
-            load_dcp(os.path.join(args.dcp, f"step-{decision[1]}"), model, optimizer, scheduler)
-            common.log(f"resumed from {args.dcp} at step {decision[1]}")
         common.log(
-            f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data ({len(train_set)} train / "
-            f"{len(test_set)} test), batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
+            f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data "
+            f"({len(train_set)} train / {len(test_set)} test), "
+            f"batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
         )
         with common.Meter(model, optimizer, args) as meter:
-            out = train(model, optimizer, scheduler, loader, sampler, args, device, decision[1])
-        acc = evaluate(
-            model,
-            common.test_loader(test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"),
-            device,
+            out = train(model, optimizer, scheduler, loader, sampler, args, device)
+        test_loader = common.test_loader(
+            test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"
         )
+        acc = evaluate(model, test_loader, device)
         state = full_state_dict(model)  # every rank takes part; rank 0 holds the whole
         if rank == 0 and args.save:
             common.save_checkpoint(state, args.save)
             common.log(f"saved {args.save}")
-        if args.dcp and out["steps"] > decision[1]:  # every rank writes its shards, into a new dir
-            dcp.save(
-                dcp_state(model, optimizer, scheduler),
-                checkpoint_id=os.path.join(args.dcp, f"step-{out['steps']}"),
-            )
-            common.log(f"saved a sharded checkpoint of step {out['steps']} in {args.dcp}")
         common.report(
             SCRIPT,
             args,
@@ -338,16 +297,18 @@ def main():
         "--no-reshard-after-forward",
         dest="reshard",
         action="store_false",
-        help="blocks stay gathered",
+        help="blocks stay gathered from forward to backward: one all-gather each, more memory",
     )
     parser.add_argument(
-        "--mixed-precision", action="store_true", help="bf16 compute and all-gathers, fp32 the rest"
+        "--mixed-precision",
+        action="store_true",
+        help="bf16 compute and all-gathers; fp32 shards, gradients and loss",
     )
     parser.add_argument(
-        "--offload", choices=["none", "cpu"], default="none", help="shards and optimizer on the CPU"
-    )
-    parser.add_argument(
-        "--dcp", metavar="DIR", help="sharded checkpoint to resume from and save to (a shared FS)"
+        "--offload",
+        choices=["none", "cpu"],
+        default="none",
+        help="shards, gradients and the optimizer step on the CPU",
     )
     args = common.parse_args(parser)
     check_args(args, common.world_size(args))

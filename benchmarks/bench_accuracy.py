@@ -3,12 +3,12 @@ on whatever --data / --data-dir hold (not a test). It runs ddp.py's own setup, t
 evaluate, one epoch at a time over the whole run's learning-rate schedule, so its last line is
 what `torchrun ... ddp.py` with the same flags ends with.
 
-    torchrun --standalone --nproc_per_node=4 benchmarks/bench_accuracy.py --data mnist --data-dir data
+    torchrun --standalone --nproc_per_node=4 benchmarks/bench_accuracy.py --data mnist
     torchrun --standalone --nproc_per_node=4 benchmarks/bench_accuracy.py --data synthetic
-    python benchmarks/bench_accuracy.py --nproc 2 --epochs 1 --limit 4096     # any shared flag works
+    python benchmarks/bench_accuracy.py --nproc 2 --epochs 1 --limit 4096   # any shared flag
 """
 
-import argparse
+import copy
 import os
 import sys
 import time
@@ -42,19 +42,21 @@ def run(args):
             f"bench_accuracy: ddp.py defaults at W={world} ({backend}), {source} data "
             f"({len(train_set)} train / {len(test_set)} test), {args.epochs} epochs"
         )
-        rows, t0, step = [], time.perf_counter(), 0
+        rows = []
+        start = time.perf_counter()
+        step = 0
         for epoch in range(args.epochs):
-            one = argparse.Namespace(**{**vars(args), "epochs": epoch + 1})
-            step = ddp.train(model, optimizer, scheduler, loader, sampler, one, device, step=step)[
-                "steps"
-            ]
-            acc = ddp.evaluate(model, test, device)
-            rows.append(
-                dict(
-                    epoch=epoch, step=step, test_acc=acc, wall_s=round(time.perf_counter() - t0, 1)
-                )
+            # train() up to the end of this epoch, on the schedule drawn over all --epochs
+            until_this_epoch = copy.copy(args)
+            until_this_epoch.epochs = epoch + 1
+            out = ddp.train(
+                model, optimizer, scheduler, loader, sampler, until_this_epoch, device, step=step
             )
-            common.log(f"epoch {epoch}: test accuracy {acc:.4f}  ({rows[-1]['wall_s']:.0f} s)")
+            step = out["steps"]
+            acc = ddp.evaluate(model, test, device)
+            wall_s = round(time.perf_counter() - start, 1)
+            rows.append(dict(epoch=epoch, step=step, test_acc=acc, wall_s=wall_s))
+            common.log(f"epoch {epoch}: test accuracy {acc:.4f}  ({wall_s:.0f} s)")
             if args.max_steps and step >= args.max_steps:
                 break
         common.result(

@@ -4,7 +4,7 @@ wrapper, no Meter).
 
     python benchmarks/bench_ddp_overhead.py                 # 200 steps, best of 3 each
     python benchmarks/bench_ddp_overhead.py --steps 500 --repeats 5
-    python benchmarks/bench_ddp_overhead.py --dim 128       # any other flag is a shared flag, given to both
+    python benchmarks/bench_ddp_overhead.py --dim 128       # any shared flag, given to both
 
 Prints samples/s of both and the ratio; the target is ddp.py >= 0.95x the plain loop.
 """
@@ -27,7 +27,7 @@ import common  # noqa: E402
 
 def plain_loop(flags, steps):
     """ddp.py's train() with the distributed parts taken out: its data, sampler order, model,
-    optimizer, schedule and loop, timed the same way (from the loader's first batch to the last step)."""
+    optimizer, schedule and loop, timed from the loader's first batch to the last step."""
     args = common.parse_args(common.get_parser("plain"), [*flags, "--max-steps", str(steps)])
     backend, device = common.pick_backend(args.backend)  # ddp.py's device and CPU thread count
     train_set, _, _ = common.load_data(args, device)
@@ -47,22 +47,26 @@ def plain_loop(flags, steps):
     sampler.set_epoch(0)
     train_set.set_epoch(0)
     model.train()
-    loss_sum, done, t0 = torch.zeros((), device=device), 0, time.perf_counter()
+    loss_sum = torch.zeros((), device=device)
+    done = 0
+    start = time.perf_counter()
     for x, y in loader:
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        x = x.to(device, non_blocking=True)
+        y = y.to(device, non_blocking=True)
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        loss_sum, done = loss_sum + loss.detach(), done + 1
+        loss_sum += loss.detach()
+        done += 1
         if done % args.log_every == 0 or done == steps:
             loss_sum.item()  # ddp.py reads its loss as often (after an all-reduce)
         if done == steps:
             break
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return done * args.batch_size / (time.perf_counter() - t0)
+    return done * args.batch_size / (time.perf_counter() - start)
 
 
 def ddp_w1(flags, steps):
@@ -78,9 +82,8 @@ def ddp_w1(flags, steps):
         str(steps),
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT).stdout
-    return json.loads(next(l for l in out.splitlines() if l.startswith("RESULT "))[7:])[
-        "samples_per_s"
-    ]
+    result = next(line for line in out.splitlines() if line.startswith("RESULT "))
+    return json.loads(result[len("RESULT ") :])["samples_per_s"]
 
 
 def main():
@@ -90,34 +93,28 @@ def main():
     )
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--repeats", type=int, default=3)
-    a, rest = p.parse_known_args()
-    flags = [
-        "--data",
-        "synthetic",
-        "--epochs",
-        "1",
-        "--no-progress",
-        *[f for f in rest if f != "--"],
-    ]
-    common.parse_args(
-        common.get_parser("shared flags"), flags
-    )  # a bad flag fails now, not in a subprocess
-    plain, ddp = [], []
-    for i in range(a.repeats):  # alternate, so drift in machine load hits both
-        plain.append(plain_loop(flags, a.steps))
-        ddp.append(ddp_w1(flags, a.steps))
+    options, rest = p.parse_known_args()
+    shared = [flag for flag in rest if flag != "--"]
+    flags = ["--data", "synthetic", "--epochs", "1", "--no-progress", *shared]
+    # a bad flag fails now, not in a subprocess
+    common.parse_args(common.get_parser("shared flags"), flags)
+    plain = []
+    ddp = []
+    for i in range(options.repeats):  # alternate, so drift in machine load hits both
+        plain.append(plain_loop(flags, options.steps))
+        ddp.append(ddp_w1(flags, options.steps))
         print(
             f"run {i}: plain {plain[-1]:8.0f} samples/s   ddp.py W=1 {ddp[-1]:8.0f} samples/s",
             flush=True,
         )
-    best_plain, best_ddp = max(plain), max(ddp)
+    best_plain = max(plain)
+    best_ddp = max(ddp)
+    ratio = best_ddp / best_plain
     print(
-        f"\nbest of {a.repeats}: plain loop {best_plain:.0f} samples/s, ddp.py W=1 {best_ddp:.0f} samples/s"
+        f"\nbest of {options.repeats}: plain loop {best_plain:.0f} samples/s, "
+        f"ddp.py W=1 {best_ddp:.0f} samples/s"
     )
-    print(
-        f"ddp.py / plain = {best_ddp / best_plain:.3f}  (overhead {100 * (1 - best_ddp / best_plain):+.1f}%, "
-        f"target <= 5%)"
-    )
+    print(f"ddp.py / plain = {ratio:.3f}  (overhead {100 * (1 - ratio):+.1f}%, target <= 5%)")
 
 
 if __name__ == "__main__":

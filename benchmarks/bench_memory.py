@@ -24,6 +24,10 @@ RUNS = [  # label, script and flags, formula of params + grads + optimizer (Adam
 ]
 
 
+def mib(n):
+    return f"{n / 2**20:.2f}"
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
@@ -49,7 +53,6 @@ def main():
         "1",
         "--no-progress",
     ]
-    mib = lambda n: f"{n / 2**20:.2f}"  # noqa: E731
     print(
         "| W | script | params | grads | optimizer | total | formula | collective bytes per step |"
     )
@@ -81,9 +84,9 @@ def main():
             comm = ", ".join(
                 f"{mib(b)} {k.replace('_', '-')}" for k, b in sorted(r["comm"].items()) if b > 1024
             )
+            memory = f"{mib(r['param_bytes'])} | {mib(r['grad_bytes'])} | {mib(r['optim_bytes'])}"
             print(
-                f"| {world} | {label} | {mib(r['param_bytes'])} | {mib(r['grad_bytes'])} | {mib(r['optim_bytes'])} "
-                f"| {mib(total)} | {formula} | {comm} |",
+                f"| {world} | {label} | {memory} | {mib(total)} | {formula} | {comm} |",
                 flush=True,
             )
     print(f"\nMiB per rank; Ψ = {r['params']:,} parameters ({mib(4 * r['params'])} MiB of fp32).")

@@ -154,11 +154,6 @@ def parse_args(parser, argv=None):
         "each token picks K distinct experts",
     )
     check(args.aux_loss >= 0, f"--aux-loss must be >= 0, got {args.aux_loss}")
-    check(
-        not args.experts or getattr(args, "amp", None) != "fp16",
-        "--experts with --amp fp16: the load-balancing gradient is added inside backward, "
-        "where the GradScaler's loss scale does not reach it (use bf16)",
-    )
     if args.lr is None:
         args.lr = 2e-3 if args.optim == "adamw" else 0.05
     if args.load is not None:  # a bad file fails now, before any process group or data

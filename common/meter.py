@@ -201,7 +201,7 @@ class Meter:
 
     active = None  # the Meter inside whose `with` block training runs: progress() reports to it
 
-    def __init__(self, model, optimizer, args, steps=3, parts=None):
+    def __init__(self, model, optimizer, args, steps=3, parts=None, activations=True):
         self.params = list(model.parameters())
         self.optimizer = optimizer
         self.steps = steps  # the window: loop steps observed
@@ -213,6 +213,10 @@ class Meter:
         self.open = False  # the dispatch mode is active
         self.saved = SavedActivations()
         self.packing = None  # the saved-tensor hooks, while they count
+        # False where the forward runs in threads of its own (nn.DataParallel's replicas over
+        # several GPUs): saved-tensor hooks are per thread and would see nothing there, so
+        # act_bytes is None, which the report prints as "not measured".
+        self.activations = activations
         self.optim_peak = 0
         self.loop_steps = 0  # batches drawn through progress() so far
         self.device = self.params[0].device if self.params else torch.device("cpu")
@@ -260,8 +264,11 @@ class Meter:
     def __enter__(self):
         Meter.active = self
         self.counter.__enter__()
-        self.packing = torch.autograd.graph.saved_tensors_hooks(self.saved.pack, self.saved.unpack)
-        self.packing.__enter__()
+        if self.activations:
+            self.packing = torch.autograd.graph.saved_tensors_hooks(
+                self.saved.pack, self.saved.unpack
+            )
+            self.packing.__enter__()
         self.open = True
         if self.profile_dir:
             from torch.profiler import ProfilerActivity, profile
@@ -302,9 +309,12 @@ class Meter:
             self.counter.sample = None
             self.mem["optim_peak_bytes"] = max(self.optim_peak, self.mem["optim_bytes"])
             self._stop_packing()
-            self.mem["act_bytes"] = self.saved.bytes(self.params)
-            for name in self.parts:
-                self.mem[f"act_bytes_{name}"] = self.saved.bytes(self.params, name)
+            if self.activations:
+                self.mem["act_bytes"] = self.saved.bytes(self.params)
+                for name in self.parts:
+                    self.mem[f"act_bytes_{name}"] = self.saved.bytes(self.params, name)
+            else:
+                self.mem["act_bytes"] = None  # not measured
 
     def _stop_packing(self):
         for h in self.part_hooks:

@@ -105,6 +105,9 @@ def report(
     log("\nper-rank memory and communication (measured from outside the technique)")
     log(f"  {'':<26}{'measured':>12}{'formula':>12}   formula")
     for what, measured, expected, text in rows:
+        if measured is None:
+            log(f"  {what:<26}{'not measured':>12}{'':>12}   {text}")
+            continue
         promised = "" if expected is None else fmt_bytes(expected)
         flag = "" if expected is None or measured == expected else "  (differs)"
         log(f"  {what:<26}{fmt_bytes(measured):>12}{promised:>12}   {text}{flag}")

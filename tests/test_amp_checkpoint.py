@@ -1,35 +1,44 @@
 """amp_checkpoint.py: each lever does what it says, in the training run itself.
 
 - fp32 (--amp off) with checkpointing, gradient accumulation or both ends where ddp.py at W=1 ends
-  (SGD catches a gradient-scale error such as a missing / grad_accum; AdamW at W=3 with both).
+  (SGD catches a gradient-scale error such as a missing / grad_accum; AdamW at W=3 with both); so
+  does an MoE model accumulated over two micro-batches (its balance loss divided alike).
 - Checkpointing is on in training: measured from outside the script, each block's forward runs
-  twice per micro-batch (tests/faults PROBE) and autograd keeps E + L·B·T·D·4 bytes (the Meter's
+  twice per micro-batch in the first step (tests/faults PROBE) and in every later one (hooks on a
+  run of the script's main() in this process), and autograd keeps E + L·B·T·D·4 bytes (the Meter's
   act_bytes), with E (what embed and head keep) measured here on a model without blocks.
 - no_sync: one all-reduce of Ψ per optimizer step, however many micro-batches.
 - --clip under SGD equals a reference trained here in-process with clip_grad_norm_.
 - bf16 is active (16-bit queries in attention, fewer bytes kept, weights that differ from fp32's
-  by more than round-off) and converges like fp32.
+  by more than round-off; every matmul of every step in bf16) and converges like fp32.
 - Bad input: one clear error, exit 2, before any process group.
 """
 
+import contextlib
+import io
 import json
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.modules.module import register_module_forward_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import DataLoader, DistributedSampler
 
+import amp_checkpoint
 import common
-from helpers import ROOT, SMALL, max_diff, ok, python, torchrun
+from helpers import ROOT, SMALL, ddp_reference, max_diff, ok, python, torchrun
 
 CFG = [*SMALL, "--batch-size", "48"]  # 48: W = 1, 2, 3 and two micro-batches all divide it
 OFF = [*CFG, "--amp", "off"]
-L, T, D = 2, 16, 32  # SMALL: depth 2, 16 tokens (patch 7), dim 32
-TOL = {
-    "sgd": 1e-6,
-    "adamw": 5e-5,
-}  # round-off; AdamW turns it into steps on ~0 gradients: up to 1.9e-5 seen
+L = 2  # SMALL: depth 2
+T = 16  # tokens: (28 / patch 7)^2
+D = 32  # dim
+# Round-off; AdamW turns it into steps on ~0 gradients: up to 1.9e-5 seen.
+TOL = {"sgd": 1e-6, "adamw": 5e-5}
 CLIP = 0.01  # far below the gradient norm: every step is clipped
 PSI = sum(
     p.numel()
@@ -45,42 +54,60 @@ LAUNCHES = {  # name: (world, extra flags)
 }
 
 
-USES = {
+USES = {  # the launches each test without a `name` parameter reads
     "test_checkpointing_keeps_only_each_blocks_input": ["ckpt", "accum"],
     "test_clip_bounds_every_step": ["clip"],
     "test_bf16_is_active": ["bf16", "accum"],
-}  # the launches each unparametrized test reads
+}
+
+
+def launches_wanted(request):
+    """The launches the tests this session selected read (all of them in a full run, one for the
+    single test tests/test_mutants.py asks for)."""
+    wanted = set()
+    for item in request.session.items:
+        if item.module is not request.module:
+            continue
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if "name" in params:
+            wanted.add(params["name"])
+        else:
+            wanted.update(USES.get(item.originalname, []))
+    return [name for name in LAUNCHES if name in wanted]
 
 
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory):
-    """Each launch with the PROBE on: {name: (saved weights, RESULT, [probe of each rank])}."""
-    d = tmp_path_factory.mktemp("amp")
+    """Each launch with the PROBE on, two at a time, beside the ddp.py references (which
+    conftest's `refs` then finds made): {name: (saved weights, RESULT, [probe of each rank])}."""
+    directory = tmp_path_factory.mktemp("amp")
 
     def launch(name):
         world, args = LAUNCHES[name]
-        env = {"PYTHONPATH": str(ROOT / "tests" / "faults"), "PROBE": str(d / name)}
-        res = ok(torchrun("amp_checkpoint.py", world, *args, "--save", d / f"{name}.pt", env=env))
-        probes = [json.loads((d / name / f"rank{r}.json").read_text()) for r in range(world)]
-        return d / f"{name}.pt", res, probes
+        probe = directory / name
+        env = {"PYTHONPATH": str(ROOT / "tests" / "faults"), "PROBE": str(probe)}
+        saved = directory / f"{name}.pt"
+        result = ok(torchrun("amp_checkpoint.py", world, *args, "--save", saved, env=env))
+        probes = [json.loads((probe / f"rank{rank}.json").read_text()) for rank in range(world)]
+        return saved, result, probes
 
-    # only the launches of the tests this session runs (all in a full run, one for tests/test_mutants.py)
-    wanted = set()
-    for item in request.session.items:
-        if item.module is request.module:
-            params = getattr(getattr(item, "callspec", None), "params", {})
-            wanted |= {params["name"]} if "name" in params else set(USES.get(item.originalname, []))
-    names = [n for n in LAUNCHES if n in wanted]
+    names = launches_wanted(request)
+    tests = [item for item in request.session.items if item.module is request.module]
     with ThreadPoolExecutor(2) as pool:  # two launches at a time: one per core
-        out = dict(zip(names, pool.map(launch, names)))
-    for name, (_, res, _) in out.items():
-        assert res["world_size"] == LAUNCHES[name][0] and res["steps"] == 6, name
+        if any("refs" in item.fixturenames for item in tests):
+            for optim in ("sgd", "adamw"):
+                pool.submit(ddp_reference, tmp_path_factory, CFG, optim)
+        out = dict(zip(names, pool.map(launch, names), strict=True))
+    for name, (_, result, _) in out.items():
+        assert result["world_size"] == LAUNCHES[name][0] and result["steps"] == 6, name
     return out
 
 
 def saved_bytes(model, batch):
-    """What autograd keeps for backward in one forward and loss of `model`, measured as the Meter does."""
-    params, kept = {p.untyped_storage().data_ptr() for p in model.parameters()}, {}
+    """What autograd keeps for backward in one forward and loss of `model`, measured as the Meter
+    does."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept = {}
 
     def pack(t):
         kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
@@ -93,7 +120,8 @@ def saved_bytes(model, batch):
 
 @pytest.mark.parametrize("name,optim", [("ckpt", "sgd"), ("accum", "sgd"), ("both", "adamw")])
 def test_fp32_equals_ddp_one_process(runs, refs, name, optim):
-    """Recomputation and accumulation change no number: the ddp.py W=1 parameters, and the formula's bytes."""
+    """Recomputation and accumulation change no number: the ddp.py W=1 parameters, and the
+    formula's bytes."""
     path, res, _ = runs[name]
     diff = max_diff(refs[optim], path)
     print(f"{name}: max |param diff| vs ddp.py W=1 = {diff:.2e}")
@@ -111,9 +139,8 @@ def test_one_all_reduce_per_step_whatever_the_micro_batches(runs, name):
     """no_sync() on all but the last micro-batch: Ψ fp32 all-reduced once per optimizer step."""
     res = runs[name][1]
     assert res["comm"]["all_reduce"] == 4 * PSI
-    assert (
-        res["comm_calls"]["all_reduce"] == res["comm_steps"] == 3
-    )  # one bucket: one call per step
+    # Ψ fits in one bucket: one call per step
+    assert res["comm_calls"]["all_reduce"] == res["comm_steps"] == 3
 
 
 @pytest.mark.parametrize("name", ["ckpt", "accum", "both", "bf16"])
@@ -128,10 +155,13 @@ def test_checkpointed_blocks_run_forward_twice_in_training(runs, name):
 
 
 def test_checkpointing_keeps_only_each_blocks_input(runs):
-    """Micro-batch B = 24 in both runs: checkpointed E + L·B·T·D·4 exactly, plain >= E + 16·L·B·T·D·4."""
+    """Micro-batch B = 24 in both runs: checkpointed E + L·B·T·D·4 exactly, plain at least
+    E + 16·L·B·T·D·4."""
     B = 24
     E = saved_bytes(common.ViT(D, 0, 4, 7), B)  # embed and head only
-    ckpt, plain = runs["ckpt"][1]["act_bytes"], runs["accum"][1]["act_bytes"]  # the Meter's, rank 0
+    # the Meter's, on rank 0
+    ckpt = runs["ckpt"][1]["act_bytes"]
+    plain = runs["accum"][1]["act_bytes"]
     print(f"saved for backward: plain {plain}, checkpointed {ckpt}, E {E}")
     assert ckpt == E + L * B * T * D * 4
     assert plain >= E + 16 * L * B * T * D * 4
@@ -150,7 +180,9 @@ def reference_with_clip(clip, steps=6):
     scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
     sampler.set_epoch(0)
     train_set.set_epoch(0)
-    for _, (x, y) in zip(range(steps), loader):
+    for step, (x, y) in enumerate(loader):
+        if step == steps:
+            break
         F.cross_entropy(model(x), y).backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -165,9 +197,8 @@ def test_clip_bounds_every_step(runs, refs, tmp_path):
     unclipped steps would move the weights orders of magnitude further."""
     start = common.build_model(common.parse_args(common.get_parser("t"), CFG)).state_dict()
     torch.save(reference_with_clip(0), tmp_path / "plain.pt")
-    assert (
-        max_diff(refs["sgd"], tmp_path / "plain.pt") < TOL["sgd"]
-    )  # the in-process loop is ddp.py's
+    # the loop written out here is ddp.py's
+    assert max_diff(refs["sgd"], tmp_path / "plain.pt") < TOL["sgd"]
     expected = reference_with_clip(CLIP)
     got = torch.load(runs["clip"][0], weights_only=True)
     moved = max((expected[k] - start[k]).abs().max().item() for k in start)
@@ -233,12 +264,113 @@ def test_bf16_trains_like_fp32():
     assert abs(bf16["test_acc"] - fp32["test_acc"]) < 0.05
 
 
+class EveryStep:
+    """What each optimizer step of a run computed, seen from outside through global hooks: how
+    many times the blocks' attention ran forward with grad enabled (a checkpointed block runs its
+    forward again in backward), and the dtypes the Linear layers computed in."""
+
+    def __init__(self):
+        self.steps = []  # one entry per optimizer step: (attention forwards, Linear dtypes)
+        self.attention_forwards = 0
+        self.linear_dtypes = set()
+
+    def forward_ran(self, module, inputs, output):
+        if not torch.is_grad_enabled():  # evaluation: no backward, nothing to recompute
+            return
+        if isinstance(module, common.Attention):
+            self.attention_forwards += 1
+        if isinstance(module, nn.Linear):
+            self.linear_dtypes.add(str(output.dtype))
+
+    def optimizer_stepped(self, optimizer, args, kwargs):
+        self.steps.append((self.attention_forwards, self.linear_dtypes))
+        self.attention_forwards = 0
+        self.linear_dtypes = set()
+
+
+def watch_every_step(argv):
+    """`python amp_checkpoint.py ARGV` (a world of one), run by its main() in this process with an
+    EveryStep watching: (the EveryStep, the RESULT)."""
+    watch = EveryStep()
+    world_of_one = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "argv", ["amp_checkpoint.py", *argv])
+        for name, value in world_of_one.items():
+            patch.setenv(name, value)
+        patch.setenv("MASTER_ADDR", "127.0.0.1")
+        patch.setenv("MASTER_PORT", str(common.free_port()))
+        forward_hook = register_module_forward_hook(watch.forward_ran)
+        step_hook = register_optimizer_step_post_hook(watch.optimizer_stepped)
+        try:
+            with contextlib.redirect_stdout(printed):
+                amp_checkpoint.main()
+        finally:
+            forward_hook.remove()
+            step_hook.remove()
+    results = [line for line in printed.getvalue().splitlines() if line.startswith("RESULT ")]
+    return watch, json.loads(results[0][len("RESULT ") :])
+
+
+WATCHED = {  # name: flags of a 4-step run, two micro-batches a step
+    "bf16-ckpt": [*CFG, "--max-steps", "4", "--grad-accum", "2", "--amp", "bf16", "--checkpoint"],
+    "off": [*CFG, "--max-steps", "4", "--grad-accum", "2", "--amp", "off"],
+}
+
+
+@pytest.fixture(scope="module")
+def watched():
+    """Each of WATCHED run once, every step watched: {name: (EveryStep, RESULT)}."""
+    return {name: watch_every_step(argv) for name, argv in WATCHED.items()}
+
+
+def test_checkpointed_blocks_recompute_in_every_step(watched):
+    """Not only in the first step: in each of the 4 steps every checkpointed block runs forward
+    twice per micro-batch (once in forward, once more in backward), a plain block once."""
+    for name, expected in (("bf16-ckpt", L * 2 * 2), ("off", L * 2)):
+        watch, result = watched[name]
+        assert result["steps"] == len(watch.steps) == 4, name
+        forwards = [attention_forwards for attention_forwards, _ in watch.steps]
+        assert forwards == [expected] * 4, (name, forwards)
+
+
+def test_autocast_in_every_step(watched):
+    """Not only in the first step: in each of the 4 steps of the bf16 run every Linear layer
+    computes in bf16 (its recomputation in backward too); with --amp off, in fp32."""
+    for name, dtype in (("bf16-ckpt", "torch.bfloat16"), ("off", "torch.float32")):
+        watch, _ = watched[name]
+        dtypes = [linear_dtypes for _, linear_dtypes in watch.steps]
+        assert len(dtypes) == 4 and dtypes == [{dtype}] * 4, (name, dtypes)
+
+
+# test_expert_parallel.py's model: a session running both shares the ddp.py reference.
+MOE = [*SMALL, "--experts", "4", "--top-k", "2"]
+
+
+def test_moe_accumulated_equals_ddp_one_process(tmp_path_factory, tmp_path):
+    """--experts with --grad-accum 2: each micro-batch's balance loss is divided by 2 like its
+    cross-entropy (build_model's forwards_per_step), so the two halves give the gradient of the
+    whole batch and SGD ends where ddp.py ends with the same experts (both at W=1: the scale is
+    the accumulation's, which W does not change)."""
+    path = tmp_path / "moe.pt"
+    flags = ["--amp", "off", "--grad-accum", "2", "--optim", "sgd", "--save", path]
+    with ThreadPoolExecutor(2) as pool:  # the reference and the run side by side
+        reference = pool.submit(ddp_reference, tmp_path_factory, MOE, "sgd")
+        run = pool.submit(python, "amp_checkpoint.py", *MOE, *flags)
+        reference = reference.result()
+        ok(run.result())
+    diff = max_diff(reference, path)
+    print(f"MoE, 2 micro-batches: max |param diff| vs ddp.py = {diff:.2e}")
+    assert diff < TOL["sgd"]
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [
         (
             ["--amp", "fp16"],
-            "error: --amp fp16 needs CUDA (fp16 autocast with a GradScaler); this run is on the CPU",
+            "error: --amp fp16 needs CUDA (fp16 autocast with a GradScaler); "
+            "this run is on the CPU",
         ),
         (["--clip", "-1"], "error: --clip must be >= 0 (0: no clipping), got -1.0"),
         (
@@ -251,11 +383,13 @@ def test_bf16_trains_like_fp32():
         ),
     ],
 )
-def test_bad_input_one_message(argv, message):
-    r = python(
-        "amp_checkpoint.py", *SMALL, "--backend", "gloo", *argv, timeout=60
-    )  # gloo: on CPU even with GPUs
-    assert r.returncode == 2, r.output
-    assert message in r.stderr and r.stderr.count("error") == 1 and "Traceback" not in r.stderr, (
-        r.output
-    )
+def test_bad_input_one_message(argv, message, monkeypatch, capsys):
+    """main() in this process (tests/test_bad_input.py launches one case for real): exit 2 with
+    one message, before any process group. --backend gloo: on the CPU even with GPUs."""
+    monkeypatch.setattr(sys, "argv", ["amp_checkpoint.py", *SMALL, "--backend", "gloo", *argv])
+    with pytest.raises(SystemExit) as exit_status:
+        amp_checkpoint.main()
+    stderr = capsys.readouterr().err
+    assert exit_status.value.code == 2, stderr
+    assert message in stderr and stderr.count("error") == 1, stderr
+    assert not torch.distributed.is_initialized()

@@ -1,14 +1,17 @@
-"""fsdp.py (FSDP2 `fully_shard` + torch.distributed.checkpoint) against ddp.py at W=1.
+"""fsdp.py (FSDP2 `fully_shard`) and fsdp_resume.py (the same + torch.distributed.checkpoint)
+against ddp.py at W=1.
 
 Every launch is a real multi-process run on CPU/Gloo. What is checked: the parameters after N steps
 equal one process's (SGD and AdamW, W=2 and W=3, a model whose dim 0s W=3 does not divide); rank 0
 holds exactly its padded dim-0 chunks and moves exactly what FSDP2's units must (counted by the
 Meter, computed here from the model's shapes); uneven test shards evaluate exactly, without a hang;
 a DCP checkpoint resumes (at another W) to the uninterrupted result, and at its --max-steps trains
-nothing; --offload cpu runs on the CPU; --mixed-precision computes in bf16 and hands fp32 logits to the loss.
+nothing; --offload cpu runs on the CPU; --mixed-precision computes in bf16 and hands fp32 logits to
+the loss.
 """
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -16,13 +19,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import common
-from helpers import max_diff, ok, python, torchrun
+from helpers import ddp_reference, max_diff, ok, python, torchrun
 
-# --limit 1025: the W=2 test shards hold 513 and 512 samples, 2 batches of 512 against 1 (padded to 2).
-# --dim 32 (MLP 128, 10 classes, a 1-row position embedding): W=3 divides no dim 0, W=2 not the
-# position embedding's, so padded chunks run at both. 1025 // 168 = 6 steps an epoch: step 7 is in
-# epoch 1. A constant lr after int(0.4 * 7) = int(0.4 * 5) = 2 warm-up steps: a run stopped after 5
-# steps follows the 7-step run's schedule, and a resume that forgets the scheduler does not.
+# --limit 1025: the W=2 test shards hold 513 and 512 samples, 2 batches of 512 against 1 (padded
+# to 2). --dim 32 (MLP 128, 10 classes, a 1-row position embedding): W=3 divides no dim 0, W=2 not
+# the position embedding's, so padded chunks run at both. 1025 // 168 = 6 steps an epoch: step 7 is
+# in epoch 1. A constant lr after int(0.4 * 7) = int(0.4 * 5) = 2 warm-up steps: a run stopped
+# after 5 steps follows the 7-step run's schedule, and a resume that forgets the scheduler does not.
 CFG = [
     "--data",
     "synthetic",
@@ -48,10 +51,8 @@ CFG = [
     "--timeout",
     "90",
 ]
-TOL = {
-    "sgd": 1e-6,
-    "adamw": 5e-5,
-}  # round-off; AdamW turns it into steps on ~0 gradients: up to 1.9e-5 seen
+# Round-off; AdamW turns it into steps on ~0 gradients: up to 1.9e-5 seen.
+TOL = {"sgd": 1e-6, "adamw": 5e-5}
 TIMEOUT = 150  # a hang (uneven evaluation) fails the launch; --timeout 90 ends its workers too
 
 
@@ -69,13 +70,18 @@ def model_and_args(argv=CFG):
 def expected(world, optim, mixed_precision=False):
     """Rank 0's measured bytes and the bytes per step, computed here from the model's shapes.
 
-    FSDP2 gives rank r the contiguous rows [r*c, (r+1)*c) of every parameter, c = ceil(dim0 / W), and
-    keeps each shard (and its gradient) in a c-row buffer, zero-padded on the last ranks: rank 0's
-    share is exactly sum(c * row) elements. A unit's all-gather output and reduce-scatter input are W
-    of those buffers; every block is gathered for forward and again for backward, the root (embed +
-    head) once, and every unit's gradients are reduce-scattered once."""
+    FSDP2 gives rank r the contiguous rows [r*c, (r+1)*c) of every parameter, c = ceil(dim0 / W),
+    and keeps each shard (and its gradient) in a c-row buffer, zero-padded on the last ranks: rank
+    0's share is exactly sum(c * row) elements. A unit's all-gather output and reduce-scatter input
+    are W of those buffers; every block is gathered for forward and again for backward, the root
+    (embed + head) once, and every unit's gradients are reduce-scattered once."""
     model, _ = model_and_args()
-    chunk = lambda p: -(-p.shape[0] // world) * (p.numel() // p.shape[0])  # noqa: E731
+
+    def chunk(p):
+        """Elements in rank 0's padded chunk of parameter p: ceil(dim0 / W) rows."""
+        rows = math.ceil(p.shape[0] / world)
+        return rows * (p.numel() // p.shape[0])
+
     shard = sum(chunk(p) for p in model.parameters())
     blocks = sum(chunk(p) for block in model.blocks for p in block.parameters())
     psi = sum(p.numel() for p in model.parameters())
@@ -113,56 +119,63 @@ def accuracy(path):
     return correct / len(test_set)
 
 
-@pytest.mark.parametrize(
-    "world,optim,extra",
-    [(2, "sgd", []), (2, "adamw", []), (3, "sgd", ["--offload", "cpu"])],
-    ids=["W2-sgd", "W2-adamw", "W3-sgd-offload-cpu"],
-)
-def test_equals_ddp_one_process(refs, tmp_path, world, optim, extra):
-    res = ok(
-        torchrun(
-            "fsdp.py",
-            world,
-            *CFG,
-            "--optim",
-            optim,
-            *extra,
-            "--save",
-            tmp_path / "w.pt",
-            timeout=TIMEOUT,
-        )
-    )
+EQUAL = {  # test id: (world, optimizer, extra flags) of an fsdp.py launch
+    "W2-sgd": (2, "sgd", []),
+    "W2-adamw": (2, "adamw", []),
+    "W3-sgd-offload-cpu": (3, "sgd", ["--offload", "cpu"]),
+}
+
+
+@pytest.fixture(scope="module")
+def launches(request, tmp_path_factory):
+    """The EQUAL launches this session's tests read (one for tests/test_mutants.py), two at a
+    time, beside the ddp.py references (which conftest's `refs` then finds made): {id: (saved
+    weights, RESULT)}."""
+    directory = tmp_path_factory.mktemp("fsdp")
+    wanted = []
+    for item in request.session.items:
+        callspec = getattr(item, "callspec", None)
+        if item.module is request.module and callspec is not None and "case" in callspec.params:
+            wanted.append(callspec.params["case"])
+
+    def launch(case):
+        world, optim, extra = EQUAL[case]
+        saved = directory / f"{case}.pt"
+        flags = [*CFG, "--optim", optim, *extra, "--save", saved]
+        return saved, ok(torchrun("fsdp.py", world, *flags, timeout=TIMEOUT))
+
+    with ThreadPoolExecutor(2) as pool:
+        for optim in ("sgd", "adamw"):
+            pool.submit(ddp_reference, tmp_path_factory, CFG, optim)
+        return dict(zip(wanted, pool.map(launch, wanted), strict=True))
+
+
+@pytest.mark.parametrize("case", EQUAL)
+def test_equals_ddp_one_process(launches, refs, case):
+    world, optim, extra = EQUAL[case]
+    saved, res = launches[case]
     assert res["steps"] == 7
-    diff = max_diff(tmp_path / "w.pt", refs[optim])
+    diff = max_diff(saved, refs[optim])
     print(f"fsdp W={world} {optim} {' '.join(extra)}: max |Δ| vs ddp.py W=1 = {diff:.2e}")
     assert diff <= TOL[optim]
     check_measured(res, world, optim)
     # uneven test shards (W=2: 513 and 512 samples) finish, and count every sample once
-    assert res["test_acc"] == accuracy(tmp_path / "w.pt")
+    assert res["test_acc"] == accuracy(saved)
 
 
 def test_dcp_resume_at_another_world_size(refs, tmp_path):
-    """5 steps at W=2 into DCP, then on to step 7 at W=3: the parameters of 7 uninterrupted steps (the
-    ddp.py W=1 reference), with the model, AdamW state and lr schedule resharded and restored. The same
-    command once more resumes at step 7 = --max-steps and trains nothing (not the rest of the epochs)."""
+    """fsdp_resume.py: 5 steps at W=2 into DCP, then on to step 7 at W=3: the parameters of 7
+    uninterrupted steps (the ddp.py W=1 reference), with the model, AdamW state and lr schedule
+    resharded and restored. The same command once more resumes at step 7 = --max-steps and trains
+    nothing (not the rest of the epochs); a checkpoint of another model or optimizer is refused."""
     ckpt = tmp_path / "dcp"
     first = ok(
-        torchrun("fsdp.py", 2, *steps(5), "--optim", "adamw", "--dcp", ckpt, timeout=TIMEOUT)
+        torchrun("fsdp_resume.py", 2, *steps(5), "--optim", "adamw", "--dcp", ckpt, timeout=TIMEOUT)
     )
     assert first["steps"] == 5 and (ckpt / "step-5" / ".metadata").is_file()
 
-    r = torchrun(
-        "fsdp.py",
-        3,
-        *CFG,
-        "--optim",
-        "adamw",
-        "--dcp",
-        ckpt,
-        "--save",
-        tmp_path / "resumed.pt",
-        timeout=TIMEOUT,
-    )
+    flags = [*CFG, "--optim", "adamw", "--dcp", ckpt, "--save", tmp_path / "resumed.pt"]
+    r = torchrun("fsdp_resume.py", 3, *flags, timeout=TIMEOUT)
     resumed = ok(r)
     assert f"resumed from {ckpt} at step 5" in r.stdout
     assert resumed["steps"] == 7 and resumed["comm_steps"] == 2  # steps 6 and 7 ran here
@@ -172,27 +185,37 @@ def test_dcp_resume_at_another_world_size(refs, tmp_path):
     check_measured(resumed, 3, "adamw")
     assert (ckpt / "step-7" / ".metadata").is_file()
 
-    r = python("fsdp.py", *CFG, "--optim", "adamw", "--dcp", ckpt, timeout=TIMEOUT)
+    # Three one-process runs on the finished checkpoint, side by side: the same command again,
+    # and two runs of another model or optimizer, each of which must stop with one message from
+    # rank 0, exit 2, before any data.
+    refused = {
+        "--dim": (["--dim", "48"], "'model.embed.pos' is (1, 16, 32), this run needs (1, 16, 48)"),
+        "--optim": (["--optim", "sgd"], "'optim.state.embed.pos.momentum_buffer' is missing"),
+    }
+    with ThreadPoolExecutor(2) as pool:
+        again = pool.submit(
+            python, "fsdp_resume.py", *CFG, "--optim", "adamw", "--dcp", ckpt, timeout=TIMEOUT
+        )
+        refusals = {
+            flag: pool.submit(python, "fsdp_resume.py", *CFG, *argv, "--dcp", ckpt, timeout=60)
+            for flag, (argv, _) in refused.items()
+        }
+        r = again.result()
+        for flag, (_, message) in refused.items():
+            refusal = refusals[flag].result()
+            assert refusal.returncode == 2, refusal.output
+            assert message in refusal.stderr and "Traceback" not in refusal.stderr, refusal.output
     again = ok(r)
     assert f"resumed from {ckpt} at step 7" in r.stdout and "epoch 1:" not in r.stdout
     assert again["steps"] == 7 and again["samples_per_s"] == 0 and math.isnan(again["loss"])
-    assert (
-        again["test_acc"] == resumed["test_acc"] == accuracy(tmp_path / "resumed.pt")
-    )  # the loaded weights
-
-    # a checkpoint of another model or optimizer: one message from rank 0, exit 2, before any data
-    for argv, message in (
-        (["--dim", "48"], "'model.embed.pos' is (1, 16, 32), this run needs (1, 16, 48)"),
-        (["--optim", "sgd"], "'optim.state.embed.pos.momentum_buffer' is missing"),
-    ):
-        r = python("fsdp.py", *CFG, *argv, "--dcp", ckpt, timeout=60)
-        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.output
+    # the loaded weights
+    assert again["test_acc"] == resumed["test_acc"] == accuracy(tmp_path / "resumed.pt")
 
 
 def test_mixed_precision_policy(tmp_path):
-    """In this process, a world of one: --mixed-precision computes the blocks in bf16 (their gathered
-    parameters and outputs), keeps fp32 shards and gradients, and the root returns fp32 logits, so the
-    loss is computed in fp32, not in bf16."""
+    """In this process, a world of one: --mixed-precision computes the blocks in bf16 (their
+    gathered parameters and outputs), keeps fp32 shards and gradients, and the root returns fp32
+    logits, so the loss is computed in fp32, not in bf16."""
     import fsdp
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)

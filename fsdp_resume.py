@@ -1,0 +1,430 @@
+"""FSDP with sharded checkpoints: fsdp.py, plus --dcp DIR, which saves the training state as each
+rank's shards with torch.distributed.checkpoint (DCP) and resumes from it, also at another world
+size (DCP reshards on load). fsdp.py's text, below, is unchanged otherwise.
+
+FSDP: PyTorch's fully sharded data parallel (FSDP2, `fully_shard`), ZeRO-3 as a library. It is
+DDP, except that each rank keeps only its shard of every parameter (a DTensor). Each block, and
+then the root (what is left: embed and head), is a unit: all-gathered before its forward and
+again before its backward, freed after each, its gradients reduce-scattered so that every rank
+receives the averaged gradient of its own shard only.
+
+    every parameter's dim 0 in W chunks of c = ceil(dim0 / W) rows, the last chunk zero-padded:
+    rank 0: rows [0, c)    rank 1: rows [c, 2c)    ...    rank W-1: rows [(W-1)c, dim0) + padding
+
+    forward:  all-gather block i -> compute -> free        (one unit at a time)
+    backward: all-gather block i -> compute grads -> reduce-scatter them -> free
+
+Memory per rank (fp32, AdamW, Ψ parameters): 4Ψ/W params + 4Ψ/W grads + 8Ψ/W optimizer
+= 16Ψ/W bytes (dim 0 padded to a multiple of W), plus the units gathered at the time.
+Communication per step: Ψ all-gathered for forward, Ψ again for backward (not the root, which
+stays gathered, nor with --no-reshard-after-forward), Ψ fp32 gradients reduce-scattered; a ring
+sends (W-1)/W of each. --mixed-precision: bf16 compute and all-gathers; fp32 reduce-scatter,
+shards and output (the loss).
+
+--dcp DIR: at the end of the run every rank writes its shards of the model and of the optimizer
+state, and the schedule's position, into DIR/step-N (N: the steps trained). A run started with
+the same --dcp resumes from the newest complete one, at any world size: rank 0 decides and checks
+that it fits this model and optimizer, then every rank reads the rows of its own shards. Every
+rank reads and writes DIR: it must be on a file system all nodes share. Resume with the same
+command: the schedule is drawn over --epochs/--max-steps.
+
+    torchrun --standalone --nproc_per_node=2 fsdp_resume.py --max-steps 100 --dcp ckpt/  # saves
+    torchrun --standalone --nproc_per_node=4 fsdp_resume.py --max-steps 200 --dcp ckpt/  # resumes
+
+This model has no BatchNorm. A model that does would need
+`model = nn.SyncBatchNorm.convert_sync_batchnorm(model)` before wrapping, or each rank
+normalises with the statistics of its own batch/W samples only.
+"""
+
+import datetime
+import math
+import os
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from torch.utils.data import DataLoader, DistributedSampler
+
+import common
+
+SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
+
+
+### begin: FSDP
+# Model contract: `model.blocks` (a unit each; the rest, embed and head, is the root unit), built
+# with the same weights on every rank, on this rank's device. Build the optimizer after sharding:
+# it must hold the shards, not the full parameters that sharding replaces.
+
+
+def parallelize(model, device, mixed_precision=False, offload=False, reshard_after_forward=True):
+    """fully_shard each block, then the root. Each call replaces the unit's parameters by DTensor
+    shards and hooks the unit: all-gather before its forward and its backward, free after, and
+    reduce-scatter its gradients, divided by W. The root is not resharded after forward: it is
+    used last in forward and first in backward, so freeing it would only gather it again."""
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    if offload:
+        # Shards, gradients and the optimizer step live on the CPU; a unit is copied to the
+        # device for its forward and backward. Pinned memory lets those copies run async.
+        offload_policy = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    else:
+        offload_policy = OffloadPolicy()  # no offload
+    if mixed_precision:
+        # Gathered parameters and compute in bf16 (half the all-gather bytes); gradients are
+        # reduce-scattered in fp32 and the shards the optimizer updates stay fp32.
+        block_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        # The root returns fp32 logits, so that the loss is computed in fp32.
+        root_policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16,
+            reduce_dtype=torch.float32,
+            output_dtype=torch.float32,
+        )
+    else:
+        block_policy = MixedPrecisionPolicy()  # everything in the parameters' dtype, fp32
+        root_policy = MixedPrecisionPolicy()
+    for block in model.blocks:
+        fully_shard(
+            block,
+            mesh=mesh,
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=block_policy,
+            offload_policy=offload_policy,
+        )
+    return fully_shard(
+        model,
+        mesh=mesh,
+        reshard_after_forward=False,
+        mp_policy=root_policy,
+        offload_policy=offload_policy,
+    )
+
+
+def full_state_dict(model):
+    """The plain state_dict of the common model on rank 0's CPU, gathered tensor by tensor (no
+    rank ever holds a second whole copy on its device); an empty dict on the other ranks."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
+
+
+### end: FSDP
+
+
+### begin: Sharded checkpoints (DCP)
+# Model contract: a model sharded by parallelize() and the optimizer built on its shards; an LR
+# scheduler (state_dict() / load_state_dict()). Every rank calls each function, at the same point.
+
+
+def sharded_state(model, optimizer, scheduler):
+    """What a resumed run needs, as this rank holds it: its shards of the parameters and of the
+    optimizer state (DTensors, which DCP writes as this rank's rows of each full tensor), and the
+    schedule's position. The keys are the plain model's: "model.<name>", "optim.state.<name>.*"."""
+    return {
+        "model": get_model_state_dict(model),
+        "optim": get_optimizer_state_dict(model, optimizer),
+        "scheduler": scheduler.state_dict(),
+    }
+
+
+def save_sharded(path, model, optimizer, scheduler):
+    """Every rank writes its own shards into the directory `path`; .metadata is written last, so a
+    directory without it is an incomplete save."""
+    dcp.save(sharded_state(model, optimizer, scheduler), checkpoint_id=path)
+
+
+def load_sharded(path, model, optimizer, scheduler):
+    """Every rank reads the rows of its own shards from `path`, whatever the world size that saved
+    them: DCP reshards. load() fills the tensors of a state of this run's shapes in place."""
+    state = sharded_state(model, optimizer, scheduler)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optim"])
+    scheduler.load_state_dict(state["scheduler"])
+
+
+### end: Sharded checkpoints (DCP)
+
+
+def formula(psi, world, args):
+    """The paper's per-rank bytes, which the report sets next to what the Meter measured."""
+    k = 8 if args.optim == "adamw" else 4
+    # The paper's Ψ/W; FSDP2 pads each parameter's dim 0 to a multiple of W, a little more.
+    shard = math.ceil(psi / world)
+    # Each block is gathered for forward and, once freed, again for backward.
+    gathers = 2 if args.reshard else 1
+    gathered_element_bytes = 2 if args.mixed_precision else 4  # bf16 or fp32 all-gathers
+    return dict(
+        param_bytes=4 * shard,
+        grad_bytes=4 * shard,
+        optim_bytes=k * shard,
+        comm=dict(
+            all_gather=gathers * gathered_element_bytes * psi,
+            reduce_scatter=4 * psi,
+        ),
+        notes=dict(
+            param_bytes="4Ψ/W",
+            grad_bytes="4Ψ/W",
+            optim_bytes=f"{k}Ψ/W " + ("AdamW m, v" if k == 8 else "SGD momentum"),
+            all_gather=f"{gathers}Ψ " + ("bf16" if args.mixed_precision else "fp32"),
+            reduce_scatter="Ψ fp32 gradients",
+        ),
+    )
+
+
+def check_args(args, world):
+    common.check(
+        args.batch_size % world == 0,
+        f"--batch-size {args.batch_size} is not divisible by world size {world}: "
+        "every rank must get the same whole number of samples per step",
+    )
+
+
+def complete_steps(path):
+    """The steps N of the complete checkpoints DIR/step-N in the directory `path`."""
+    steps = []
+    for name in os.listdir(path):
+        number = name.removeprefix("step-")
+        metadata = os.path.join(path, name, ".metadata")
+        if name.startswith("step-") and number.isdigit() and os.path.isfile(metadata):
+            steps.append(int(number))
+    return steps
+
+
+def check_dcp(args):
+    """Rank 0 only: (why --dcp cannot be resumed, or None; the step of its newest complete
+    checkpoint, 0 to start afresh). A checkpoint of another model or optimizer fails here, with
+    the first tensor that does not fit, before any data is loaded."""
+    path = args.dcp
+    if not os.path.exists(path) or (os.path.isdir(path) and not os.listdir(path)):
+        return None, 0  # a new or empty directory: start afresh
+    steps = complete_steps(path) if os.path.isdir(path) else []
+    if not steps:
+        why = "not a torch.distributed.checkpoint directory (no step-N/.metadata in it)"
+        return f"--dcp {path}: {why}", 0
+    newest = max(steps)
+    reader = dcp.FileSystemReader(os.path.join(path, f"step-{newest}"))
+    saved = reader.read_metadata().state_dict_metadata
+    optimizer_state = "exp_avg" if args.optim == "adamw" else "momentum_buffer"
+    for name, tensor in common.build_model(args).state_dict().items():
+        for key in (f"model.{name}", f"optim.state.{name}.{optimizer_state}"):
+            saved_shape = tuple(saved[key].size) if key in saved else "missing"
+            if saved_shape != tuple(tensor.shape):
+                why = f"'{key}' is {saved_shape}, this run needs {tuple(tensor.shape)}"
+                return f"--dcp {path}: {why} (other --dim/--depth/--heads/--optim?)", 0
+    return None, newest
+
+
+def setup(args):
+    """Join the process group. torchrun (or common.launch) put RANK, WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT in the environment; LOCAL_RANK picks this process's GPU."""
+    backend, device = common.pick_backend(args.backend)  # NCCL and a GPU per rank, else Gloo
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = datetime.timedelta(seconds=args.timeout)
+    # torchrun keeps one store across restarts (--max-restarts): prefix it per attempt, or a
+    # restarted rank may read the address of a worker that died in the last attempt and hang.
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"attempt_{attempt}", store)
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+        # NCCL: bind the communicator to this GPU now (not lazily at the first collective), so
+        # that device meshes can split it and the first call is not a point-to-point one.
+        device_id=device if device.type == "cuda" else None,
+    )
+    return rank, world, device, backend
+
+
+def cleanup():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
+    """The loop every script shares: forward, loss, backward, step, schedule, log."""
+    stop = args.max_steps or float("inf")
+    world = dist.get_world_size()
+    loss_sum = torch.zeros((), device=device)  # stays on the device until a logging step
+    losses_summed = 0
+    last_loss = float("nan")
+    for epoch in range(step // len(loader), args.epochs):
+        if step >= stop:
+            break
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        loader.dataset.set_epoch(epoch)  # and new augmentations (--shift), the same everywhere
+        model.train()
+        # Resumed mid-epoch: the epoch's batches trained before are drawn (the sampler's order
+        # stays the same) but skipped.
+        trained = max(step - epoch * len(loader), 0)
+        bar = common.progress(loader, args, epoch, skip=trained)
+        for i, (x, y) in enumerate(bar, start=trained):
+            x = x.to(device, non_blocking=True)
+            y = y.to(device, non_blocking=True)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            loss_sum += loss.detach()
+            losses_summed += 1
+            if step % args.log_every == 0 or step >= stop or i + 1 == len(loader):
+                dist.all_reduce(loss_sum)  # each rank's loss is its slice's: average them
+                last_loss = loss_sum.item() / world / losses_summed
+                loss_sum.zero_()
+                losses_summed = 0
+                common.log_loss(bar, args, epoch, step, last_loss)
+            if step >= stop:
+                break
+        common.log(f"epoch {epoch}: step {step}, train loss {last_loss:.4f}")
+    return dict(steps=step, loss=last_loss)
+
+
+@torch.no_grad()
+def evaluate(model, loader, device):
+    """Exact: the loader pads every rank to the same number of batches (padding masked out), so
+    every rank runs the same forward passes and collectives and each sample counts once."""
+    model.eval()
+    counts = torch.zeros(2, dtype=torch.long, device=device)
+    for x, y, keep in loader:
+        x, y, keep = x.to(device), y.to(device), keep.to(device)
+        counts += torch.stack([((model(x).argmax(1) == y) & keep).sum(), keep.sum()])
+    dist.all_reduce(counts)
+    return counts[0].item() / max(counts[1].item(), 1)
+
+
+def run(args):
+    """One rank, in the seeds' order: join the group, deal the data, build the model, wrap it,
+    train, evaluate, save on rank 0, leave the group."""
+    rank, world, device, backend = setup(args)
+    try:
+        # Rank 0 alone looks at --dcp and decides for every rank: ranks that saw different files
+        # would otherwise resume from different steps.
+        decision = [None, 0]  # (why --dcp cannot be resumed, the step to resume from)
+        if args.dcp and rank == 0:
+            decision = list(check_dcp(args))
+        dist.broadcast_object_list(decision, src=0)
+        problem, resume_step = decision
+        common.check(problem is None, problem)
+        train_set, test_set, source = common.load_data(args, device)
+        dp_rank, dp_world = rank, world  # every rank is a data-parallel rank
+        sampler = DistributedSampler(
+            train_set,
+            num_replicas=dp_world,
+            rank=dp_rank,
+            shuffle=True,
+            seed=args.seed,
+            drop_last=True,
+        )
+        loader = DataLoader(
+            train_set,
+            batch_size=args.batch_size // dp_world,
+            sampler=sampler,
+            drop_last=True,
+            pin_memory=device.type == "cuda",
+        )
+        common.check(
+            len(loader) > 0,
+            f"{len(train_set)} training samples make no full batch of {args.batch_size}",
+        )
+        model = common.build_model(args)  # the same seeded weights on every rank
+        if args.load:
+            model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
+        psi = sum(p.numel() for p in model.parameters())
+        model = parallelize(
+            model.to(device),
+            device,
+            mixed_precision=args.mixed_precision,
+            offload=args.offload == "cpu",
+            reshard_after_forward=args.reshard,
+        )
+        optimizer = common.make_optimizer(model.parameters(), args)
+        scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
+        if resume_step:
+            load_sharded(os.path.join(args.dcp, f"step-{resume_step}"), model, optimizer, scheduler)
+            common.log(f"resumed from {args.dcp} at step {resume_step}")
+        common.log(
+            f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data "
+            f"({len(train_set)} train / {len(test_set)} test), "
+            f"batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
+        )
+        with common.Meter(model, optimizer, args) as meter:
+            out = train(model, optimizer, scheduler, loader, sampler, args, device, resume_step)
+        test_loader = common.test_loader(
+            test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"
+        )
+        acc = evaluate(model, test_loader, device)
+        state = full_state_dict(model)  # every rank takes part; rank 0 holds the whole
+        if rank == 0 and args.save:
+            common.save_checkpoint(state, args.save)
+            common.log(f"saved {args.save}")
+        if args.dcp and out["steps"] > resume_step:  # a new directory: the old one stays whole
+            save_sharded(
+                os.path.join(args.dcp, f"step-{out['steps']}"), model, optimizer, scheduler
+            )
+            common.log(f"saved a sharded checkpoint of step {out['steps']} in {args.dcp}")
+        common.report(
+            SCRIPT,
+            args,
+            world,
+            backend,
+            device,
+            source,
+            psi,
+            out,
+            acc,
+            meter,
+            formula(psi, world, args),
+        )
+    finally:
+        cleanup()
+
+
+def main():
+    parser = common.get_parser("FSDP2 (fully_shard) with DCP sharded checkpoints on the common ViT")
+    parser.add_argument(
+        "--no-reshard-after-forward",
+        dest="reshard",
+        action="store_false",
+        help="blocks stay gathered from forward to backward: one all-gather each, more memory",
+    )
+    parser.add_argument(
+        "--mixed-precision",
+        action="store_true",
+        help="bf16 compute and all-gathers; fp32 shards, gradients and loss",
+    )
+    parser.add_argument(
+        "--offload",
+        choices=["none", "cpu"],
+        default="none",
+        help="shards, gradients and the optimizer step on the CPU",
+    )
+    parser.add_argument(
+        "--dcp",
+        metavar="DIR",
+        help="save sharded checkpoints here, resume from the newest (on a shared file system)",
+    )
+    args = common.parse_args(parser)
+    check_args(args, common.world_size(args))
+    common.launch(run, args)
+
+
+if __name__ == "__main__":
+    main()
