@@ -137,6 +137,13 @@ def check_args(args, world):
         "each rank gets per step",
     )
     common.check(args.clip >= 0, f"--clip must be >= 0 (0: no clipping), got {args.clip}")
+    # The load-balancing gradient is added inside backward (common.AuxLossScaler), where the
+    # GradScaler's factor S never multiplies it, yet unscale_ divides it by S.
+    common.check(
+        not args.experts or args.amp != "fp16",
+        "--experts with --amp fp16: the load-balancing gradient is added inside backward, "
+        "where the GradScaler's loss scale does not reach it (use bf16)",
+    )
     on_cuda = args.backend != "gloo" and torch.cuda.device_count() > 0 and dist.is_nccl_available()
     common.check(
         args.amp != "fp16" or on_cuda,
@@ -148,13 +155,6 @@ def check_args(args, world):
         or not on_cuda
         or torch.cuda.is_bf16_supported(including_emulation=False),
         "--amp bf16: this GPU only emulates bf16 (no bf16 tensor cores); use --amp fp16",
-    )
-    # The load-balancing gradient is added inside backward (common.AuxLossScaler), where the
-    # GradScaler's factor S never multiplies it, yet unscale_ divides it by S.
-    common.check(
-        not args.experts or args.amp != "fp16",
-        "--experts with --amp fp16: the load-balancing gradient is added inside backward, "
-        "where the GradScaler's loss scale does not reach it (use bf16)",
     )
 
 

@@ -14,6 +14,7 @@ SCRIPTS = [
     "ddp_torchrun.py",
     "amp_checkpoint.py",
     "fsdp.py",
+    "fsdp_resume.py",
     "zero.py",
     "zero_offload.py",
     "tensor_parallel.py",
@@ -33,6 +34,7 @@ MAX_DIFF = {
     "ddp_torchrun.py": 0,
     "amp_checkpoint.py": 0,
     "fsdp.py": 0,
+    "fsdp_resume.py": 0,
     "zero.py": 0,
     "zero_offload.py": 0,
     "tensor_parallel.py": 0,
@@ -61,12 +63,24 @@ VARIANTS = {
     "zero_offload.py": (
         "zero.py",
         0,
-        ("def full_state_dict(", "def train(", "def evaluate(", "def setup("),
+        ("class Unit", "def full_state_dict(", "def train(", "def evaluate(", "def setup("),
     ),
     "tensor_parallel_zero_r.py": (
         "tensor_parallel.py",
         0,
-        ("def full_state_dict(", "def train(", "def evaluate(", "def setup("),
+        (
+            "class ColumnParallelLinear",
+            "class RowParallelLinear",
+            "def full_state_dict(",
+            "def train(",
+            "def evaluate(",
+            "def setup(",
+        ),
+    ),
+    "fsdp_resume.py": (
+        "fsdp.py",
+        0,
+        ("def parallelize(", "def full_state_dict(", "def evaluate(", "def setup("),
     ),
 }
 
