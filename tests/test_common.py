@@ -302,7 +302,8 @@ def test_backend_refuses_two_ranks_on_one_gpu(monkeypatch, capsys, gpus, local_w
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
-    monkeypatch.setenv("LOCAL_RANK", "1")
+    # the refusal is said by the node's local rank 0; an allowed run shows rank 1's device
+    monkeypatch.setenv("LOCAL_RANK", "0" if refused else "1")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
     if refused:
