@@ -4,6 +4,10 @@ column-parallel (rank r computes H/W whole heads), the output projection is row-
 MLP, fc1 is column-parallel and fc2 row-parallel. Two conjugate operators join each half-block to
 the replicated rest: f before the column-parallel layers, g after the row-parallel one.
 
+    torchrun --standalone --nproc_per_node=2 tensor_parallel.py
+    torchrun --standalone --nproc_per_node=2 tensor_parallel.py --sequence-parallel
+    python tensor_parallel.py --nproc 2          # the same, through mp.spawn on a free port
+
 Matrices are in the paper's orientation, Y = X·A with A [in, out] (nn.Linear stores Aᵀ): a
 column-parallel layer splits its output features, a row-parallel one its input features.
 
@@ -43,10 +47,6 @@ Communication per step, counted in [B, T, D] fp32 activations (B: the whole batc
     the embedding's gradient gathered backward); one all-reduce of the 6·D·depth norm and
     row-bias gradients (norm1, norm2 weights and biases; proj, fc2 biases).
 W must divide --heads (whole heads per rank) and, with --sequence-parallel, the T tokens.
-
-    torchrun --standalone --nproc_per_node=2 tensor_parallel.py
-    torchrun --standalone --nproc_per_node=2 tensor_parallel.py --sequence-parallel
-    python tensor_parallel.py --nproc 2          # the same, through mp.spawn on a free port
 """
 
 import datetime

@@ -1,6 +1,10 @@
 """tensor_parallel.py plus ZeRO-R's activation work (Rajbhandari et al. 2020): --checkpoint
 and --partition-activations, described after --sequence-parallel below.
 
+    torchrun --standalone --nproc_per_node=2 tensor_parallel_zero_r.py --checkpoint
+    torchrun --standalone --nproc_per_node=2 tensor_parallel_zero_r.py --partition-activations
+    python tensor_parallel_zero_r.py --nproc 2 --partition-activations   # through mp.spawn
+
 Tensor parallelism (Megatron-LM, Shoeybi et al. 2019): each of W ranks holds 1/W of every
 block's weight matrices and sees the whole batch. Attention is split by heads: q, k and v are
 column-parallel (rank r computes H/W whole heads), the output projection is row-parallel; in the
@@ -57,10 +61,6 @@ Activations kept for backward with --checkpoint: E + L·B·T·D·4 bytes (E: wha
     head and loss keep; L = depth); with --partition-activations or SP, E + L·B·T·D·4/W.
 W must divide --heads (whole heads per rank) and, with --sequence-parallel or
 --partition-activations, the T tokens.
-
-    torchrun --standalone --nproc_per_node=2 tensor_parallel_zero_r.py --checkpoint
-    torchrun --standalone --nproc_per_node=2 tensor_parallel_zero_r.py --partition-activations
-    python tensor_parallel_zero_r.py --nproc 2 --partition-activations   # through mp.spawn
 """
 
 import datetime

@@ -2,6 +2,11 @@
 each global batch; unlike DDP, the W ranks split among them what DDP replicates: the optimizer
 state (stage 1), also the gradients (stage 2), also the parameters (stage 3).
 
+    torchrun --standalone --nproc_per_node=4 zero.py --stage 3
+    python zero.py --nproc 4 --stage 3                 # the same, through mp.spawn on a free port
+
+zero_offload.py is this file plus ZeRO-Offload (optimizer in CPU memory) and ZeRO-Infinity (disk).
+
 The model is cut into units (the embedding, every block, the head). A unit's parameters are views
 into one flat fp32 buffer, zero-padded to N = W·S elements; rank r owns the shard flat[r·S:(r+1)·S]
 and its optimizer steps that shard only:
@@ -30,11 +35,6 @@ Communication per step and rank: Ψ' gradient elements reduce-scattered and Ψ' 
 all-gathered, DDP's all-reduce in two halves; stage 3 all-gathers every unit twice (before its
 forward and before its backward) instead of once after the step: 2Ψ' all-gathered. A ring sends
 (W-1)/W of each collective's bytes.
-
-    torchrun --standalone --nproc_per_node=4 zero.py --stage 3
-    python zero.py --nproc 4 --stage 3                 # the same, through mp.spawn on a free port
-
-zero_offload.py is this file plus ZeRO-Offload (optimizer in CPU memory) and ZeRO-Infinity (disk).
 """
 
 import datetime

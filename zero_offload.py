@@ -2,6 +2,9 @@
 each global batch; unlike DDP, the W ranks split among them what DDP replicates: the optimizer
 state (stage 1), also the gradients (stage 2), also the parameters (stage 3).
 
+    torchrun --standalone --nproc_per_node=4 zero_offload.py --stage 3 --offload cpu
+    torchrun --standalone --nproc_per_node=4 zero_offload.py --offload disk --offload-dir DIR
+
 The model is cut into units (the embedding, every block, the head). A unit's parameters are views
 into one flat fp32 buffer, zero-padded to N = W·S elements; rank r owns the shard flat[r·S:(r+1)·S]
 and its optimizer steps that shard only:
@@ -46,9 +49,6 @@ Offload (this file is zero.py plus the offload; `diff -u zero.py zero_offload.py
     files are in CPU memory at once: the one stepping and the next), not kΨ'/W; the gradient shards
     wait in device memory until the step. DeepSpeed swaps through pinned buffers with asynchronous
     O_DIRECT reads and writes (libaio) instead of torch.save and a thread.
-
-    torchrun --standalone --nproc_per_node=4 zero_offload.py --stage 3 --offload cpu
-    torchrun --standalone --nproc_per_node=4 zero_offload.py --offload disk --offload-dir DIR
 """
 
 import datetime
