@@ -133,16 +133,10 @@ def memory(params, optimizer):
     """Per-rank bytes of parameters, gradients and optimizer state (the scalar step counters are
     left out, as the papers do), read off the storages that hold them right now."""
     params = list(params) + [p for g in optimizer.param_groups for p in g["params"]]
-    state = [
-        v
-        for st in optimizer.state.values()
-        for k, v in st.items()
-        if torch.is_tensor(v) and k != "step"
-    ]
     return dict(
         param_bytes=storage_bytes(params),
         grad_bytes=storage_bytes(p.grad for p in params),
-        optim_bytes=storage_bytes(state),
+        optim_bytes=optimizer_state_bytes(optimizer),
     )
 
 
@@ -248,13 +242,7 @@ class Meter:
     def _sample_optimizer_state(self):
         """The optimizer state's bytes after every op until the first step ends: its peak, also
         where a technique brings the state in and out during the step (one unit at a time)."""
-        state = [
-            v
-            for st in self.optimizer.state.values()
-            for k, v in st.items()
-            if torch.is_tensor(v) and k != "step"
-        ]
-        self.optim_peak = max(self.optim_peak, storage_bytes(state))
+        self.optim_peak = max(self.optim_peak, optimizer_state_bytes(self.optimizer))
 
     def _inner_step(self, optimizer, args, kwargs):
         if optimizer is not self.optimizer and self.seen == 0:
