@@ -33,6 +33,7 @@ normalises with the statistics of its own batch/W samples only.
 import contextlib
 import datetime
 import functools
+import gc
 import os
 
 import torch
@@ -305,6 +306,12 @@ def run(args):
             meter,
             formula(psi, world, args),
         )
+        # DDP's C++ reducer owns a reference to the process group. Free it while the group
+        # is up, so that leaving the group ends the group, not the reducer: the reducer's
+        # teardown waits for Gloo's threads while holding the GIL that a thread finishing
+        # its last all-reduce needs, and the process hangs at exit (pytorch#56297).
+        del model, meter
+        gc.collect()
     finally:
         cleanup()
 

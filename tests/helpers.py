@@ -1,8 +1,10 @@
 """Launch the scripts as real processes and read what they report."""
 
+import contextlib
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -60,15 +62,29 @@ def run(args, timeout=180, env=None, cwd=ROOT):
         if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
     }
     full_env = {**inherited, "PYTHONUNBUFFERED": "1", **(env or {})}
-    p = subprocess.run(
+    p = subprocess.Popen(
         [str(a) for a in args],
         cwd=cwd,
         env=full_env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
+        start_new_session=True,  # its own process group, so that a kill reaches torchrun's ranks
     )
-    return Run(p.returncode, p.stdout, p.stderr)
+    try:
+        stdout, stderr = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(p)
+        stdout, stderr = p.communicate()
+        raise subprocess.TimeoutExpired(p.args, timeout, stdout, stderr) from None
+    kill_group(p)  # a rank that outlived its launcher would load the rest of the suite
+    return Run(p.returncode, stdout, stderr)
+
+
+def kill_group(p):
+    """Kill the process group `p` leads (started with start_new_session=True)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(p.pid, signal.SIGKILL)
 
 
 def python(script, *args, **kw):

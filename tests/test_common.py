@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 import common
-from helpers import ROOT
+from helpers import ROOT, kill_group
 
 ARGS = ["--data", "synthetic", "--limit", "300"]
 
@@ -176,7 +176,7 @@ def two_nodes(tmp_path, cwds, *args, timeout=150, env=None):
             ROOT / "ddp.py",
             *args,
         ]
-        env = {
+        node_env = {
             **os.environ,
             "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": str(ROOT / "tests" / "faults"),
@@ -190,14 +190,15 @@ def two_nodes(tmp_path, cwds, *args, timeout=150, env=None):
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
-                env=env,
+                env=node_env,
+                start_new_session=True,  # its own process group: a kill reaches its ranks too
             )
         )
     try:
         outs = [p.communicate(timeout=timeout) for p in procs]
     finally:
         for p in procs:
-            p.kill()
+            kill_group(p)
     return [p.returncode for p in procs], outs
 
 
