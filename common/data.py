@@ -87,7 +87,7 @@ def synthetic_digits(n, seed, chunk=1000):
     images, labels = [], []
     for start in range(0, n, chunk):
         g = torch.Generator().manual_seed(seed * 1_000_003 + start)
-        m = chunk  # always a whole chunk, cut at the end: the same draws for every n
+        m = chunk  # draws for a whole chunk: the same draws for every n
 
         def u(low, high, *shape, generator=g, count=m):
             """count draws, uniform in [low, high), in the order they are made here."""
@@ -122,17 +122,22 @@ def synthetic_digits(n, seed, chunk=1000):
         weight = torch.cat(
             [weight, (0.7 * on * direction.norm(dim=-1) / 12 / (sigma * 2.5066)).expand(m, 12)], 1
         )
-        gx = torch.exp(
-            -(((grid.view(1, 1, -1) - dots[..., :1]) / sigma.view(m, 1, 1)) ** 2) / 2
-        )  # [m, dots, 28]
-        gy = torch.exp(-(((grid.view(1, 1, -1) - dots[..., 1:]) / sigma.view(m, 1, 1)) ** 2) / 2)
-        ink = (gy * weight.unsqueeze(-1)).transpose(1, 2) @ gx  # [m, 28 (y), 28 (x)]
-        img = (1.6 * ink).clamp(0, 1) * u(0.75, 1.0).view(m, 1, 1) + 0.08 * torch.randn(
-            m, IMAGE, IMAGE, generator=g
-        )
+        # Every draw above is made for the whole chunk, so the samples do not depend on n; the
+        # drawing below (the costly part) is done only for the rows that are kept.
+        rows = min(m, n - start)
+        dots = dots[:rows]
+        weight = weight[:rows]
+        width = sigma[:rows].view(rows, 1, 1)
+        # [rows, dots, 28]: each dot's Gaussian along x, and along y
+        gx = torch.exp(-(((grid.view(1, 1, -1) - dots[..., :1]) / width) ** 2) / 2)
+        gy = torch.exp(-(((grid.view(1, 1, -1) - dots[..., 1:]) / width) ** 2) / 2)
+        ink = (gy * weight.unsqueeze(-1)).transpose(1, 2) @ gx  # [rows, 28 (y), 28 (x)]
+        brightness = u(0.75, 1.0)[:rows].view(rows, 1, 1)
+        noise = 0.08 * torch.randn(m, IMAGE, IMAGE, generator=g)[:rows]
+        img = (1.6 * ink).clamp(0, 1) * brightness + noise
         images.append((img.clamp(0, 1) * 255).round().to(torch.uint8))
-        labels.append(y)
-    return torch.cat(images)[:n], torch.cat(labels)[:n]
+        labels.append(y[:rows])
+    return torch.cat(images), torch.cat(labels)
 
 
 def _read_idx(path):

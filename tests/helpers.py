@@ -10,6 +10,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,7 +62,9 @@ def run(args, timeout=180, env=None, cwd=ROOT):
         for k, v in os.environ.items()
         if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
     }
-    full_env = {**inherited, "PYTHONUNBUFFERED": "1", **(env or {})}
+    # One thread a process, as torchrun gives its workers: launches share two cores, and a plain
+    # `python X.py` reference then computes like the ranks it is compared with.
+    full_env = {**inherited, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     p = subprocess.Popen(
         [str(a) for a in args],
         cwd=cwd,
@@ -115,11 +118,11 @@ def ok(r):
 def ddp_reference(tmp_path_factory, cfg, optim):
     """ddp.py at W=1 on `cfg` with `optim`: the one-process run every exact technique must
     reproduce. Launched once per pytest session and configuration; test files with the same cfg
-    share it."""
+    share it. Plain `python ddp.py` is that world of one, without torchrun's agent process."""
     key = hashlib.sha1(" ".join(map(str, cfg)).encode()).hexdigest()[:12]
     path = tmp_path_factory.getbasetemp() / f"reference-ddp-w1-{key}-{optim}.pt"
     if not path.exists():
-        ok(torchrun("ddp.py", 1, *cfg, "--optim", optim, "--save", path, timeout=120))
+        ok(python("ddp.py", *cfg, "--optim", optim, "--save", path, timeout=120))
     return path
 
 
@@ -129,3 +132,15 @@ def max_diff(path_a, path_b):
     b = torch.load(path_b, weights_only=True)
     assert a.keys() == b.keys()
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def tiered(cases, quick):
+    """`cases` as pytest parameters: those in `quick` run in the quick suite, the others only in
+    the full tier (`python -m pytest -m full`, run by CI). Pick `quick` so that it still covers
+    every value of every dimension, and every pair of values of two dimensions where a pair can
+    fail on its own: the full grid adds combinations, not properties."""
+    missing = [case for case in quick if case not in cases]
+    assert not missing, f"quick cases not in the grid: {missing}"
+    return [
+        case if case in quick else pytest.param(*case, marks=pytest.mark.full) for case in cases
+    ]

@@ -249,9 +249,9 @@ def test_bf16_trains_like_fp32():
         "--no-progress",
     ]
     with ThreadPoolExecutor(2) as pool:
-        fp32 = pool.submit(torchrun, "amp_checkpoint.py", 1, *cfg, "--amp", "off", timeout=300)
+        fp32 = pool.submit(python, "amp_checkpoint.py", *cfg, "--amp", "off", timeout=300)
         bf16 = pool.submit(
-            torchrun, "amp_checkpoint.py", 1, *cfg, "--amp", "bf16", "--checkpoint", timeout=300
+            python, "amp_checkpoint.py", *cfg, "--amp", "bf16", "--checkpoint", timeout=300
         )
         fp32, bf16 = ok(fp32.result()), ok(bf16.result())
     print(

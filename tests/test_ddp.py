@@ -60,7 +60,7 @@ def reference(request, tmp_path_factory):
 
     def launch(optim):
         saved = directory / f"{optim}.pt"
-        return saved, ok(torchrun("ddp.py", 1, *CFG, "--optim", optim, "--save", saved))
+        return saved, ok(python("ddp.py", *CFG, "--optim", optim, "--save", saved))
 
     with ThreadPoolExecutor(2) as pool:
         return dict(zip(optimizers, pool.map(launch, optimizers), strict=True))

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import common
 import zero
-from helpers import SMALL, max_diff, ok, torchrun
+from helpers import SMALL, max_diff, ok, tiered, torchrun
 
 CFG = [
     *SMALL,
@@ -23,9 +23,20 @@ CFG = [
 # round-off; AdamW turns it into steps on ~0 gradients: up to 1.9e-5 seen
 TOL = {"sgd": 1e-6, "adamw": 5e-5}
 STEPS = 3  # optimizer steps in the Meter's window (6 steps are run)
-CASES = [
+GRID = [
     (stage, world, optim) for stage in (1, 2, 3) for world in (2, 3) for optim in ("sgd", "adamw")
 ]
+# The quick suite: every stage with each optimizer and at each world size, each world size with
+# each optimizer (6 launches); the full tier runs the other 6 of the grid.
+QUICK = [
+    (1, 2, "sgd"),
+    (1, 3, "adamw"),
+    (2, 3, "sgd"),
+    (2, 2, "adamw"),
+    (3, 2, "sgd"),
+    (3, 3, "adamw"),
+]
+CASES = tiered(GRID, QUICK)
 
 
 def build(data=False):
