@@ -16,8 +16,13 @@ with levers that trade precision or compute for memory, and change no communicat
 
 Memory per rank (fp32, AdamW, Ψ parameters): 4Ψ params + 4Ψ grads + 8Ψ optimizer = 16Ψ bytes.
 Activations kept per micro-batch of B samples (T tokens, width D, L blocks; E kept by embed and
-head): plain >= E + 16·L·B·T·D·e (e = 4, mostly 2 under AMP), checkpointed E + L·B·T·D·4.
-(On a GPU the report's max_memory_allocated shows the cut; tests/faults' PROBE measures these.)
+head; e bytes an element: 4, mostly 2 under AMP):
+    plain         >= E + 16·L·B·T·D·e   per block at least: the two LayerNorms' inputs and
+                                        outputs (4), q, k, v (3), attention's output (1), the
+                                        MLP's 4D-wide hidden before and after GELU (8)
+    checkpointed     E + L·B·T·D·4      per block: its fp32 input only
+The report's "activations (1st forward)" row measures what autograd kept; on a GPU its
+max_memory_allocated shows the cut too.
 Communication per step: one all-reduce of Ψ gradient elements (bucketed, overlapped with
 backward); a ring all-reduce sends 2(W-1)/W · 4Ψ bytes per rank.
 
@@ -58,11 +63,16 @@ def parallelize(model, device, checkpointing=False):
     what the block computes inside, and runs again in backward to get it back. Replacing the
     forward, not wrapping the block in a new module, keeps the parameter names (and so the saved
     state_dict) those of the plain model.
+
     DDP hooks every parameter: as backward produces gradients it all-reduces them in ~25 MB
     buckets, overlapped with the rest of backward, and divides by W. Each rank's loss is the mean
     over its batch/W samples, so every rank then holds the gradient of the global batch's mean."""
     if checkpointing:
         for block in model.blocks:
+            # block(x) now calls checkpoint(the block's own forward, x, use_reentrant=False).
+            # use_reentrant=False: the implementation PyTorch recommends, and the one DDP works
+            # with without limits (the reentrant one runs a nested backward that DDP supports
+            # only partly).
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
     return DDP(
         model,
@@ -77,15 +87,19 @@ def full_state_dict(model):
 
 
 def forward_backward(model, x, y, amp, scaler, grad_accum=1):
-    """grad_accum micro-batches, all but the last under no_sync(): their gradients add up locally
-    and the last backward all-reduces the sum. Each micro-loss / grad_accum: the sum is the
-    gradient of the batch's mean. Autocast covers the forward only (backward follows its dtypes;
-    the loss is computed in fp32); the scaler multiplies the loss by S. Returns the batch's loss."""
+    """Forward and backward of the batch (x, y) as grad_accum micro-batches; returns its loss.
+
+    Each micro-batch's loss is divided by grad_accum, so that the gradients they add up to are
+    those of the batch's mean loss. `amp` ("bf16", "fp16" or "off") sets autocast, which covers
+    the forward only: backward runs each op in the dtype its forward used, and cross_entropy
+    autocasts to fp32. The scaler multiplies the loss by S before backward (fp16; else a no-op)."""
     autocast_dtype = torch.float16 if amp == "fp16" else torch.bfloat16
     batch_loss = torch.zeros((), device=x.device)
     micro_batches = zip(x.chunk(grad_accum), y.chunk(grad_accum), strict=True)
     for i, (micro_x, micro_y) in enumerate(micro_batches):
         last = i == grad_accum - 1
+        # Under no_sync() DDP's backward only adds into .grad; the last micro-batch's backward,
+        # outside it, all-reduces the sum: one all-reduce per step, not per micro-batch.
         gradient_sync = contextlib.nullcontext() if last else model.no_sync()
         with gradient_sync:
             with torch.autocast(x.device.type, dtype=autocast_dtype, enabled=amp != "off"):
@@ -97,7 +111,8 @@ def forward_backward(model, x, y, amp, scaler, grad_accum=1):
 
 def optimizer_step(model, optimizer, scaler, clip=0.0):
     """Unscale (gradients / S) before clipping, so the clip sees the true norm; scaler.step skips
-    the step if a gradient is inf/nan (an fp16 overflow), and update() adapts S."""
+    the step if a gradient is inf/nan (an fp16 overflow), and update() adapts S. Without fp16 the
+    scaler is disabled: unscale_ and update do nothing, and step is optimizer.step()."""
     if clip > 0:
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -110,7 +125,7 @@ def optimizer_step(model, optimizer, scaler, clip=0.0):
 
 def formula(psi, world, args):
     """The paper's per-rank bytes, which the report sets next to what the Meter measured."""
-    k = 8 if args.optim == "adamw" else 4
+    k = 8 if args.optim == "adamw" else 4  # the ZeRO paper's K: optimizer bytes per parameter
     return dict(
         param_bytes=4 * psi,
         grad_bytes=4 * psi,
@@ -139,12 +154,13 @@ def check_args(args, world):
     )
     common.check(args.clip >= 0, f"--clip must be >= 0 (0: no clipping), got {args.clip}")
     # The load-balancing gradient is added inside backward (common.AuxLossScaler), where the
-    # GradScaler's factor S never multiplies it, yet unscale_ divides it by S.
+    # GradScaler's factor S never multiplies it, yet unscale_ divides it by S: it would shrink.
     common.check(
         not args.experts or args.amp != "fp16",
         "--experts with --amp fp16: the load-balancing gradient is added inside backward, "
         "where the GradScaler's loss scale does not reach it (use bf16)",
     )
+    # What common.pick_backend will choose in every rank (it runs later, after these checks).
     on_cuda = args.backend != "gloo" and torch.cuda.device_count() > 0 and dist.is_nccl_available()
     common.check(
         args.amp != "fp16" or on_cuda,

@@ -2,14 +2,15 @@
 sample (the whole batch). Only attention needs the other ranks' tokens. Ring attention (Liu et
 al. 2023) passes the key/value blocks round a ring and merges them with the online softmax;
 DeepSpeed-Ulysses (Jacobs et al. 2023) all-to-alls the token split into a head split for
-attention, and back. Everything else runs on local tokens; DDP sums the weight gradients.
+attention, and back. Everything else runs on local tokens, so each rank's weight gradients are
+its own tokens' share; DDP's all-reduce adds the shares up (see SumOverRanks).
 
 Ring attention, W = 4: rank r keeps its queries Q_r; one K/V block is in hand at a time.
 
     step      0     1     2     3      Each step, in one batch_isend_irecv: send the block in
     rank 0   KV0   KV3   KV2   KV1     hand to rank r+1 and receive the next one from rank r-1;
     rank 1   KV1   KV0   KV3   KV2     attend to the block in hand while the next one travels.
-    rank 2   KV2   KV1   KV0   KV3
+    rank 2   KV2   KV1   KV0   KV3     At step s, rank r holds rank (r - s) mod W's block.
     rank 3   KV3   KV2   KV1   KV0       rank 0 --> rank 1 --> rank 2 --> rank 3 --+
                                            ^-------------------------------------+
     Per query row: running max m, running sum l of e^(S - m), unnormalised output O. Block j,
@@ -27,13 +28,14 @@ Ulysses, W = 2: an all-to-all trades the token split for a head split, and back 
     out      [B, T/2, H, d]  this rank's tokens  <==all-to-all==  [B, T, H/2, d]
 
 Memory per rank (fp32, AdamW): 16Ψ, as DDP. Attention's activations per block are 1/W of one
-process's: (4a·B·T·D + 4·B·H·T)/W bytes, a = 5 [B, T/W, D] tensors for ring (input, q, k, v,
-out), 6 for Ulysses (+ the output back on this rank's tokens), and the log-sum-exp. The ring
-never holds T x T scores: one (T/W)² block per head at a time, recomputed in backward; Ulysses'
-kernel sees all T tokens for H/W heads.
+process's: 4·a·B·T·D/W bytes for the a [B, T/W, D] tensors it saves (a = 5 for ring: input, q,
+k, v, out; 6 for Ulysses: + the output brought back to this rank's tokens), plus 4·B·H·T/W for
+the log-sum-exp. The ring never holds T x T scores: one (T/W)² block per head at a time,
+recomputed in backward; Ulysses' kernel sees all T tokens for H/W heads.
 Communication per step, per block: ring sends W-1 K/V blocks (2·B·(T/W)·D fp32 each) forward
-and 2(W-1) backward (K/V again, then the dK/dV partial sums); Ulysses 4 all-to-alls of B·T·D/W
-each way. Both all-reduce the B·D pooled features (the head) and, as DDP, the Ψ gradients.
+and 2(W-1) backward (K/V again, then the dK/dV partial sums); Ulysses all-to-alls q, k, v and
+the output forward and their gradients backward: 8 all-to-alls of B·T·D/W fp32. Both all-reduce
+the B·D pooled features (the head) and, as DDP, the Ψ gradients.
 
     torchrun --standalone --nproc_per_node=4 context_parallel.py --patch 2 --method ring
     python context_parallel.py --nproc 2 --patch 2 --method ulysses   # mp.spawn on a free port
@@ -63,8 +65,9 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 class RingPass:
     """Start passing `blocks` to the next rank of the ring and receiving as many from the previous
-    one; wait() returns the received blocks. Sends and receives go in one batch_isend_irecv: on
-    NCCL a send blocks until its peer posts the matching receive, so every rank must post both."""
+    one; wait() returns the received blocks, in the order of `blocks`. Sends and receives go in one
+    batch_isend_irecv: on NCCL a send blocks until its peer posts the matching receive, so every
+    rank must post both."""
 
     def __init__(self, blocks, group):
         rank = dist.get_rank(group)
@@ -74,7 +77,11 @@ class RingPass:
         self.received = [torch.empty_like(block) for block in blocks]
         sends = [dist.P2POp(dist.isend, block, next_rank, group) for block in blocks]
         receives = [dist.P2POp(dist.irecv, block, previous_rank, group) for block in self.received]
-        self.requests = dist.batch_isend_irecv(sends + receives) if blocks else []
+        self.requests = []
+        # batch_isend_irecv refuses an empty list, and backward's last step at W = 2 (or any step
+        # at W = 1) has nothing to pass.
+        if blocks:
+            self.requests = dist.batch_isend_irecv(sends + receives)
 
     def wait(self):
         for request in self.requests:
@@ -92,29 +99,31 @@ class RingPass:
 
 class RingAttention(torch.autograd.Function):
     """softmax(q·kᵀ/√d)·v over the whole sequence; q, k, v and the output: [B, H, T/W, d], this
-    rank's tokens. Forward is the online softmax over the ring; backward is flash attention's,
-    one K/V block at a time, recomputing each block's softmax from the saved log-sum-exp."""
+    rank's tokens. Forward is the online softmax over the ring (the formulas in the module
+    docstring); backward is flash attention's, one K/V block at a time, recomputing each block's
+    softmax from the saved log-sum-exp."""
 
     @staticmethod
     def forward(ctx, q, k, v, group):
         world = dist.get_world_size(group)
         q_scaled = q * q.shape[-1] ** -0.5
         kv_block = torch.stack([k, v])  # one message per step: the K/V block in hand
-        out = torch.zeros_like(q)  # q's layout: proj then reads it without a copy
-        row_max = q.new_full((*q.shape[:-1], 1), -float("inf"))
-        row_sum = q.new_zeros((*q.shape[:-1], 1))
-        for step in range(world):  # at step s the block in hand is rank (r - s)'s
+        out = torch.zeros_like(q)  # O; q's layout: proj then reads it without a copy
+        row_max = q.new_full((*q.shape[:-1], 1), -float("inf"))  # m
+        row_sum = q.new_zeros((*q.shape[:-1], 1))  # l
+        for step in range(world):  # at step s the block in hand is rank (r - s) mod W's
             last_step = step == world - 1
             if not last_step:
                 transfer = RingPass([kv_block], group)  # the next block travels meanwhile
-            scores = q_scaled @ kv_block[0].mT
-            new_max = torch.maximum(row_max, scores.amax(-1, keepdim=True))
+            scores = q_scaled @ kv_block[0].mT  # S_j
+            new_max = torch.maximum(row_max, scores.amax(-1, keepdim=True))  # m'
             # What was summed under the old max is rescaled to the new one, e^(m - m') <= 1:
             # no exponent ever exceeds 0, so nothing overflows however large the scores.
             correction = torch.exp(row_max - new_max)
-            probs = scores.sub_(new_max).exp_()  # in place: the scores are not needed again
-            row_sum = row_sum * correction + probs.sum(-1, keepdim=True)
-            out = out * correction + probs @ kv_block[1]
+            # e^(S_j - m'), computed in place: the scores are not needed again.
+            exp_scores = scores.sub_(new_max).exp_()
+            row_sum = row_sum * correction + exp_scores.sum(-1, keepdim=True)
+            out = out * correction + exp_scores @ kv_block[1]
             row_max = new_max
             if not last_step:
                 kv_block = transfer.wait()[0]
@@ -129,44 +138,59 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, log_sum_exp = ctx.saved_tensors
         group = ctx.group
         world = dist.get_world_size(group)
-        scale = q.shape[-1] ** -0.5
-        q_scaled = q * scale
-        # Softmax's backward needs rowsum(P ∘ dP) over the whole row; it equals rowsum(dO ∘ O),
-        # known before any block comes by.
+        q_scaled = q * q.shape[-1] ** -0.5
+        # Softmax's backward needs rowsum(P ∘ dP) over the whole row; it equals rowsum(dO ∘ O)
+        # (FlashAttention-2's D), known before any block comes by.
         grad_dot_out = (grad_out * out).sum(-1, keepdim=True)
         kv_block = torch.stack([k, v])
         grad_q = torch.zeros_like(q)
-        # The dK/dV of a block is a sum over every rank's queries. This rank's share of its own
-        # block waits at home (step 0); every other block's partial sum follows its K/V round the
-        # ring one step behind, gathering each rank's share, and makes a last hop home.
-        grad_kv_home = None
-        grad_kv_partial = None  # the block computed last step, summed over the ranks it visited
+        # A block's dK/dV is a sum over every rank's queries. Its owner keeps its own share from
+        # step 0; the other shares are added up on the way: a partial sum follows the K/V block
+        # round the ring one step behind, then makes a last hop home. Block 0 at W = 4:
+        #     step 1   rank 1 holds KV0: partial = rank 1's share
+        #     step 2   rank 2 holds KV0, receives the partial from rank 1, adds its share
+        #     step 3   rank 3 holds KV0, receives the partial from rank 2, adds its share
+        #     after    rank 3 sends the partial home: rank 0 adds it to its share from step 0
+        grad_kv_home = None  # this rank's share of its own block's dK/dV
+        grad_kv_partial = None  # last step's block, summed over the ranks it has visited
         for step in range(world):
+            sending_kv = step < world - 1  # the last block in hand goes nowhere
+            sending_partial = step >= 2  # step 1 made the first partial sum
             outgoing = []
-            if step < world - 1:
+            if sending_kv:
                 outgoing.append(kv_block)
-            if step >= 2:
+            if sending_partial:
                 outgoing.append(grad_kv_partial)
             transfer = RingPass(outgoing, group)
-            # The block's softmax P = e^(S - lse), as in forward; dS = P ∘ (dO·Vᵀ - rowsum(dO ∘ O));
-            # dQ += dS·K/√d, dK = dSᵀ·Q/√d, dV = Pᵀ·dO.
-            key, value = kv_block
-            probs = (q_scaled @ key.mT).sub_(log_sum_exp).exp_()
-            grad_scores = (grad_out @ value.mT).sub_(grad_dot_out).mul_(probs)
-            grad_q += grad_scores @ key * scale
-            grad_kv = torch.stack([grad_scores.mT @ q_scaled, probs.mT @ grad_out])
-            incoming = transfer.wait()
+            grad_q_share, grad_kv = block_backward(
+                q_scaled, kv_block, grad_out, log_sum_exp, grad_dot_out
+            )
+            grad_q += grad_q_share
+            incoming = transfer.wait()  # as outgoing: [next K/V block], [the previous partial]
             if step == 0:
                 grad_kv_home = grad_kv
             elif step == 1:
                 grad_kv_partial = grad_kv  # the first rank the block visits after its owner
-            else:
-                grad_kv_partial = grad_kv + incoming[-1]  # the ranks before this one, same block
-            if step < world - 1:
+            else:  # the partial sum of the ranks before this one, for the same block
+                grad_kv_partial = grad_kv + incoming[-1]
+            if sending_kv:
                 kv_block = incoming[0]
         if world > 1:  # the last partial sum goes home: W - 1 dK/dV hops in all
             grad_kv_home = grad_kv_home + RingPass([grad_kv_partial], group).wait()[0]
         return grad_q, grad_kv_home[0], grad_kv_home[1], None
+
+
+def block_backward(q_scaled, kv_block, grad_out, log_sum_exp, grad_dot_out):
+    """Flash attention's backward for one K/V block: this rank's queries' share of dQ and the
+    block's [dK, dV] from this rank's queries. The block's softmax P = e^(S - lse), as in forward;
+    dS = P ∘ (dO·Vᵀ - rowsum(dO ∘ O)); dQ = dS·K/√d, dK = dSᵀ·Q/√d, dV = Pᵀ·dO."""
+    scale = q_scaled.shape[-1] ** -0.5
+    key, value = kv_block
+    probs = (q_scaled @ key.mT).sub_(log_sum_exp).exp_()
+    grad_scores = (grad_out @ value.mT).sub_(grad_dot_out).mul_(probs)
+    grad_q = grad_scores @ key * scale
+    grad_kv = torch.stack([grad_scores.mT @ q_scaled, probs.mT @ grad_out])
+    return grad_q, grad_kv
 
 
 def all_to_all(x, group, scatter_dim, gather_dim):
@@ -195,6 +219,19 @@ class AllToAll(torch.autograd.Function):
         return all_to_all(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
 
 
+# Ulysses' tensors are [B, tokens, heads, d]: dimension 1 is the tokens, 2 the heads.
+
+
+def tokens_to_heads(x, group):
+    """[B, T/W, H, d], this rank's tokens -> [B, T, H/W, d], all tokens of this rank's heads."""
+    return AllToAll.apply(x, group, 2, 1)
+
+
+def heads_to_tokens(x, group):
+    """[B, T, H/W, d] -> [B, T/W, H, d]: back to this rank's tokens, every head."""
+    return AllToAll.apply(x, group, 1, 2)
+
+
 class ContextParallelAttention(nn.Module):
     """The block's attention on this rank's T/W tokens, attending to all T: the same q, k, v and
     proj modules, so the state_dict keys are the model's."""
@@ -211,41 +248,60 @@ class ContextParallelAttention(nn.Module):
 
     def forward(self, x):  # x: [B, T/W, D]
         B, local_tokens, D = x.shape
-        q, k, v = (
-            linear(x).view(B, local_tokens, -1, self.head_dim)
-            for linear in (self.q, self.k, self.v)
-        )
-        if self.method == "ring":  # [B, H, T/W, d] in and out
-            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-            out = RingAttention.apply(q, k, v, self.group).transpose(1, 2)
-        else:  # [B, T/W, H, d] -> [B, T, H/W, d], attention, and back
-            q, k, v = (AllToAll.apply(t, self.group, 2, 1).transpose(1, 2) for t in (q, k, v))
-            out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
-            out = AllToAll.apply(out, self.group, 1, 2)
+        shape = (B, local_tokens, -1, self.head_dim)  # [B, T/W, H, d]
+        q = self.q(x).view(shape)
+        k = self.k(x).view(shape)
+        v = self.v(x).view(shape)
+        if self.method == "ring":
+            out = self.ring(q, k, v)
+        else:
+            out = self.ulysses(q, k, v)
         return self.proj(out.reshape(B, local_tokens, D))
+
+    def ring(self, q, k, v):
+        """[B, T/W, H, d] in and out; the ring, like SDPA, works on [B, H, T/W, d]."""
+        q = q.transpose(1, 2)
+        k = k.transpose(1, 2)
+        v = v.transpose(1, 2)
+        out = RingAttention.apply(q, k, v, self.group)
+        return out.transpose(1, 2)
+
+    def ulysses(self, q, k, v):
+        """[B, T/W, H, d] in and out; SDPA sees all T tokens of H/W heads, as [B, H/W, T, d]."""
+        q = tokens_to_heads(q, self.group).transpose(1, 2)
+        k = tokens_to_heads(k, self.group).transpose(1, 2)
+        v = tokens_to_heads(v, self.group).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)  # [B, T, H/W, d]
+        return heads_to_tokens(out, self.group)
 
 
 class LocalPatchEmbed(nn.Module):
-    """This rank's T/W tokens only (a contiguous run of patches) and their position embeddings."""
+    """The model's patch embedding for this rank's tokens only (a contiguous run of the T patches)
+    and their position embeddings."""
 
-    def __init__(self, embed, local_tokens):
+    def __init__(self, embed, token_range):
         super().__init__()
         self.proj = embed.proj
         self.pos = embed.pos
         self.patch = embed.patch
-        self.local_tokens = local_tokens  # a slice of the T patches
+        self.token_range = token_range  # a slice of the T patches
 
     def forward(self, img):
-        B, p = img.shape[0], self.patch
-        side = img.shape[-1] // p  # patches per side
+        B = img.shape[0]
+        p = self.patch
+        side = img.shape[-1] // p  # patches along each side
+        # [B, 1, side·p, side·p] -> [B, T, p²]; the patch in row i, column j is token i·side + j,
+        # the model's own order.
         patches = img.reshape(B, side, p, side, p).transpose(2, 3).reshape(B, side * side, p * p)
-        local = self.local_tokens
-        return self.proj(patches[:, local]) + self.pos[:, local]
+        mine = self.token_range
+        return self.proj(patches[:, mine]) + self.pos[:, mine]
 
 
 class SumOverRanks(torch.autograd.Function):
-    """Forward: the all-reduced sum. Backward: W·grad, which is the sum over the W ranks of their
-    gradients, since every rank computes the same loss from the same sum (no communication)."""
+    """Forward: the all-reduced sum, the same on every rank. Backward: W·grad, with no
+    communication. Every rank computes the same loss from the same sum, so each already holds
+    grad; the factor W makes up for DDP's average over ranks (÷W), which here averages not W
+    copies of one gradient but W shares of it, one per rank's tokens (see parallelize)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -265,13 +321,14 @@ def parallelize(model, device, method="ring", group=None):
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
     tokens = model.embed.pos.shape[1]
-    local_tokens = slice(rank * tokens // world, (rank + 1) * tokens // world)
-    model.embed = LocalPatchEmbed(model.embed, local_tokens)
+    token_range = slice(rank * tokens // world, (rank + 1) * tokens // world)
+    model.embed = LocalPatchEmbed(model.embed, token_range)
     for block in model.blocks:
         block.attn = ContextParallelAttention(block.attn, method, group)
 
     def mean_over_all_tokens(fc, inputs):
-        # The head's mean over T tokens is the sum over ranks of each rank's mean over T/W, / W.
+        # A forward pre-hook gets fc's inputs as a tuple and returns what fc takes instead.
+        # The mean over T tokens is the sum over ranks of each rank's mean over T/W, / W.
         local_mean = inputs[0]
         return SumOverRanks.apply(local_mean / world, group)
 
@@ -284,7 +341,7 @@ def parallelize(model, device, method="ring", group=None):
         device_ids=[device.index] if device.type == "cuda" else None,
         process_group=group,
         gradient_as_bucket_view=True,
-    )
+    )  # grads live in DDP's buckets: no second copy
 
 
 def full_state_dict(model):
@@ -297,17 +354,21 @@ def full_state_dict(model):
 
 def formula(psi, world, args):
     """The paper's per-rank bytes, which the report sets next to what the Meter measured."""
-    k = 8 if args.optim == "adamw" else 4
+    k = 8 if args.optim == "adamw" else 4  # the ZeRO paper's K: optimizer bytes per parameter
     depth = args.depth
     B = args.batch_size
     D = args.dim
     T = (common.IMAGE // args.patch) ** 2
-    saved = 5 if args.method == "ring" else 6  # [B, T/W, D] tensors attention keeps per block
+    local_bytes = 4 * B * T * D // world  # one [B, T/W, D] fp32 tensor
     if args.method == "ring":
-        kv_bytes = 3 * (world - 1) * depth * 8 * B * T * D // world  # [2, B, T/W, D] fp32 blocks
+        saved = 5  # [B, T/W, D] tensors attention keeps per block: input, q, k, v, out
+        # Per block, [2, B, T/W, D] blocks: W-1 K/V forward, W-1 K/V and W-1 dK/dV backward.
+        kv_bytes = depth * 3 * (world - 1) * 2 * local_bytes
         comm = dict(send=kv_bytes, recv=kv_bytes)
     else:
-        comm = dict(all_to_all=32 * depth * B * T * D // world)  # 8 of B·T·D/W fp32 per block
+        saved = 6  # the same five and the output brought back to this rank's tokens
+        # Per block, q, k, v and the output forward, their gradients backward.
+        comm = dict(all_to_all=depth * 8 * local_bytes)
     return dict(
         param_bytes=4 * psi,
         grad_bytes=4 * psi,
@@ -462,9 +523,8 @@ def run(args):
             f"({len(train_set)} train / {len(test_set)} test), "
             f"batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
         )
-        with common.Meter(
-            model, optimizer, args, parts=dict(attention=[b.attn for b in model.module.blocks])
-        ) as meter:
+        attention = [block.attn for block in model.module.blocks]
+        with common.Meter(model, optimizer, args, parts=dict(attention=attention)) as meter:
             out = train(model, optimizer, scheduler, loader, sampler, args, device)
         test_loader = common.test_loader(
             test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"

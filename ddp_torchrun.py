@@ -85,7 +85,10 @@ def save_snapshot(path, model, optimizer, scheduler, step, device):
         cpu=torch.get_rng_state(),
         cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
     )
-    rng_states = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    # gather_object fills a list of W slots on the destination; the other ranks pass None.
+    rng_states = None
+    if dist.get_rank() == 0:
+        rng_states = [None] * dist.get_world_size()
     dist.gather_object(rng_state, rng_states, dst=0)
     weights = full_state_dict(model)  # every rank: it is a collective under sharding techniques
     if dist.get_rank() == 0:
@@ -120,7 +123,8 @@ def load_snapshot(path, model, device):
     if not path:
         return None
     snapshot = None
-    step = torch.tensor([-1], device=device)
+    # On this rank's device: NCCL broadcasts GPU tensors, Gloo CPU ones.
+    step = torch.tensor([-1], device=device)  # -1: no snapshot
     if dist.get_rank() == 0 and os.path.exists(path):
         snapshot = torch.load(path, map_location="cpu", weights_only=True)
         step.fill_(snapshot["step"])
@@ -169,7 +173,7 @@ def resume(snapshot, optimizer, scheduler, device):
 
 def formula(psi, world, args):
     """The paper's per-rank bytes, which the report sets next to what the Meter measured."""
-    k = 8 if args.optim == "adamw" else 4
+    k = 8 if args.optim == "adamw" else 4  # the ZeRO paper's K: optimizer bytes per parameter
     return dict(
         param_bytes=4 * psi,
         grad_bytes=4 * psi,
@@ -256,6 +260,7 @@ def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
             if step >= stop:
                 break
         common.log(f"epoch {epoch}: step {step}, train loss {last_loss:.4f}")
+        # After every epoch, and where --max-steps stopped: the snapshot holds the last step.
         save_snapshot(args.snapshot, model, optimizer, scheduler, step, device)
     return dict(steps=step, loss=last_loss)
 
@@ -302,7 +307,8 @@ def run(args):
         model = common.build_model(args)  # the same seeded weights on every rank
         if args.load:
             model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
-        # Into the bare model, before DDP wraps it: DDP's start-up broadcast then sends it.
+        # The snapshot's weights go into the bare model, before DDP wraps it: DDP's start-up
+        # broadcast then sends rank 0's copy to every rank.
         snapshot = load_snapshot(args.snapshot, model, device)
         psi = sum(p.numel() for p in model.parameters())
         model = parallelize(model.to(device), device)

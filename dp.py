@@ -2,8 +2,12 @@
 model from GPU 0 to the others, splits the batch, runs the replicas in threads, gathers the
 outputs on GPU 0, and backward sums the gradients back onto GPU 0's parameters.
 
-    GPU 0: [ model ] --replicate--> GPU 1..N-1: [ copy ]     x --scatter--> x[0], x[1], ...
-           outputs <----gather---- each GPU's forward;      grads --reduce--> GPU 0 --> optimizer
+    forward:  GPU 0's model  --replicate-->  a replica on each GPU
+              batch x        --scatter---->  x[0] on GPU 0, x[1] on GPU 1, ...  (N chunks)
+              each replica runs on its chunk, one thread per GPU
+              outputs        <--gather-----  concatenated on GPU 0, where the loss is computed
+    backward: the same in reverse; each replica's gradients are summed onto GPU 0's parameters
+    step:     the optimizer, on GPU 0 only
 
 Memory (fp32, AdamW, Ψ parameters): GPU 0 holds 4Ψ params + 4Ψ grads + 8Ψ optimizer = 16Ψ,
 every other GPU a 4Ψ replica (+ its gradients) rebuilt each step.
@@ -53,10 +57,12 @@ class ManualDataParallel(nn.Module):
 
     def forward(self, x):
         replicas = replicate(self.module, self.device_ids)  # copy the parameters to every GPU
-        shards = scatter(x, self.device_ids)  # split the batch along dim 0, a shard per GPU
-        # One thread per GPU runs its replica on its shard (a batch smaller than the number of
-        # GPUs leaves the last GPUs without a shard).
-        outputs = parallel_apply(replicas[: len(shards)], [(shard,) for shard in shards])
+        chunks = scatter(x, self.device_ids)  # split the batch along dim 0, a chunk per GPU
+        # One thread per GPU runs its replica on its chunk (a batch smaller than the number of
+        # GPUs leaves the last GPUs without a chunk). parallel_apply takes each replica's
+        # positional arguments as a tuple.
+        inputs = [(chunk,) for chunk in chunks]
+        outputs = parallel_apply(replicas[: len(chunks)], inputs)
         return gather(outputs, self.device_ids[0])  # concatenate the outputs on GPU 0
 
 
@@ -81,7 +87,7 @@ def full_state_dict(model):
 
 def formula(psi, gpus, args):
     """The paper's bytes on GPU 0, which the report sets next to what the Meter measured."""
-    k = 8 if args.optim == "adamw" else 4
+    k = 8 if args.optim == "adamw" else 4  # the ZeRO paper's K: optimizer bytes per parameter
     return dict(
         param_bytes=4 * psi,
         grad_bytes=4 * psi,
@@ -95,6 +101,7 @@ def formula(psi, gpus, args):
 
 
 def visible_gpus():
+    """The GPUs this process sees (CUDA_VISIBLE_DEVICES picks them); 0 without CUDA."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -209,7 +216,8 @@ def run(args):
     if args.load:
         model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
     psi = sum(p.numel() for p in model.parameters())
-    model = parallelize(model.to(device), device_ids, args.manual)  # needs them on GPU 0
+    # DataParallel copies the parameters from device_ids[0]: they must be there before it wraps.
+    model = parallelize(model.to(device), device_ids, args.manual)
     optimizer = common.make_optimizer(model.parameters(), args)
     scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
     common.log(

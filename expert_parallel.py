@@ -7,10 +7,10 @@ experts' outputs travel back (combine).
     rank 0 owns experts 0, 1                rank 1 owns experts 2, 3        E = 4, W = 2, K = 1
     tokens      a  b  c  d                  tokens      e  f  g  h
     router      0  2  1  3                  router      3  0  2  1
-    by expert   a  c | b  d                 by expert   f  h | g  e      (| : next owner)
+    by expert   a  c | b  d                 by expert   f  h | g  e      to rank 0 | to rank 1
         all-to-all the counts, then the tokens (uneven splits): rank r gets its experts' rows,
         grouped by source rank, then by expert
-    received    a  c | f  h                 received    b  d | g  e
+    received    a  c | f  h                 received    b  d | g  e      from 0 | from 1
     expert 0 runs on a f, expert 1 on c h   expert 2 on b g, expert 3 on d e
         the outputs go back by the reverse all-to-all; each token sums weight · output
     a' b' c' d'                             e' f' g' h'
@@ -18,10 +18,10 @@ experts' outputs travel back (combine).
 Memory per rank (fp32, AdamW): 16 bytes for each parameter it holds: the dense part Ψ_d
 (attention, norms, routers, embed, head) replicated, the experts' Ψ_e / W: 16(Ψ_d + Ψ_e/W).
 Communication per step: per MoE layer, 2 all-to-alls of the routed tokens forward (dispatch,
-combine) and 2 backward (their reverses), each k·b·T·D fp32 elements on average over ranks for
-b = batch/W images of T tokens (routed evenly, (W-1)/W of them leave the rank), plus one
-all-to-all of the E token counts (int64) forward; the Ψ_d dense gradients all-reduced (instead
-of DDP's Ψ), in depth + 2 buckets overlapped with backward.
+combine) and 2 backward (their reverses), each of k·b·T rows of D fp32 on average over ranks,
+for b = batch/W images of T tokens (with even routing, (W-1)/W of the rows leave the rank),
+plus one all-to-all of the E token counts (int64) forward; the Ψ_d dense gradients all-reduced
+(instead of DDP's Ψ), in depth + 2 buckets overlapped with backward.
 Host syncs: one per MoE layer forward (the token counts, which the uneven all-to-alls need as
 host integers); none in backward.
 
@@ -52,22 +52,30 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 
 class AllToAll(torch.autograd.Function):
-    """all_to_all_single with uneven splits: `send[r]` rows of x go to rank r, `recv[r]` rows come
-    from rank r. Its backward is the reverse all-to-all: each gradient row goes back where its row
+    """all_to_all_single with uneven splits: x's first send_splits[0] rows go to rank 0, the next
+    send_splits[1] to rank 1, ...; the output stacks the recv_splits[r] rows from each rank r in
+    rank order. Its backward is the reverse all-to-all: each gradient row goes back where its row
     came from."""
 
     @staticmethod
-    def forward(ctx, x, send, recv):
-        ctx.send = send
-        ctx.recv = recv
-        out = x.new_empty(sum(recv), *x.shape[1:])
-        dist.all_to_all_single(out, x.contiguous(), recv, send)
+    def forward(ctx, x, send_splits, recv_splits):
+        ctx.send_splits = send_splits
+        ctx.recv_splits = recv_splits
+        out = x.new_empty(sum(recv_splits), *x.shape[1:])
+        dist.all_to_all_single(
+            out, x.contiguous(), output_split_sizes=recv_splits, input_split_sizes=send_splits
+        )
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        out = grad.new_empty(sum(ctx.send), *grad.shape[1:])
-        dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.recv)
+        out = grad.new_empty(sum(ctx.send_splits), *grad.shape[1:])
+        dist.all_to_all_single(
+            out,
+            grad.contiguous(),
+            output_split_sizes=ctx.send_splits,
+            input_split_sizes=ctx.recv_splits,
+        )
         return out, None, None
 
 
@@ -77,79 +85,94 @@ class ExpertParallel(nn.Module):
 
     def __init__(self, experts, rank, world):
         super().__init__()
-        self.num_experts = len(experts)
+        self.num_experts = len(experts)  # E, on all ranks
         self.world = world
-        self.num_local = len(experts) // world
-        first = rank * self.num_local
-        for index in range(first, first + self.num_local):
+        self.experts_per_rank = len(experts) // world
+        first_expert = rank * self.experts_per_rank
+        for index in range(first_expert, first_expert + self.experts_per_rank):
             self.add_module(str(index), experts[index])
 
     def forward(self, tokens, expert_index, weights):
+        """tokens [N, D]; expert_index [N, K], the K experts each token picked; weights [N, K]."""
         num_tokens, top_k = expert_index.shape
-        # One row per (token, slot), token-major. Experts are numbered owner by owner, so sorting
-        # the rows by expert also groups them by the rank they go to.
-        slot_expert = expert_index.reshape(-1)
-        by_expert = slot_expert.argsort(stable=True)
-        sent, received = self.exchange_counts(slot_expert)
+        # One row per (token, slot), token-major: row t·K + s is token t's s-th pick. Sorting the
+        # rows by expert (stable: token order within an expert) also groups them by the rank they
+        # go to, as experts are numbered owner by owner. N = 3, K = 2:
+        #     expert_index  [[2, 0], [1, 2], [0, 3]]    row_expert       [2, 0, 1, 2, 0, 3]
+        #     by_expert     [1, 4, 2, 0, 3, 5]          their experts    [0, 0, 1, 2, 2, 3]
+        #     their tokens  by_expert // K = [0, 2, 1, 0, 1, 2]
+        row_expert = expert_index.reshape(-1)
+        by_expert = row_expert.argsort(stable=True)
+        sent, received = self.exchange_counts(row_expert)
         send_splits = [sum(counts) for counts in sent]  # rows to each rank
         recv_splits = [sum(counts) for counts in received]  # rows from each rank
-        rows = AllToAll.apply(tokens[by_expert // top_k], send_splits, recv_splits)  # dispatch
-        rows = self.run_experts(rows, received)
-        rows = AllToAll.apply(rows, recv_splits, send_splits)  # combine: back in the sent order
-        # Sent row i was (token, slot) by_expert[i]: put each output back in its slot.
-        per_slot = torch.empty_like(rows).index_copy(0, by_expert, rows)
-        return (weights.unsqueeze(-1) * per_slot.view(num_tokens, top_k, -1)).sum(1)
+        dispatched = AllToAll.apply(tokens[by_expert // top_k], send_splits, recv_splits)
+        expert_out = self.run_experts(dispatched, received)
+        # Combine: the reverse all-to-all brings each output back in the order its row was sent.
+        returned = AllToAll.apply(expert_out, recv_splits, send_splits)
+        # Returned row i is row by_expert[i]: put it back there, token-major again.
+        per_slot = torch.empty_like(returned).index_copy(0, by_expert, returned)
+        per_slot = per_slot.view(num_tokens, top_k, -1)  # [N, K, D]
+        return (weights.unsqueeze(-1) * per_slot).sum(1)
 
-    def exchange_counts(self, slot_expert):
+    def exchange_counts(self, row_expert):
         """Host lists [W][E/W]: sent[r][j], the rows this rank sends to rank r's j-th expert;
         received[r][j], the rows this rank's j-th expert gets from rank r."""
         # Counted with scatter_add_, not bincount: bincount reads the largest index to size its
         # output, which waits for the device.
-        sent = torch.zeros(self.num_experts, dtype=torch.long, device=slot_expert.device)
-        sent.scatter_add_(0, slot_expert, torch.ones_like(slot_expert))
-        received = torch.empty_like(sent)
-        dist.all_to_all_single(received, sent)  # E/W counts to each rank, E/W from each
+        send_counts = torch.zeros(self.num_experts, dtype=torch.long, device=row_expert.device)
+        send_counts.scatter_add_(0, row_expert, torch.ones_like(row_expert))  # rows per expert
+        recv_counts = torch.empty_like(send_counts)
+        # Even splits of E/W: rank r gets the counts for its own experts, from every rank in order.
+        dist.all_to_all_single(recv_counts, send_counts)
         # The layer's one host sync: the uneven all-to-alls take their split sizes as host
-        # integers (backward reuses them).
-        counts = torch.stack([sent, received]).view(2, self.world, self.num_local).tolist()
-        return counts[0], counts[1]
+        # integers (backward reuses them). Stacked, both lists come over in one copy.
+        both = torch.stack([send_counts, recv_counts]).view(2, self.world, self.experts_per_rank)
+        sent, received = both.tolist()
+        return sent, received
 
     def run_experts(self, rows, received):
-        """The rows arrive grouped by source rank, then by expert (each source sorted its rows by
-        expert): [from rank 0: expert 0 | expert 1 | ... | from rank 1: expert 0 | ...]. Each
-        expert runs once on its rows from every rank; the outputs go back in the arrival order."""
+        """Run each of this rank's experts once, on its rows from every rank, and return the
+        outputs in the rows' arrival order: grouped by source rank, then by expert (each source
+        sorted its rows by expert). Rank 0 of 2, experts 0 and 1, received = [[2, 1], [0, 3]]:
+            rows      e0 e0 e1 | e1 e1 e1        (from rank 0 | from rank 1)
+            chunks    [2, 1, 0, 3] rows: chunk r·E/W + j holds rank r's rows for expert j
+            expert 0 runs on chunks 0 and 2, expert 1 on chunks 1 and 3: every E/W-th chunk."""
         chunks = rows.split([count for from_rank in received for count in from_rank])
-        outputs = []  # outputs[j][source]: expert j's output for the rows from rank `source`
-        for j, expert in enumerate(self.children()):
-            expert_rows = torch.cat(chunks[j :: self.num_local])  # chunk r·E/W + j: from rank r
+        outputs = []  # outputs[j][r]: expert j's output for the rows from rank r
+        for j, expert in enumerate(self.children()):  # this rank's j-th expert
+            expert_rows = torch.cat(chunks[j :: self.experts_per_rank])
             rows_per_rank = [from_rank[j] for from_rank in received]
             outputs.append(expert(expert_rows).split(rows_per_rank))
-        in_arrival_order = [
-            outputs[j][source] for source in range(self.world) for j in range(self.num_local)
-        ]
+        in_arrival_order = []
+        for source in range(self.world):
+            for j in range(self.experts_per_rank):
+                in_arrival_order.append(outputs[j][source])
         return torch.cat(in_arrival_order)
 
 
 def parallelize(model, device):
-    """Keep this rank's experts of every block, drop the others; move to the device."""
+    """Keep this rank's experts of every block and drop the others, then move to the device: the
+    other ranks' experts never reach it."""
+    rank = dist.get_rank()
+    world = dist.get_world_size()
     for block in model.blocks:
-        block.mlp.experts = ExpertParallel(
-            block.mlp.experts, dist.get_rank(), dist.get_world_size()
-        )
+        block.mlp.experts = ExpertParallel(block.mlp.experts, rank, world)
     return model.to(device)
 
 
 def expert_params(model):
+    """The parameters of this rank's experts, every block's."""
     return [p for block in model.blocks for p in block.mlp.experts.parameters()]
 
 
 def dense_buckets(model):
     """The dense parameters in the order backward finishes them, one bucket per unit: the head,
     the blocks from last to first (attention, norms, router: not the experts), the embedding."""
-    experts = {id(p) for p in expert_params(model)}
+    expert_ids = {id(p) for p in expert_params(model)}
     units = [model.head, *reversed(model.blocks), model.embed]
-    buckets = [[p for p in unit.parameters() if id(p) not in experts] for unit in units]
-    dense = [p for p in model.parameters() if id(p) not in experts]
+    buckets = [[p for p in unit.parameters() if id(p) not in expert_ids] for unit in units]
+    dense = [p for p in model.parameters() if id(p) not in expert_ids]
     if sum(len(bucket) for bucket in buckets) != len(dense):
         raise ValueError("every dense parameter must live in model.embed, .blocks or .head")
     return buckets
@@ -170,13 +193,17 @@ class GradientAverager:
         self.world = world
         self.buckets = dense_buckets(model)
         self.experts = expert_params(model)
-        self.missing = [len(bucket) for bucket in self.buckets]  # gradients not yet accumulated
+        # missing[i]: the gradients of bucket i that backward has not accumulated yet this step
+        self.missing = [len(bucket) for bucket in self.buckets]
         self.in_flight = []  # (flat gradients, all-reduce work) per launched bucket, in order
         for index, bucket in enumerate(self.buckets):
             for param in bucket:
                 param.register_post_accumulate_grad_hook(self.grad_ready_hook(index))
 
     def grad_ready_hook(self, index):
+        """The hook for bucket `index`'s parameters (a function per bucket: each keeps its own
+        index, which a lambda in the loop would not)."""
+
         def grad_ready(param):
             self.missing[index] -= 1
             self.launch_ready_buckets()
@@ -185,7 +212,8 @@ class GradientAverager:
 
     def launch_ready_buckets(self):
         # In bucket order, whatever order the gradients come in: every rank must issue the same
-        # all-reduces in the same order.
+        # all-reduces in the same order. Buckets launch in order, so the next one to launch is
+        # the count of those in flight.
         while len(self.in_flight) < len(self.buckets):
             next_bucket = len(self.in_flight)
             if self.missing[next_bucket] > 0:
@@ -194,13 +222,15 @@ class GradientAverager:
 
     def launch(self, index):
         bucket = self.buckets[index]
+        # A parameter that got no gradient sends zeros: the bucket has the same size everywhere.
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
         flat = torch.cat([grad.reshape(-1) for grad in grads])
         work = dist.all_reduce(flat, async_op=True)
         self.in_flight.append((flat, work))
 
     def wait(self, optimizer, args, kwargs):
-        """The optimizer's step pre-hook: finish the all-reduces, then scale."""
+        """The optimizer's step pre-hook (hence its arguments, unused): finish the all-reduces,
+        then scale."""
         for index in range(len(self.in_flight), len(self.buckets)):
             self.launch(index)  # a bucket with a parameter that got no gradient this step
         for bucket, (flat, work) in zip(self.buckets, self.in_flight, strict=True):
@@ -212,6 +242,7 @@ class GradientAverager:
         for param in self.experts:
             if param.grad is not None:
                 param.grad.div_(self.world)
+        # Ready for the next step's backward.
         self.missing = [len(bucket) for bucket in self.buckets]
         self.in_flight = []
 
@@ -241,13 +272,15 @@ def formula(psi, world, args):
     mean over ranks (a rank sends its own k·b·T tokens and returns what its experts received,
     which the routing decides; the sum over ranks is exact): per MoE layer, 4 token all-to-alls
     of k·b·T·D fp32 elements (2 forward, 2 backward), plus E int64 counts."""
-    k = 8 if args.optim == "adamw" else 4
+    k = 8 if args.optim == "adamw" else 4  # the ZeRO paper's K: optimizer bytes per parameter
     D = args.dim
     E = args.experts
     psi_e = args.depth * E * (8 * D * D + 5 * D)  # per expert: fc1 D·4D + 4D, fc2 4D·D + D
-    held = psi - psi_e + psi_e // world
-    tokens = args.batch_size // world * (common.IMAGE // args.patch) ** 2
-    a2a = args.depth * (4 * args.top_k * tokens * D * 4 + 8 * E)
+    held = psi - psi_e + psi_e // world  # Ψ_d + Ψ_e/W
+    tokens = args.batch_size // world * (common.IMAGE // args.patch) ** 2  # b·T on this rank
+    rows_bytes = args.top_k * tokens * D * 4  # one token all-to-all: k·b·T rows of D fp32
+    counts_bytes = 8 * E  # the E int64 token counts
+    a2a = args.depth * (4 * rows_bytes + counts_bytes)
     return dict(
         param_bytes=4 * held,
         grad_bytes=4 * held,

@@ -12,10 +12,11 @@ receives the averaged gradient of its own shard only.
 
 Memory per rank (fp32, AdamW, Ψ parameters): 4Ψ/W params + 4Ψ/W grads + 8Ψ/W optimizer
 = 16Ψ/W bytes (dim 0 padded to a multiple of W), plus the units gathered at the time.
-Communication per step: Ψ all-gathered for forward, Ψ again for backward (not the root, which
-stays gathered, nor with --no-reshard-after-forward), Ψ fp32 gradients reduce-scattered; a ring
-sends (W-1)/W of each. --mixed-precision: bf16 compute and all-gathers; fp32 reduce-scatter,
-shards and output (the loss). fsdp_resume.py adds sharded checkpoints (DCP) to this file.
+Communication per step: about 2Ψ all-gathered, Ψ fp32 gradients reduce-scattered; a ring sends
+(W-1)/W of each. Every block is gathered before its forward and again before its backward (only
+once with --no-reshard-after-forward); the root, which stays gathered, only once.
+--mixed-precision: bf16 compute and all-gathers; fp32 reduce-scatter, shards and output (the
+loss). fsdp_resume.py adds sharded checkpoints (DCP) to this file.
 
     torchrun --standalone --nproc_per_node=4 fsdp.py
     python fsdp.py --nproc 4 --mixed-precision --offload cpu   # through mp.spawn on a free port
@@ -59,13 +60,15 @@ def parallelize(model, device, mixed_precision=False, offload=False, reshard_aft
     shards and hooks the unit: all-gather before its forward and its backward, free after, and
     reduce-scatter its gradients, divided by W. The root is not resharded after forward: it is
     used last in forward and first in backward, so freeing it would only gather it again."""
+    # fully_shard shards over a device mesh: here one dimension, every rank (a second dimension
+    # that replicates the shards would make it HSDP).
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     if offload:
         # Shards, gradients and the optimizer step live on the CPU; a unit is copied to the
         # device for its forward and backward. Pinned memory lets those copies run async.
         offload_policy = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     else:
-        offload_policy = OffloadPolicy()  # no offload
+        offload_policy = OffloadPolicy()  # fully_shard's default: no offload
     if mixed_precision:
         # Gathered parameters and compute in bf16 (half the all-gather bytes); gradients are
         # reduce-scattered in fp32 and the shards the optimizer updates stay fp32.
@@ -87,6 +90,7 @@ def parallelize(model, device, mixed_precision=False, offload=False, reshard_aft
             mp_policy=block_policy,
             offload_policy=offload_policy,
         )
+    # fully_shard changes the module in place (its class becomes an FSDPModule) and returns it.
     return fully_shard(
         model,
         mesh=mesh,
@@ -108,10 +112,11 @@ def full_state_dict(model):
 
 def formula(psi, world, args):
     """The paper's per-rank bytes, which the report sets next to what the Meter measured."""
-    k = 8 if args.optim == "adamw" else 4
+    k = 8 if args.optim == "adamw" else 4  # the ZeRO paper's K: optimizer bytes per parameter
     # The paper's Ψ/W; FSDP2 pads each parameter's dim 0 to a multiple of W, a little more.
     shard = math.ceil(psi / world)
-    # Each block is gathered for forward and, once freed, again for backward.
+    # Each block is gathered for forward and, once freed, again for backward. The root (embed and
+    # head, a small part of Ψ) stays gathered, so the measured bytes are a little less.
     gathers = 2 if args.reshard else 1
     gathered_element_bytes = 2 if args.mixed_precision else 4  # bf16 or fp32 all-gathers
     return dict(

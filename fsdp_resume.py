@@ -16,10 +16,11 @@ receives the averaged gradient of its own shard only.
 
 Memory per rank (fp32, AdamW, Ψ parameters): 4Ψ/W params + 4Ψ/W grads + 8Ψ/W optimizer
 = 16Ψ/W bytes (dim 0 padded to a multiple of W), plus the units gathered at the time.
-Communication per step: Ψ all-gathered for forward, Ψ again for backward (not the root, which
-stays gathered, nor with --no-reshard-after-forward), Ψ fp32 gradients reduce-scattered; a ring
-sends (W-1)/W of each. --mixed-precision: bf16 compute and all-gathers; fp32 reduce-scatter,
-shards and output (the loss).
+Communication per step: about 2Ψ all-gathered, Ψ fp32 gradients reduce-scattered; a ring sends
+(W-1)/W of each. Every block is gathered before its forward and again before its backward (only
+once with --no-reshard-after-forward); the root, which stays gathered, only once.
+--mixed-precision: bf16 compute and all-gathers; fp32 reduce-scatter, shards and output (the
+loss).
 
 --dcp DIR: at the end of the run every rank writes its shards of the model and of the optimizer
 state, and the schedule's position, into DIR/step-N (N: the steps trained). A run started with
@@ -76,13 +77,15 @@ def parallelize(model, device, mixed_precision=False, offload=False, reshard_aft
     shards and hooks the unit: all-gather before its forward and its backward, free after, and
     reduce-scatter its gradients, divided by W. The root is not resharded after forward: it is
     used last in forward and first in backward, so freeing it would only gather it again."""
+    # fully_shard shards over a device mesh: here one dimension, every rank (a second dimension
+    # that replicates the shards would make it HSDP).
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     if offload:
         # Shards, gradients and the optimizer step live on the CPU; a unit is copied to the
         # device for its forward and backward. Pinned memory lets those copies run async.
         offload_policy = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     else:
-        offload_policy = OffloadPolicy()  # no offload
+        offload_policy = OffloadPolicy()  # fully_shard's default: no offload
     if mixed_precision:
         # Gathered parameters and compute in bf16 (half the all-gather bytes); gradients are
         # reduce-scattered in fp32 and the shards the optimizer updates stay fp32.
@@ -104,6 +107,7 @@ def parallelize(model, device, mixed_precision=False, offload=False, reshard_aft
             mp_policy=block_policy,
             offload_policy=offload_policy,
         )
+    # fully_shard changes the module in place (its class becomes an FSDPModule) and returns it.
     return fully_shard(
         model,
         mesh=mesh,
@@ -131,7 +135,9 @@ def full_state_dict(model):
 def sharded_state(model, optimizer, scheduler):
     """What a resumed run needs, as this rank holds it: its shards of the parameters and of the
     optimizer state (DTensors, which DCP writes as this rank's rows of each full tensor), and the
-    schedule's position. The keys are the plain model's: "model.<name>", "optim.state.<name>.*"."""
+    schedule's position. The optimizer state is keyed by parameter name, not by the optimizer's
+    parameter numbers; DCP flattens the nesting into keys such as "model.<name>" and
+    "optim.state.<name>.exp_avg", the same at every world size."""
     return {
         "model": get_model_state_dict(model),
         "optim": get_optimizer_state_dict(model, optimizer),
@@ -147,7 +153,9 @@ def save_sharded(path, model, optimizer, scheduler):
 
 def load_sharded(path, model, optimizer, scheduler):
     """Every rank reads the rows of its own shards from `path`, whatever the world size that saved
-    them: DCP reshards. load() fills the tensors of a state of this run's shapes in place."""
+    them: DCP reshards. dcp.load() reads into the tensors it is given, in place, and each tells it
+    which rows this rank needs: so the state is first built from this run's model and optimizer,
+    filled, then handed back to them."""
     state = sharded_state(model, optimizer, scheduler)
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, state["model"])
@@ -160,10 +168,11 @@ def load_sharded(path, model, optimizer, scheduler):
 
 def formula(psi, world, args):
     """The paper's per-rank bytes, which the report sets next to what the Meter measured."""
-    k = 8 if args.optim == "adamw" else 4
+    k = 8 if args.optim == "adamw" else 4  # the ZeRO paper's K: optimizer bytes per parameter
     # The paper's Ψ/W; FSDP2 pads each parameter's dim 0 to a multiple of W, a little more.
     shard = math.ceil(psi / world)
-    # Each block is gathered for forward and, once freed, again for backward.
+    # Each block is gathered for forward and, once freed, again for backward. The root (embed and
+    # head, a small part of Ψ) stays gathered, so the measured bytes are a little less.
     gathers = 2 if args.reshard else 1
     gathered_element_bytes = 2 if args.mixed_precision else 4  # bf16 or fp32 all-gathers
     return dict(
@@ -193,7 +202,8 @@ def check_args(args, world):
 
 
 def complete_steps(path):
-    """The steps N of the complete checkpoints DIR/step-N in the directory `path`."""
+    """The steps N of the complete checkpoints DIR/step-N in the directory `path` (dcp.save writes
+    .metadata last: a step-N without it is a save that did not finish)."""
     steps = []
     for name in os.listdir(path):
         number = name.removeprefix("step-")
@@ -204,9 +214,9 @@ def complete_steps(path):
 
 
 def check_dcp(args):
-    """Rank 0 only: (why --dcp cannot be resumed, or None; the step of its newest complete
-    checkpoint, 0 to start afresh). A checkpoint of another model or optimizer fails here, with
-    the first tensor that does not fit, before any data is loaded."""
+    """Rank 0 only. Returns (problem, step): why --dcp cannot be resumed (None if it can), and the
+    step of its newest complete checkpoint (0: start afresh). A checkpoint of another model or
+    optimizer fails here, with the first tensor that does not fit, before any data is loaded."""
     path = args.dcp
     if not os.path.exists(path) or (os.path.isdir(path) and not os.listdir(path)):
         return None, 0  # a new or empty directory: start afresh
@@ -215,16 +225,25 @@ def check_dcp(args):
         why = "not a torch.distributed.checkpoint directory (no step-N/.metadata in it)"
         return f"--dcp {path}: {why}", 0
     newest = max(steps)
-    reader = dcp.FileSystemReader(os.path.join(path, f"step-{newest}"))
-    saved = reader.read_metadata().state_dict_metadata
-    optimizer_state = "exp_avg" if args.optim == "adamw" else "momentum_buffer"
+    misfit = first_misfit(os.path.join(path, f"step-{newest}"), args)
+    if misfit is not None:
+        return f"--dcp {path}: {misfit} (other --dim/--depth/--heads/--optim?)", 0
+    return None, newest
+
+
+def first_misfit(checkpoint, args):
+    """The first tensor of this run's model, or of its optimizer state, that the DCP checkpoint
+    directory `checkpoint` lacks or holds in another shape, said in words; None if all fit. Reads
+    the .metadata file only (the full shapes), not the shards."""
+    saved = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+    # One state per parameter tells AdamW's (exp_avg, exp_avg_sq) from SGD's (momentum_buffer).
+    state_name = "exp_avg" if args.optim == "adamw" else "momentum_buffer"
     for name, tensor in common.build_model(args).state_dict().items():
-        for key in (f"model.{name}", f"optim.state.{name}.{optimizer_state}"):
+        for key in (f"model.{name}", f"optim.state.{name}.{state_name}"):
             saved_shape = tuple(saved[key].size) if key in saved else "missing"
             if saved_shape != tuple(tensor.shape):
-                why = f"'{key}' is {saved_shape}, this run needs {tuple(tensor.shape)}"
-                return f"--dcp {path}: {why} (other --dim/--depth/--heads/--optim?)", 0
-    return None, newest
+                return f"'{key}' is {saved_shape}, this run needs {tuple(tensor.shape)}"
+    return None
 
 
 def setup(args):
@@ -272,9 +291,9 @@ def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
         model.train()
         # Resumed mid-epoch: the epoch's batches trained before are drawn (the sampler's order
         # stays the same) but skipped.
-        trained = max(step - epoch * len(loader), 0)
-        bar = common.progress(loader, args, epoch, skip=trained)
-        for i, (x, y) in enumerate(bar, start=trained):
+        already_trained = max(step - epoch * len(loader), 0)
+        bar = common.progress(loader, args, epoch, skip=already_trained)
+        for i, (x, y) in enumerate(bar, start=already_trained):
             x = x.to(device, non_blocking=True)
             y = y.to(device, non_blocking=True)
             loss = F.cross_entropy(model(x), y)
@@ -316,8 +335,9 @@ def run(args):
     rank, world, device, backend = setup(args)
     try:
         # Rank 0 alone looks at --dcp and decides for every rank: ranks that saw different files
-        # would otherwise resume from different steps.
-        decision = [None, 0]  # (why --dcp cannot be resumed, the step to resume from)
+        # would otherwise resume from different steps. broadcast_object_list sends a list's items
+        # and overwrites them in place on the other ranks.
+        decision = [None, 0]  # why --dcp cannot be resumed (None: it can), the step to resume from
         if args.dcp and rank == 0:
             decision = list(check_dcp(args))
         dist.broadcast_object_list(decision, src=0)
@@ -375,7 +395,8 @@ def run(args):
         if rank == 0 and args.save:
             common.save_checkpoint(state, args.save)
             common.log(f"saved {args.save}")
-        if args.dcp and out["steps"] > resume_step:  # a new directory: the old one stays whole
+        # Only if this run trained: into a new directory, so the one resumed from stays whole.
+        if args.dcp and out["steps"] > resume_step:
             save_sharded(
                 os.path.join(args.dcp, f"step-{out['steps']}"), model, optimizer, scheduler
             )

@@ -292,7 +292,7 @@ def formula(psi, world, args):
     model = common.build_model(args)
     in_blocks, in_rest = rank0_elements(model, args)
     elements = in_blocks + in_rest
-    k = 8 if args.optim == "adamw" else 4
+    k = 8 if args.optim == "adamw" else 4  # the ZeRO paper's K: optimizer bytes per parameter
     samples = args.batch_size // (args.dp_replicate * args.dp_shard)
     act = 4 * samples * model.embed.tokens * args.dim  # bytes of [B/(R·S), T, D] in fp32
     dims = dict(tp={}, dp_shard={}, dp_replicate={}, pp={})  # {dimension: {kind: bytes a step}}

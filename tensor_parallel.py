@@ -350,7 +350,7 @@ def full_state_dict(model):
 
 def formula(psi, world, args):
     """The paper's per-rank bytes, which the report sets next to what the Meter measured."""
-    k = 8 if args.optim == "adamw" else 4
+    k = 8 if args.optim == "adamw" else 4  # the ZeRO paper's K: optimizer bytes per parameter
     depth = args.depth
     dim = args.dim
     tokens = (common.IMAGE // args.patch) ** 2

@@ -7,9 +7,10 @@ state (stage 1), also the gradients (stage 2), also the parameters (stage 3).
 
 zero_offload.py is this file plus ZeRO-Offload (optimizer in CPU memory) and ZeRO-Infinity (disk).
 
-The model is cut into units (the embedding, every block, the head). A unit's parameters are views
-into one flat fp32 buffer, zero-padded to N = W·S elements; rank r owns the shard flat[r·S:(r+1)·S]
-and its optimizer steps that shard only:
+The model is cut into units (the embedding, every block, the head). A unit of n parameters gets
+one flat fp32 buffer of N = W·S elements, S = ⌈n/W⌉: its parameters one after another, then zeros;
+the parameters become views into it. Rank r owns the shard flat[r·S:(r+1)·S], and its optimizer
+steps that shard only:
 
     a unit's flat buffer:  [ shard 0 | shard 1 | ... | shard W-1 ]
 
@@ -25,12 +26,17 @@ and its optimizer steps that shard only:
     backward, unit by unit:  the unit's gradient --reduce-scatter / W--> own shard of the average
     step:                    each rank steps its shards; stages 1-2 all-gather the updated shards
 
-Memory per rank (fp32, AdamW: 4 bytes of parameters, 4 of gradient, 8 of m and v per element; Ψ'
-is Ψ with each unit padded to a multiple of W):
-    stage 1 (P_os):      4Ψ' + 4Ψ' + 8Ψ'/W          (DDP: 4Ψ + 4Ψ + 8Ψ = 16Ψ)
-    stage 2 (P_os+g):    4Ψ' + 12Ψ'/W
-    stage 3 (P_os+g+p):  16Ψ'/W, plus the units whole at the moment (about two: the one computing
-                         and the next, whose all-gather is prefetched)
+    stage 3, units 0..L (L the head); "gather i" waits for the all-gather that "prefetch i" started:
+    forward:   gather 0, prefetch 1 | compute 0 | free 0 | gather 1, prefetch 2 | compute 1 | ...
+    backward:  gather L, prefetch L-1 | L's backward | reduce-scatter L, free L | gather L-1, ...
+
+Memory per rank (fp32: 4 bytes of parameters and 4 of gradient per element, K of optimizer state,
+the ZeRO paper's K: 8 for AdamW's m and v, 4 for SGD's momentum; Ψ' is Ψ with each unit padded to
+a multiple of W):
+    stage 1 (P_os):      4Ψ' + 4Ψ' + KΨ'/W          (DDP: 4Ψ + 4Ψ + KΨ, 16Ψ with AdamW)
+    stage 2 (P_os+g):    4Ψ' + (4+K)Ψ'/W
+    stage 3 (P_os+g+p):  (8+K)Ψ'/W (16Ψ'/W with AdamW), plus the units whole at the moment (about
+                         two: the one computing and the next, whose all-gather is prefetched)
 Communication per step and rank: Ψ' gradient elements reduce-scattered and Ψ' updated parameters
 all-gathered, DDP's all-reduce in two halves; stage 3 all-gathers every unit twice (before its
 forward and before its backward) instead of once after the step: 2Ψ' all-gathered. A ring sends
@@ -66,15 +72,16 @@ class Unit:
            At stage 3 it is a copy, so that `flat` can be freed whenever the unit is not in use.
     """
 
-    @torch.no_grad()
+    @torch.no_grad()  # copying the parameters in must not make `flat` part of autograd's graph
     def __init__(self, name, module, rank, world, stage):
-        named = list(module.named_parameters())
-        numel = sum(param.numel() for _, param in named)
+        named_params = list(module.named_parameters())
+        numel = sum(param.numel() for _, param in named_params)
         self.shard_numel = (numel + world - 1) // world  # S: numel / W, rounded up
-        self.flat = named[0][1].new_zeros(world * self.shard_numel)
+        _, first_param = named_params[0]
+        self.flat = first_param.new_zeros(world * self.shard_numel)  # the parameters' dtype, device
         self.params = []  # (state_dict key, the tensor in the parameter's place, offset in flat)
         offset = 0
-        for param_name, param in named:
+        for param_name, param in named_params:
             view = self.flat[offset : offset + param.numel()].view_as(param)
             view.copy_(param)
             tensor = replace_with_view(module, param_name, view)
@@ -90,19 +97,25 @@ class Unit:
         self.grads_arrived = 0  # how many of its parameters' gradients this backward has produced
 
     def free(self):
-        """Stage 3: drop the whole parameters' memory (the shard keeps this rank's part)."""
+        """Stage 3: give back the whole unit's memory (the shard keeps this rank's part). The
+        storage shrinks to 0 bytes instead of `flat` being dropped because the parameters' tensors
+        are views into it: they stay where the module expects them, without memory until
+        allocate()."""
         self.flat.untyped_storage().resize_(0)
 
     def allocate(self):
+        """Stage 3: the whole unit's memory back under `flat` and its views, to be all-gathered
+        into (what it holds until then is undefined)."""
         self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
 
 
 def replace_with_view(module, name, view):
-    """Put a plain tensor holding `view` where the parameter `name` was, and return it.
+    """Put a new leaf tensor whose .data is `view` where the parameter `name` was, and return it.
 
-    Its .data is set to the view instead of it being the view: it then has its own version counter,
-    so when stage 3 all-gathers into `flat` again before the backward (an in-place write), autograd
-    does not take the tensors it saved in forward for modified ones."""
+    Why not the view itself: a view shares its version counter with `flat`, so it would count every
+    write into `flat`, and stage 3 writes into `flat` again before the backward (the all-gather).
+    Autograd would then refuse the tensors it saved in the forward as modified in place. Setting
+    .data keeps the new tensor's own version counter, which no write into `flat` moves."""
     owner_name, _, attribute = name.rpartition(".")
     owner = module.get_submodule(owner_name)
     tensor = torch.empty(0, dtype=view.dtype, device=view.device, requires_grad=True)
@@ -122,8 +135,10 @@ class ZeRO:
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         modules = [model.embed, *model.blocks, model.head]  # the order forward runs them in
-        names = {module: name for name, module in model.named_modules()}
-        self.units = [Unit(names[m], m, self.rank, self.world, stage) for m in modules]
+        name_of = {module: name for name, module in model.named_modules()}
+        self.units = [
+            Unit(name_of[module], module, self.rank, self.world, stage) for module in modules
+        ]
         self.reducing = None  # (unit, work): the reduce-scatter in flight, at most one
         self.gathering = {}  # unit index -> work: stage 3's all-gathers in flight
         for unit in self.units:
@@ -151,12 +166,14 @@ class ZeRO:
         self.gather(index)
         self.prefetch(index - 1)  # backward runs the units in reverse
 
-    @torch.no_grad()  # the parameters' values change, not what autograd tracks
+    @torch.no_grad()  # writes the parameters' values beneath autograd, as an optimizer step does
     def prefetch(self, index):
         """Start unit `index`'s all-gather without waiting for it, as FSDP2 does: the network moves
         the next unit's parameters while this unit computes, off the critical path."""
-        if index in self.gathering or not 0 <= index < len(self.units):
-            return
+        if not 0 <= index < len(self.units):
+            return  # no unit there: before the embedding, or past the head
+        if index in self.gathering:
+            return  # already on its way
         unit = self.units[index]
         unit.allocate()
         self.gathering[index] = dist.all_gather_into_tensor(unit.flat, unit.shard, async_op=True)
@@ -177,7 +194,7 @@ class ZeRO:
         if unit.flat_grad is None:
             unit.flat_grad = unit.flat.new_zeros(unit.flat.numel())  # the padding stays zero
         unit.flat_grad[offset : offset + tensor.numel()].copy_(tensor.grad.flatten())
-        tensor.grad = None
+        tensor.grad = None  # the flat gradient holds it now: autograd's copy can go
         unit.grads_arrived += 1
         if unit.grads_arrived == len(unit.params):
             unit.grads_arrived = 0  # ready for the next backward
@@ -188,18 +205,21 @@ class ZeRO:
         self.finish_reduce_scatter()  # one at a time: at most two whole gradients exist at once
         unit.flat_grad.div_(self.world)  # Σ_ranks grad/W: the global batch's mean gradient, as DDP
         if self.stage == 1:
-            # stage 1 keeps the whole gradient anyway: the result goes in place, into this rank's
-            # own slice of it (the layout NCCL's in-place reduce-scatter asks for)
-            shard = slice(self.rank * unit.shard_numel, (self.rank + 1) * unit.shard_numel)
-            unit.grad_shard = unit.flat_grad[shard]
+            # Stage 1 keeps the whole gradient (it shards only the optimizer state), so the
+            # average can land in place, in this rank's own slice of it, with no second buffer:
+            # output = input[r·S:(r+1)·S] is the layout NCCL's in-place reduce-scatter expects.
+            own_slice = slice(self.rank * unit.shard_numel, (self.rank + 1) * unit.shard_numel)
+            unit.grad_shard = unit.flat_grad[own_slice]
         else:
             unit.grad_shard = unit.flat_grad.new_empty(unit.shard_numel)
         work = dist.reduce_scatter_tensor(unit.grad_shard, unit.flat_grad, async_op=True)
         self.reducing = (unit, work)
         if self.stage == 3:
-            unit.free()  # its backward is done
+            unit.free()  # all its gradients are in: backward reads its parameters no more
 
     def finish_reduce_scatter(self):
+        """Wait for the reduce-scatter in flight, if any; from stage 2 on, drop the whole gradient
+        it read."""
         if self.reducing is None:
             return
         unit, work = self.reducing
@@ -229,7 +249,8 @@ class ZeRO:
 
 def parallelize(model, device, stage):
     """ZeRO at `stage`, in place: the engine goes to model.zero and model.parameters() become the
-    shards; make the optimizer over them, then hook_optimizer(model, optimizer)."""
+    shards; make the optimizer over them, then hook_optimizer(model, optimizer). The model is
+    already on `device` (the skeleton's argument)."""
     model.zero = ZeRO(model, stage)
     return model
 
@@ -237,6 +258,7 @@ def parallelize(model, device, stage):
 def hook_optimizer(model, optimizer):
     """The engine's work around each optimizer.step(): the gradient shards handed to the optimizer
     before it, the updated shards all-gathered after it."""
+    # torch calls a step hook as hook(optimizer, args, kwargs), with step()'s own arguments
     optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: model.zero.before_step())
     optimizer.register_step_post_hook(lambda optimizer, args, kwargs: model.zero.after_step())
 
@@ -250,7 +272,9 @@ def full_state_dict(model):
         if dist.get_rank() != 0:
             dist.gather(unit.shard, dst=0)
             continue
-        flat = torch.empty_like(unit.flat)  # the shards land in its W slices, in rank order
+        # a new buffer of flat's shape (at stage 3 flat has no memory now); the gathered shards
+        # land in its W slices, in rank order
+        flat = torch.empty_like(unit.flat)
         dist.gather(unit.shard, list(flat.chunk(dist.get_world_size())), dst=0)
         for key, tensor, offset in unit.params:
             view = flat[offset : offset + tensor.numel()].view_as(tensor)
@@ -264,7 +288,7 @@ def full_state_dict(model):
 def formula(psi, world, args):
     """ZeRO's per-rank bytes for Ψ' = psi (each unit padded to a multiple of W), which the report
     sets next to what the Meter measured."""
-    k = 8 if args.optim == "adamw" else 4
+    k = 8 if args.optim == "adamw" else 4  # the ZeRO paper's K: optimizer bytes per parameter
     params_sharded = args.stage == 3
     grads_sharded = args.stage >= 2
     return dict(

@@ -5,9 +5,10 @@ state (stage 1), also the gradients (stage 2), also the parameters (stage 3).
     torchrun --standalone --nproc_per_node=4 zero_offload.py --stage 3 --offload cpu
     torchrun --standalone --nproc_per_node=4 zero_offload.py --offload disk --offload-dir DIR
 
-The model is cut into units (the embedding, every block, the head). A unit's parameters are views
-into one flat fp32 buffer, zero-padded to N = W·S elements; rank r owns the shard flat[r·S:(r+1)·S]
-and its optimizer steps that shard only:
+The model is cut into units (the embedding, every block, the head). A unit of n parameters gets
+one flat fp32 buffer of N = W·S elements, S = ⌈n/W⌉: its parameters one after another, then zeros;
+the parameters become views into it. Rank r owns the shard flat[r·S:(r+1)·S], and its optimizer
+steps that shard only:
 
     a unit's flat buffer:  [ shard 0 | shard 1 | ... | shard W-1 ]
 
@@ -23,32 +24,53 @@ and its optimizer steps that shard only:
     backward, unit by unit:  the unit's gradient --reduce-scatter / W--> own shard of the average
     step:                    each rank steps its shards; stages 1-2 all-gather the updated shards
 
-Memory per rank (fp32, AdamW: 4 bytes of parameters, 4 of gradient, 8 of m and v per element; Ψ'
-is Ψ with each unit padded to a multiple of W):
-    stage 1 (P_os):      4Ψ' + 4Ψ' + 8Ψ'/W          (DDP: 4Ψ + 4Ψ + 8Ψ = 16Ψ)
-    stage 2 (P_os+g):    4Ψ' + 12Ψ'/W
-    stage 3 (P_os+g+p):  16Ψ'/W, plus the units whole at the moment (about two: the one computing
-                         and the next, whose all-gather is prefetched)
+    stage 3, units 0..L (L the head); "gather i" waits for the all-gather that "prefetch i" started:
+    forward:   gather 0, prefetch 1 | compute 0 | free 0 | gather 1, prefetch 2 | compute 1 | ...
+    backward:  gather L, prefetch L-1 | L's backward | reduce-scatter L, free L | gather L-1, ...
+
+Memory per rank (fp32: 4 bytes of parameters and 4 of gradient per element, K of optimizer state,
+the ZeRO paper's K: 8 for AdamW's m and v, 4 for SGD's momentum; Ψ' is Ψ with each unit padded to
+a multiple of W):
+    stage 1 (P_os):      4Ψ' + 4Ψ' + KΨ'/W          (DDP: 4Ψ + 4Ψ + KΨ, 16Ψ with AdamW)
+    stage 2 (P_os+g):    4Ψ' + (4+K)Ψ'/W
+    stage 3 (P_os+g+p):  (8+K)Ψ'/W (16Ψ'/W with AdamW), plus the units whole at the moment (about
+                         two: the one computing and the next, whose all-gather is prefetched)
 Communication per step and rank: Ψ' gradient elements reduce-scattered and Ψ' updated parameters
 all-gathered, DDP's all-reduce in two halves; stage 3 all-gathers every unit twice (before its
 forward and before its backward) instead of once after the step: 2Ψ' all-gathered. A ring sends
 (W-1)/W of each collective's bytes.
 
-Offload (this file is zero.py plus the offload; `diff -u zero.py zero_offload.py` shows it):
+Offload (this file is zero.py plus the offload; `diff -u zero.py zero_offload.py` shows it). The
+optimizer steps an fp32 master copy of each shard away from the device; the device shard becomes
+the working copy that forward and the all-gathers read:
+
+    --offload cpu, each step:         device                       CPU
+        backward, unit by unit:       gradient shard  --copy-->    master.grad
+        optimizer.step():                                          master, m, v stepped
+        after the step:               shard           <--copy--    master
+    --offload disk, each step, unit by unit (a thread reads unit i+1's file meanwhile):
+        DIR/zero-rank<r>-unit<i>.pt --read--> master, m, v --step with its gradient shard--> file
+        then master --copy--> the device shard
+
 --offload cpu (ZeRO-Offload): each unit's fp32 master shard and its gradient live in CPU buffers
     allocated once (pinned on a GPU machine), the optimizer state beside them in CPU memory, and the
     optimizer steps there. As backward reduce-scatters a unit, its gradient shard is copied to the
-    CPU without the host waiting; after the step the master goes back to the device shard, the
-    working copy that forward and the all-gathers use. Device memory: the shards and whole units of
-    the stage, no optimizer state. On a CPU device the same path runs with ordinary memory.
+    CPU without the host waiting; after the step the master goes back to the device shard. On a CPU
+    device the same path runs with ordinary memory.
 --offload disk --offload-dir DIR (ZeRO-Infinity): each unit's master shard and optimizer state live
     in DIR/zero-rank<r>-unit<i>.pt, written anew at the start and left there. The step goes unit by
-    unit: read the file (a thread reads the next one meanwhile), step an optimizer over that unit
-    alone, write the file back atomically (temporary file, flush, fsync, rename: a crash leaves the
-    old file or the new one, whole). The optimizer holds kS bytes of state, one unit's (two units'
-    files are in CPU memory at once: the one stepping and the next), not kΨ'/W; the gradient shards
-    wait in device memory until the step. DeepSpeed swaps through pinned buffers with asynchronous
-    O_DIRECT reads and writes (libaio) instead of torch.save and a thread.
+    unit: read the file, step an optimizer over that unit alone, write the file back atomically
+    (temporary file, flush, fsync, rename: a crash leaves the old file or the new one, whole). The
+    gradient shards wait in device memory until the step. DeepSpeed swaps through pinned buffers
+    with asynchronous O_DIRECT reads and writes (libaio) instead of torch.save and a thread.
+
+Memory per rank, besides the stage's parameters and whole gradients on the device (above):
+    --offload cpu:   device: no optimizer state; CPU: 4Ψ'/W master + 4Ψ'/W gradient + KΨ'/W state
+    --offload disk:  device: 4Ψ'/W gradient shards until the step; CPU: one unit's master and KS
+                     of state while it steps, the next unit's file being read; DIR: (4+K)Ψ'/W
+Traffic per step and rank, besides the stage's collectives: 4Ψ'/W device -> CPU (the gradient
+shards) and 4Ψ'/W CPU -> device (the stepped masters); --offload disk also reads and writes
+(4+K)Ψ'/W bytes of files.
 """
 
 import datetime
@@ -81,15 +103,16 @@ class Unit:
            At stage 3 it is a copy, so that `flat` can be freed whenever the unit is not in use.
     """
 
-    @torch.no_grad()
+    @torch.no_grad()  # copying the parameters in must not make `flat` part of autograd's graph
     def __init__(self, name, module, rank, world, stage):
-        named = list(module.named_parameters())
-        numel = sum(param.numel() for _, param in named)
+        named_params = list(module.named_parameters())
+        numel = sum(param.numel() for _, param in named_params)
         self.shard_numel = (numel + world - 1) // world  # S: numel / W, rounded up
-        self.flat = named[0][1].new_zeros(world * self.shard_numel)
+        _, first_param = named_params[0]
+        self.flat = first_param.new_zeros(world * self.shard_numel)  # the parameters' dtype, device
         self.params = []  # (state_dict key, the tensor in the parameter's place, offset in flat)
         offset = 0
-        for param_name, param in named:
+        for param_name, param in named_params:
             view = self.flat[offset : offset + param.numel()].view_as(param)
             view.copy_(param)
             tensor = replace_with_view(module, param_name, view)
@@ -105,19 +128,25 @@ class Unit:
         self.grads_arrived = 0  # how many of its parameters' gradients this backward has produced
 
     def free(self):
-        """Stage 3: drop the whole parameters' memory (the shard keeps this rank's part)."""
+        """Stage 3: give back the whole unit's memory (the shard keeps this rank's part). The
+        storage shrinks to 0 bytes instead of `flat` being dropped because the parameters' tensors
+        are views into it: they stay where the module expects them, without memory until
+        allocate()."""
         self.flat.untyped_storage().resize_(0)
 
     def allocate(self):
+        """Stage 3: the whole unit's memory back under `flat` and its views, to be all-gathered
+        into (what it holds until then is undefined)."""
         self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
 
 
 def replace_with_view(module, name, view):
-    """Put a plain tensor holding `view` where the parameter `name` was, and return it.
+    """Put a new leaf tensor whose .data is `view` where the parameter `name` was, and return it.
 
-    Its .data is set to the view instead of it being the view: it then has its own version counter,
-    so when stage 3 all-gathers into `flat` again before the backward (an in-place write), autograd
-    does not take the tensors it saved in forward for modified ones."""
+    Why not the view itself: a view shares its version counter with `flat`, so it would count every
+    write into `flat`, and stage 3 writes into `flat` again before the backward (the all-gather).
+    Autograd would then refuse the tensors it saved in the forward as modified in place. Setting
+    .data keeps the new tensor's own version counter, which no write into `flat` moves."""
     owner_name, _, attribute = name.rpartition(".")
     owner = module.get_submodule(owner_name)
     tensor = torch.empty(0, dtype=view.dtype, device=view.device, requires_grad=True)
@@ -160,8 +189,10 @@ class ZeRO:
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         modules = [model.embed, *model.blocks, model.head]  # the order forward runs them in
-        names = {module: name for name, module in model.named_modules()}
-        self.units = [Unit(names[m], m, self.rank, self.world, stage) for m in modules]
+        name_of = {module: name for name, module in model.named_modules()}
+        self.units = [
+            Unit(name_of[module], module, self.rank, self.world, stage) for module in modules
+        ]
         self.reducing = None  # (unit, work): the reduce-scatter in flight, at most one
         self.gathering = {}  # unit index -> work: stage 3's all-gathers in flight
         for unit in self.units:
@@ -196,12 +227,14 @@ class ZeRO:
         self.gather(index)
         self.prefetch(index - 1)  # backward runs the units in reverse
 
-    @torch.no_grad()  # the parameters' values change, not what autograd tracks
+    @torch.no_grad()  # writes the parameters' values beneath autograd, as an optimizer step does
     def prefetch(self, index):
         """Start unit `index`'s all-gather without waiting for it, as FSDP2 does: the network moves
         the next unit's parameters while this unit computes, off the critical path."""
-        if index in self.gathering or not 0 <= index < len(self.units):
-            return
+        if not 0 <= index < len(self.units):
+            return  # no unit there: before the embedding, or past the head
+        if index in self.gathering:
+            return  # already on its way
         unit = self.units[index]
         unit.allocate()
         self.gathering[index] = dist.all_gather_into_tensor(unit.flat, unit.shard, async_op=True)
@@ -222,7 +255,7 @@ class ZeRO:
         if unit.flat_grad is None:
             unit.flat_grad = unit.flat.new_zeros(unit.flat.numel())  # the padding stays zero
         unit.flat_grad[offset : offset + tensor.numel()].copy_(tensor.grad.flatten())
-        tensor.grad = None
+        tensor.grad = None  # the flat gradient holds it now: autograd's copy can go
         unit.grads_arrived += 1
         if unit.grads_arrived == len(unit.params):
             unit.grads_arrived = 0  # ready for the next backward
@@ -233,18 +266,21 @@ class ZeRO:
         self.finish_reduce_scatter()  # one at a time: at most two whole gradients exist at once
         unit.flat_grad.div_(self.world)  # Σ_ranks grad/W: the global batch's mean gradient, as DDP
         if self.stage == 1:
-            # stage 1 keeps the whole gradient anyway: the result goes in place, into this rank's
-            # own slice of it (the layout NCCL's in-place reduce-scatter asks for)
-            shard = slice(self.rank * unit.shard_numel, (self.rank + 1) * unit.shard_numel)
-            unit.grad_shard = unit.flat_grad[shard]
+            # Stage 1 keeps the whole gradient (it shards only the optimizer state), so the
+            # average can land in place, in this rank's own slice of it, with no second buffer:
+            # output = input[r·S:(r+1)·S] is the layout NCCL's in-place reduce-scatter expects.
+            own_slice = slice(self.rank * unit.shard_numel, (self.rank + 1) * unit.shard_numel)
+            unit.grad_shard = unit.flat_grad[own_slice]
         else:
             unit.grad_shard = unit.flat_grad.new_empty(unit.shard_numel)
         work = dist.reduce_scatter_tensor(unit.grad_shard, unit.flat_grad, async_op=True)
         self.reducing = (unit, work)
         if self.stage == 3:
-            unit.free()  # its backward is done
+            unit.free()  # all its gradients are in: backward reads its parameters no more
 
     def finish_reduce_scatter(self, last=False):
+        """Wait for the reduce-scatter in flight, if any; from stage 2 on, drop the whole gradient
+        it read. `last`: the backward's last one, whose copy to the CPU makes the host wait."""
         if self.reducing is None:
             return
         unit, work = self.reducing
@@ -263,18 +299,22 @@ class ZeRO:
 
     def before_step(self):
         self.finish_reduce_scatter(last=True)  # the last unit's (the embedding's)
+        if self.offload == "disk":
+            return  # the gradient shards wait in the units: step_on_disk steps them after step()
         for unit in self.units:
-            if self.offload == "cpu":  # the optimizer steps the master (zero_grad drops .grad)
-                unit.master.grad = unit.master_grad
-            if self.offload == "none":  # (disk: the gradient shards wait for step_on_disk)
+            if self.offload == "cpu":
+                unit.master.grad = unit.master_grad  # the optimizer steps the CPU master
+            else:
                 unit.shard.grad = unit.grad_shard
                 unit.grad_shard = None  # the optimizer's now: zero_grad(set_to_none=True) frees it
 
     @torch.no_grad()
     def after_step(self, optimizer):
-        """Stages 1-2: the next forward needs every unit whole and updated everywhere. The shard is
-        flat's own slice r, so the all-gather fills the rest of flat around it. (Stage 3 gathers
-        each unit when it is needed.)"""
+        """Offload first: --offload disk steps the units from their files here, and the stepped
+        master shards (CPU or disk) go back to the device shards. Then stages 1-2: the next forward
+        needs every unit whole and updated everywhere. The shard is flat's own slice r, so the
+        all-gather fills the rest of flat around it. (Stage 3 gathers each unit when it is needed.)
+        """
         if self.offload == "disk":
             self.step_on_disk(optimizer)
         if self.offload == "cpu":
@@ -289,18 +329,21 @@ class ZeRO:
     # ZeRO-Infinity: the master shards and the optimizer state on disk, one unit in memory at a time
 
     def write_unit_files(self, optimizer):
-        """Each unit's file, written anew: its master shard and the empty state of an optimizer
-        like `optimizer` over it."""
+        """Each unit's file, written anew: its master shard and the empty state of an optimizer of
+        `optimizer`'s class over it (made here, unstepped, only for its state_dict)."""
         for unit in self.units:
             master = nn.Parameter(unit.shard.to("cpu", copy=True))
-            fresh = type(optimizer)([master])
-            save_atomically(dict(master=master.detach(), optimizer=fresh.state_dict()), unit.path)
+            empty_optimizer = type(optimizer)([master])
+            state = dict(master=master.detach(), optimizer=empty_optimizer.state_dict())
+            save_atomically(state, unit.path)
 
     def step_on_disk(self, optimizer):
-        """Step the units one at a time, from their files; a thread reads the next unit's file
-        while this one steps."""
-        # the hyperparameters of this step (the schedule sets the learning rate on `optimizer`)
-        group = optimizer.param_groups[0]
+        """ZeRO-Infinity's step, after `optimizer.step()` has stepped nothing: none of its
+        parameters (the device shards) has a .grad, so it skips them all and holds no state. It
+        lends this step its class and its hyperparameters, the learning rate the schedule set.
+        The units step one at a time, from their files; a thread reads the next unit's file while
+        this one steps."""
+        group = optimizer.param_groups[0]  # the one group
         hyperparameters = {key: value for key, value in group.items() if key != "params"}
         reading = self.reader.submit(torch.load, self.units[0].path, weights_only=True)
         for index, unit in enumerate(self.units):
@@ -326,17 +369,20 @@ class ZeRO:
 
 def parallelize(model, device, stage, offload="none", directory=None):
     """ZeRO at `stage`, in place: the engine goes to model.zero and model.parameters() become the
-    shards; make the optimizer over them, then hook_optimizer(model, optimizer). Offload "cpu" or
-    "disk" (into `directory`)."""
+    shards; make the optimizer over them, then hook_optimizer(model, optimizer). The model is
+    already on `device` (the skeleton's argument; on a GPU the CPU buffers are pinned). Offload
+    "cpu", or "disk" into `directory`."""
     model.zero = ZeRO(model, stage, offload, directory, pin_memory=device.type == "cuda")
     return model
 
 
 def hook_optimizer(model, optimizer):
     """The engine's work around each optimizer.step(): the gradient shards handed to the optimizer
-    before it, the updated shards all-gathered after it."""
+    before it, the updated shards all-gathered after it. --offload disk writes the units' first
+    files here, where the optimizer's class is known."""
     if model.zero.offload == "disk":
         model.zero.write_unit_files(optimizer)
+    # torch calls a step hook as hook(optimizer, args, kwargs), with step()'s own arguments
     optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: model.zero.before_step())
     optimizer.register_step_post_hook(
         lambda optimizer, args, kwargs: model.zero.after_step(optimizer)
@@ -352,7 +398,9 @@ def full_state_dict(model):
         if dist.get_rank() != 0:
             dist.gather(unit.shard, dst=0)
             continue
-        flat = torch.empty_like(unit.flat)  # the shards land in its W slices, in rank order
+        # a new buffer of flat's shape (at stage 3 flat has no memory now); the gathered shards
+        # land in its W slices, in rank order
+        flat = torch.empty_like(unit.flat)
         dist.gather(unit.shard, list(flat.chunk(dist.get_world_size())), dst=0)
         for key, tensor, offset in unit.params:
             view = flat[offset : offset + tensor.numel()].view_as(tensor)
@@ -363,35 +411,34 @@ def full_state_dict(model):
 ### end: ZeRO
 
 
-def formula(psi, world, args, largest=0):
+def formula(psi, world, args, largest_shard=0):
     """ZeRO's per-rank bytes for Ψ' = psi (each unit padded to a multiple of W), which the report
     sets next to what the Meter measured. --offload cpu: the parameters the optimizer steps are the
     CPU master shards, with their gradients. --offload disk: the optimizer holds one unit's state
-    at a time, at most the largest shard's (S = largest); the gradient shards wait in the engine,
-    which the Meter (reading .grad) does not see."""
-    k = 8 if args.optim == "adamw" else 4
+    at a time, at most the largest shard's (S = largest_shard); the gradient shards wait in the
+    engine, which the Meter (reading .grad) does not see."""
+    k = 8 if args.optim == "adamw" else 4  # the ZeRO paper's K: optimizer bytes per parameter
     cpu = args.offload == "cpu"
     disk = args.offload == "disk"
     params_sharded = args.stage == 3 or cpu
     grads_sharded = args.stage >= 2 or cpu
-    on_cpu = " (CPU)" if cpu else ""
-    state_where = " in files" if disk else on_cpu
+    cpu_note = " (CPU)" if cpu else ""
+    state_note = " in files" if disk else cpu_note
+    state_kind = "AdamW m, v" if k == 8 else "SGD momentum"
     return dict(
         param_bytes=4 * psi // world if params_sharded else 4 * psi,
         grad_bytes=None if disk else (4 * psi // world if grads_sharded else 4 * psi),
         optim_bytes=0 if disk else k * psi // world,
-        optim_peak_bytes=k * largest if disk else None,
+        optim_peak_bytes=k * largest_shard if disk else None,
         comm=dict(reduce_scatter=4 * psi, all_gather=(8 if args.stage == 3 else 4) * psi),
         notes=dict(
-            param_bytes=("4Ψ'/W sharded" if params_sharded else "4Ψ' replicated") + on_cpu,
+            param_bytes=("4Ψ'/W sharded" if params_sharded else "4Ψ' replicated") + cpu_note,
             grad_bytes=(
                 "held by the engine until the step, not in .grad: not measured"
                 if disk
-                else ("4Ψ'/W sharded" if grads_sharded else "4Ψ' replicated") + on_cpu
+                else ("4Ψ'/W sharded" if grads_sharded else "4Ψ' replicated") + cpu_note
             ),
-            optim_bytes=f"{k}Ψ'/W sharded "
-            + ("AdamW m, v" if k == 8 else "SGD momentum")
-            + state_where,
+            optim_bytes=f"{k}Ψ'/W sharded {state_kind}{state_note}",
             optim_peak_bytes=f"{k}S: the largest unit's shard, in memory while it steps",
             reduce_scatter="Ψ' fp32 gradients; a ring sends (W-1)/W of it",
             all_gather=(
@@ -405,9 +452,12 @@ def formula(psi, world, args, largest=0):
 
 def check_args(args, world):
     if args.offload == "disk":
-        directory = args.offload_dir or ""
+        directory = args.offload_dir
+        writable = (
+            directory is not None and os.path.isdir(directory) and os.access(directory, os.W_OK)
+        )
         common.check(
-            os.path.isdir(directory) and os.access(directory, os.W_OK),
+            writable,
             "--offload disk needs --offload-dir DIR, an existing writable directory "
             f"(got {args.offload_dir})",
         )
@@ -531,6 +581,7 @@ def run(args):
         model = parallelize(model.to(device), device, args.stage, args.offload, args.offload_dir)
         # Ψ': every unit padded to a multiple of W (model.parameters() are the shards now)
         padded = world * sum(p.numel() for p in model.parameters())
+        largest_shard = max(p.numel() for p in model.parameters())  # --offload disk's formula
         optimizer = common.make_optimizer(model.parameters(), args)
         hook_optimizer(model, optimizer)  # before the Meter's hook: its window sees the all-gather
         scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
@@ -560,7 +611,7 @@ def run(args):
             out,
             acc,
             meter,
-            formula(padded, world, args, max(p.numel() for p in model.parameters())),
+            formula(padded, world, args, largest_shard),
             params_padded=padded,
             offload=args.offload,
         )
