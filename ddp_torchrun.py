@@ -239,8 +239,11 @@ def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
         loader.dataset.set_epoch(epoch)  # and new augmentations (--shift), the same everywhere
         model.train()
-        bar = common.progress(loader, args, epoch)
-        for i, (x, y) in enumerate(bar):
+        # Resumed mid-epoch (a snapshot where --max-steps stopped): the epoch's batches trained
+        # before are drawn (the sampler's order stays the same) but skipped.
+        already_trained = max(step - epoch * len(loader), 0)
+        bar = common.progress(loader, args, epoch, skip=already_trained)
+        for i, (x, y) in enumerate(bar, start=already_trained):
             x = x.to(device, non_blocking=True)
             y = y.to(device, non_blocking=True)
             loss = F.cross_entropy(model(x), y)

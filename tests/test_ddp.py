@@ -199,6 +199,35 @@ def test_rerunning_a_finished_run_trains_nothing_and_exits_0(snapshots):
     assert max_diff(d / "resumed.pt", d / "straight.pt") == 0
 
 
+def test_resuming_from_where_max_steps_stopped_skips_the_batches_trained(tmp_path):
+    """--max-steps 5 leaves a snapshot in the middle of epoch 0 (8 steps an epoch); the same
+    command with --max-steps 12 resumes there and must take epoch 0's batches 6-8, not 1-8 again:
+    it ends bit for bit where 12 steps in one go end (a constant learning rate, so the schedule
+    does not depend on --max-steps)."""
+    constant = [*SNAP, "--lr-schedule", "constant", "--warmup", "0"]
+    snap = ["--snapshot", tmp_path / "snap.pt"]
+    with ThreadPoolExecutor(2) as pool:
+        straight = pool.submit(
+            torchrun,
+            "ddp_torchrun.py",
+            2,
+            *constant,
+            "--max-steps",
+            "12",
+            "--save",
+            tmp_path / "a.pt",
+        )
+        first = ok(torchrun("ddp_torchrun.py", 2, *constant, *snap, "--max-steps", "5"))
+        resumed = torchrun(
+            "ddp_torchrun.py", 2, *constant, *snap, "--max-steps", "12", "--save", tmp_path / "b.pt"
+        )
+        ok(straight.result())
+    assert first["steps"] == 5
+    assert "snapshot: resuming at step 5" in resumed.stdout, resumed.output
+    assert ok(resumed)["steps"] == 12
+    assert max_diff(tmp_path / "a.pt", tmp_path / "b.pt") == 0
+
+
 def test_a_rank_that_cannot_see_the_snapshot_fails_clearly(snapshots):
     """Rank 0 decides to resume and broadcasts the step; a rank on a node without the shared file
     system (tests/faults HIDE) must stop with that reason, not train from scratch beside it."""
