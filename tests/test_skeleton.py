@@ -31,7 +31,7 @@ SCRIPTS = [
 # on the formatted, readable code. A guard against drift, not a target: when readable code needs
 # more, raise the number in the same commit and say why.
 MAX_DIFF = {
-    "ddp_torchrun.py": 145,
+    "ddp_torchrun.py": 147,
     "amp_checkpoint.py": 153,
     "fsdp.py": 180,
     "fsdp_resume.py": 313,
