@@ -54,21 +54,26 @@ def _digit_templates(samples=64):
     spacing between those points."""
     digits = _digit_strokes()
     K = max(sum(len(s) for s in d) for d in digits)
-    pts, mix, step = torch.zeros(10, K, 2), torch.zeros(10, samples, K), torch.zeros(10)
+    pts = torch.zeros(10, K, 2)
+    mix = torch.zeros(10, samples, K)
+    step = torch.zeros(10)
     for d, strokes in enumerate(digits):
-        segs, k = [], 0
+        segments = []  # (first point, second point) of every straight piece of every stroke
+        first = 0  # index of the stroke's first point among the digit's K
         for stroke in strokes:
-            for i, p in enumerate(stroke):
-                pts[d, k + i] = torch.tensor(p)
-            segs += [(k + i, k + i + 1) for i in range(len(stroke) - 1)]
-            k += len(stroke)
-        lengths = torch.stack([(pts[d, j] - pts[d, i]).norm() for i, j in segs])
-        ends = lengths.cumsum(0)
+            for i, point in enumerate(stroke):
+                pts[d, first + i] = torch.tensor(point)
+            segments += [(first + i, first + i + 1) for i in range(len(stroke) - 1)]
+            first += len(stroke)
+        lengths = torch.stack([(pts[d, j] - pts[d, i]).norm() for i, j in segments])
+        ends = lengths.cumsum(0)  # the arc length at each segment's end
         step[d] = ends[-1] / samples
-        for s, at in enumerate((torch.arange(samples) + 0.5) * step[d]):
-            n = int(torch.searchsorted(ends, at))
-            t = float(1 - (ends[n] - at) / lengths[n])
-            mix[d, s, segs[n][0]], mix[d, s, segs[n][1]] = 1 - t, t
+        for sample, at in enumerate((torch.arange(samples) + 0.5) * step[d]):
+            n = int(torch.searchsorted(ends, at))  # the segment the point falls on
+            t = float(1 - (ends[n] - at) / lengths[n])  # how far along it, 0..1
+            start, end = segments[n]
+            mix[d, sample, start] = 1 - t
+            mix[d, sample, end] = t
     return pts, mix, step
 
 
@@ -290,8 +295,12 @@ class Digits(Dataset):
     does."""
 
     def __init__(self, x, y, shift=0, seed=0):
-        self.x, self.y, self.shift, self.seed, self.epoch = x, y, shift, seed, 0
-        self.background = x.amin() if len(x) else 0.0
+        self.x = x
+        self.y = y
+        self.shift = shift
+        self.seed = seed
+        self.epoch = 0
+        self.background = x.amin() if len(x) else 0.0  # the value a shift fills in with
 
     def set_epoch(self, epoch):
         self.epoch = epoch
@@ -300,16 +309,17 @@ class Digits(Dataset):
         return len(self.y)
 
     def __getitem__(self, i):
-        x, s = self.x[i], self.shift
+        x = self.x[i]
+        s = self.shift
         if s:
-            h = (
-                hash((self.seed, self.epoch, int(i))) & 0xFFFFFFFF
-            )  # ints hash to themselves: deterministic
-            h = (h * 2654435761) & 0xFFFFFFFF
-            dy, dx = h % (2 * s + 1) - s, (h // (2 * s + 1)) % (2 * s + 1) - s
-            x = F.pad(x, (s, s, s, s), value=float(self.background))[
-                :, s - dy : s - dy + IMAGE, s - dx : s - dx + IMAGE
-            ]
+            # a hash of a tuple of ints is deterministic (ints hash to themselves), unlike str's
+            h = hash((self.seed, self.epoch, int(i))) & 0xFFFFFFFF
+            h = (h * 2654435761) & 0xFFFFFFFF  # Knuth's multiplicative hash: mixes the bits
+            choices = 2 * s + 1  # shifts -s..s
+            dy = h % choices - s
+            dx = (h // choices) % choices - s
+            padded = F.pad(x, (s, s, s, s), value=float(self.background))
+            x = padded[:, s - dy : s - dy + IMAGE, s - dx : s - dx + IMAGE]
         return x, self.y[i]
 
 
@@ -320,8 +330,10 @@ class PaddedShards(Sampler):
     (DistributedSampler pads with repeats, which would count them twice.)"""
 
     def __init__(self, n, rank=0, world=1):
-        self.n, self.indices = n, list(range(rank, n, world))
-        self.indices += [-1] * (-(-n // world) - len(self.indices))
+        self.n = n
+        self.indices = list(range(rank, n, world))
+        per_rank = -(-n // world)  # ceil(n / W)
+        self.indices += [-1] * (per_rank - len(self.indices))
 
     def __iter__(self):
         return iter(self.indices)
