@@ -92,40 +92,97 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 ### begin: ZeRO
 # Model contract: model.embed, model.blocks (a sequence) and model.head hold every parameter (the
 # units ZeRO flattens) and forward runs them in that order, each returning one tensor; every
-# parameter gets a gradient in every backward; the same weights on every rank's device.
+# parameter gets a gradient in every backward; each unit holds a parameter no earlier unit holds;
+# the same weights on every rank's device. Supported: a parameter shared by two units (GPT-2's
+# lm_head.weight is wte.weight: flattened once, in the first unit, its gradients summed by
+# autograd; at stage 3 that unit is gathered for the other's forward and backward too); optimizer
+# parameter groups (parallelize's param_groups: each unit lays its parameters out group by group
+# and cuts its shard where the groups meet); several backward passes per step (gradient
+# accumulation: each one's averaged shard is added up). With offload: one parameter group only,
+# and gradient accumulation with --offload disk only (--offload cpu copies each backward's gradient
+# shard over the last one's).
 
 
 class Unit:
     """One module's parameters as views into a single flat buffer, and this rank's shard of it.
 
-    flat   N = W·S elements: the parameters one after another, then zeros up to a multiple of W
-    shard  flat[r·S:(r+1)·S], now the module's only nn.Parameter: what this rank's optimizer steps.
-           At stage 3 it is a copy, so that `flat` can be freed whenever the unit is not in use.
+    flat    N = W·S elements: the parameters one after another, group by group, then zeros up to a
+            multiple of W
+    shard   flat[r·S:(r+1)·S]: what this rank's optimizer steps. At stage 3 it is a copy, so that
+            `flat` can be freed whenever the unit is not in use.
+    pieces  (group, its slice of the shard, nn.Parameter): the shard cut where the optimizer's
+            parameter groups meet, the module's only parameters now (one piece with one group)
     """
 
     @torch.no_grad()  # copying the parameters in must not make `flat` part of autograd's graph
-    def __init__(self, name, module, rank, world, stage):
-        named_params = list(module.named_parameters())
+    def __init__(self, name, module, rank, world, stage, placed, group_of):
+        """placed: Parameter -> (unit, state_dict key, tensor now in its place), for the parameters
+        earlier units flattened (this one adds its own); group_of: Parameter -> optimizer group."""
+        self.tied = []  # (state_dict key, key of the same parameter in the earlier unit holding it)
+        self.borrowed = []  # the earlier units holding a parameter this module uses too
+        named_params = self.take_tied(name, module, placed)  # and the module's own parameters
+        # group by group (a stable sort: one group keeps the module's order), so that each group's
+        # elements are one range of flat and meet this rank's shard in one range
+        named_params.sort(key=lambda named: group_of[named[1]])
         numel = sum(param.numel() for _, param in named_params)
         self.shard_numel = (numel + world - 1) // world  # S: numel / W, rounded up
         _, first_param = named_params[0]
         self.flat = first_param.new_zeros(world * self.shard_numel)  # the parameters' dtype, device
         self.params = []  # (state_dict key, the tensor in the parameter's place, offset in flat)
+        group_end = {}  # group -> where its range of flat ends
         offset = 0
         for param_name, param in named_params:
             view = self.flat[offset : offset + param.numel()].view_as(param)
             view.copy_(param)
             tensor = replace_with_view(module, param_name, view)
             self.params.append((f"{name}.{param_name}", tensor, offset))
+            placed[param] = (self, f"{name}.{param_name}", tensor)
             offset += param.numel()
+            group_end[group_of[param]] = offset
+        _, last_param = named_params[-1]
+        group_end[group_of[last_param]] = self.flat.numel()  # the padding goes with the last group
         shard = self.flat[rank * self.shard_numel : (rank + 1) * self.shard_numel]
         if stage == 3:
             shard = shard.clone()
-        self.shard = nn.Parameter(shard)
-        module.shard = self.shard  # registered: model.parameters() are now the shards
+        self.shard = shard
+        self.pieces = self.cut(group_end, rank)
+        module.shards = nn.ParameterList([piece for _, _, piece in self.pieces])  # registered
         self.flat_grad = None  # the unit's whole gradient, while it exists (always, at stage 1)
         self.grad_shard = None  # this rank's shard of the averaged gradient, until the step
         self.grads_arrived = 0  # how many of its parameters' gradients this backward has produced
+
+    def take_tied(self, name, module, placed):
+        """A parameter an earlier unit flattened (tied: GPT-2's lm_head.weight is wte.weight) gets
+        that unit's tensor here too, so that autograd sums its two gradients into one; return the
+        module's other parameters, this unit's own."""
+        own = []
+        for param_name, param in list(module.named_parameters()):  # the loop edits module
+            if param in placed:
+                owner, owner_key, tensor = placed[param]
+                put_tensor(module, param_name, tensor)
+                self.tied.append((f"{name}.{param_name}", owner_key))
+                self.borrowed.append(owner)
+            else:
+                own.append((param_name, param))
+        return own
+
+    def cut(self, group_end, rank):
+        """The shard cut where the groups meet: a piece per group whose range overlaps it."""
+        pieces = []
+        shard_start = rank * self.shard_numel
+        group_start = 0
+        for group, end in group_end.items():
+            low = max(group_start, shard_start) - shard_start
+            high = min(end, shard_start + self.shard_numel) - shard_start
+            if low < high:
+                own = slice(low, high)
+                pieces.append((group, own, nn.Parameter(self.shard[own])))
+            group_start = end
+        return pieces
+
+    def is_whole(self):
+        """Stage 3: whether `flat` has its memory (gathered, or being gathered into)."""
+        return self.flat.untyped_storage().size() > 0
 
     def free(self):
         """Stage 3: give back the whole unit's memory (the shard keeps this rank's part). The
@@ -147,13 +204,19 @@ def replace_with_view(module, name, view):
     write into `flat`, and stage 3 writes into `flat` again before the backward (the all-gather).
     Autograd would then refuse the tensors it saved in the forward as modified in place. Setting
     .data keeps the new tensor's own version counter, which no write into `flat` moves."""
-    owner_name, _, attribute = name.rpartition(".")
-    owner = module.get_submodule(owner_name)
     tensor = torch.empty(0, dtype=view.dtype, device=view.device, requires_grad=True)
     tensor.data = view
-    delattr(owner, attribute)  # a plain attribute from now on: the unit's shard is the parameter
-    setattr(owner, attribute, tensor)
+    put_tensor(module, name, tensor)
     return tensor
+
+
+def put_tensor(module, name, tensor):
+    """`tensor`, a plain attribute, where the parameter `name` was: the unit's shard is the
+    parameter from now on."""
+    owner_name, _, attribute = name.rpartition(".")
+    owner = module.get_submodule(owner_name)
+    delattr(owner, attribute)
+    setattr(owner, attribute, tensor)
 
 
 @torch.no_grad()
@@ -164,7 +227,8 @@ def move_master_to_cpu(unit, module, pin_memory):
     unit.master = nn.Parameter(torch.empty_like(unit.shard, device="cpu", pin_memory=pin_memory))
     unit.master.copy_(unit.shard)
     unit.master_grad = torch.empty_like(unit.master, pin_memory=pin_memory)
-    module.shard = unit.master  # the module's parameter now: model.parameters() are the masters
+    # the module's parameter now: model.parameters() are the masters
+    module.shards = nn.ParameterList([unit.master])
 
 
 def save_atomically(obj, path):
@@ -183,17 +247,25 @@ class ZeRO:
     unit's backward is done and, at stage 3, gather each unit's parameters just before forward or
     backward needs them and free them right after; before_step / after_step wrap the step."""
 
-    def __init__(self, model, stage, offload, directory, pin_memory):
+    def __init__(self, model, stage, param_groups, offload, directory, pin_memory):
         self.stage = stage
         self.offload = offload
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         modules = [model.embed, *model.blocks, model.head]  # the order forward runs them in
         name_of = {module: name for name, module in model.named_modules()}
-        self.units = [
-            Unit(name_of[module], module, self.rank, self.world, stage) for module in modules
+        groups = param_groups or [{"params": list(model.parameters())}]
+        group_of = {param: index for index, group in enumerate(groups) for param in group["params"]}
+        placed = {}  # each Parameter -> (unit, key, tensor): where it was flattened
+        self.units = []
+        for module in modules:
+            unit = Unit(name_of[module], module, self.rank, self.world, stage, placed, group_of)
+            self.units.append(unit)
+        # the optimizer's groups, their hyperparameters kept, their parameters now the pieces
+        self.param_groups = [
+            {**group, "params": self.pieces_of(index)} for index, group in enumerate(groups)
         ]
-        self.reducing = None  # (unit, work): the reduce-scatter in flight, at most one
+        self.reducing = None  # (unit, output, work): the reduce-scatter in flight, at most one
         self.gathering = {}  # unit index -> work: stage 3's all-gathers in flight
         for unit in self.units:
             for _, tensor, offset in unit.params:
@@ -212,20 +284,35 @@ class ZeRO:
             for index, unit in enumerate(self.units):  # each rank its own files
                 unit.path = os.path.join(directory, f"zero-rank{self.rank}-unit{index}.pt")
 
+    def pieces_of(self, group):
+        """The shard pieces of every unit that hold optimizer group `group`'s parameters."""
+        return [piece for unit in self.units for index, _, piece in unit.pieces if index == group]
+
     # stage 3: a unit is whole only around its forward and its backward
 
     def before_forward(self, index, module, args):
         self.gather(index)
         self.prefetch(index + 1)
+        self.gather_borrowed(index)
 
     def after_forward(self, index, module, args, output):
         self.units[index].free()
+        for owner in self.units[index].borrowed:
+            owner.free()
         if output.requires_grad:  # training: the gradient reaching this output starts its backward
             output.register_hook(functools.partial(self.before_backward, index))
 
     def before_backward(self, index, grad):
         self.gather(index)
         self.prefetch(index - 1)  # backward runs the units in reverse
+        self.gather_borrowed(index)
+
+    def gather_borrowed(self, index):
+        """Tied weights: the earlier units holding a parameter this one uses (GPT-2's head uses
+        the embedding's wte.weight) whole too. In backward they stay whole until their own
+        gradients are in: the embedding, the largest unit, for the whole backward."""
+        for owner in self.units[index].borrowed:
+            self.gather(self.units.index(owner))
 
     @torch.no_grad()  # writes the parameters' values beneath autograd, as an optimizer step does
     def prefetch(self, index):
@@ -233,9 +320,9 @@ class ZeRO:
         the next unit's parameters while this unit computes, off the critical path."""
         if not 0 <= index < len(self.units):
             return  # no unit there: before the embedding, or past the head
-        if index in self.gathering:
-            return  # already on its way
         unit = self.units[index]
+        if index in self.gathering or unit.is_whole():
+            return  # already on its way, or here (a unit a tied weight keeps whole)
         unit.allocate()
         self.gathering[index] = dist.all_gather_into_tensor(unit.flat, unit.shard, async_op=True)
 
@@ -243,7 +330,9 @@ class ZeRO:
     def gather(self, index):
         """Unit `index` whole: wait for its prefetched all-gather, or start it now if none was."""
         self.prefetch(index)
-        self.gathering.pop(index).wait()
+        work = self.gathering.pop(index, None)
+        if work is not None:
+            work.wait()
 
     # every stage: a unit's gradient is reduce-scattered as soon as it is complete
 
@@ -251,9 +340,9 @@ class ZeRO:
     def gradient_arrived(self, unit, offset, tensor):
         """Autograd has put `tensor`'s gradient in .grad: move it into the unit's flat gradient. The
         model contract gives every parameter a gradient in every backward, so the unit's gradient
-        is complete when all of its parameters' have arrived."""
-        if unit.flat_grad is None:
-            unit.flat_grad = unit.flat.new_zeros(unit.flat.numel())  # the padding stays zero
+        is complete when all of its parameters' have arrived (a tied one's once, summed)."""
+        if unit.grads_arrived == 0:
+            self.start_flat_grad(unit)
         unit.flat_grad[offset : offset + tensor.numel()].copy_(tensor.grad.flatten())
         tensor.grad = None  # the flat gradient holds it now: autograd's copy can go
         unit.grads_arrived += 1
@@ -261,31 +350,48 @@ class ZeRO:
             unit.grads_arrived = 0  # ready for the next backward
             self.reduce_scatter(unit)
 
+    def start_flat_grad(self, unit):
+        """The unit's first gradient of this backward: a flat gradient to collect them in."""
+        if self.reducing is not None and self.reducing[0] is unit:
+            self.finish_reduce_scatter()  # the last backward's is still reading it
+        if unit.flat_grad is None:
+            unit.flat_grad = unit.flat.new_zeros(unit.flat.numel())  # the padding stays zero
+        elif unit.grad_shard is not None:
+            # stage 1, gradient accumulation: the last backward's average may sit in flat_grad's
+            # own slice, which this backward overwrites
+            unit.grad_shard = unit.grad_shard.clone()
+
     def reduce_scatter(self, unit):
         """Start reduce-scattering the unit's gradient: rank r gets shard r of the average."""
         self.finish_reduce_scatter()  # one at a time: at most two whole gradients exist at once
         unit.flat_grad.div_(self.world)  # Σ_ranks grad/W: the global batch's mean gradient, as DDP
-        if self.stage == 1:
+        if self.stage == 1 and unit.grad_shard is None:
             # Stage 1 keeps the whole gradient (it shards only the optimizer state), so the
             # average can land in place, in this rank's own slice of it, with no second buffer:
             # output = input[r·S:(r+1)·S] is the layout NCCL's in-place reduce-scatter expects.
             own_slice = slice(self.rank * unit.shard_numel, (self.rank + 1) * unit.shard_numel)
-            unit.grad_shard = unit.flat_grad[own_slice]
+            output = unit.flat_grad[own_slice]
         else:
-            unit.grad_shard = unit.flat_grad.new_empty(unit.shard_numel)
-        work = dist.reduce_scatter_tensor(unit.grad_shard, unit.flat_grad, async_op=True)
-        self.reducing = (unit, work)
+            output = unit.flat_grad.new_empty(unit.shard_numel)
+        work = dist.reduce_scatter_tensor(output, unit.flat_grad, async_op=True)
+        self.reducing = (unit, output, work)
         if self.stage == 3:
             unit.free()  # all its gradients are in: backward reads its parameters no more
 
     def finish_reduce_scatter(self, last=False):
-        """Wait for the reduce-scatter in flight, if any; from stage 2 on, drop the whole gradient
-        it read. `last`: the backward's last one, whose copy to the CPU makes the host wait."""
+        """Wait for the reduce-scatter in flight, if any, and add its average to the unit's gradient
+        shard (the sum over this step's backward passes, as .grad sums them without ZeRO); from
+        stage 2 on, drop the whole gradient it read. `last`: the backward's last one, whose copy to
+        the CPU makes the host wait."""
         if self.reducing is None:
             return
-        unit, work = self.reducing
+        unit, output, work = self.reducing
         work.wait()
         self.reducing = None
+        if unit.grad_shard is None:
+            unit.grad_shard = output
+        else:
+            unit.grad_shard += output  # gradient accumulation: a later backward of the same step
         if self.offload == "cpu":
             # ZeRO-Offload: the gradient shard to the CPU while backward goes on. The copies run in
             # order on the device's stream, so only the last one makes the host wait: when it
@@ -305,7 +411,8 @@ class ZeRO:
             if self.offload == "cpu":
                 unit.master.grad = unit.master_grad  # the optimizer steps the CPU master
             else:
-                unit.shard.grad = unit.grad_shard
+                for _, own, piece in unit.pieces:
+                    piece.grad = unit.grad_shard[own]
                 unit.grad_shard = None  # the optimizer's now: zero_grad(set_to_none=True) frees it
 
     @torch.no_grad()
@@ -372,7 +479,8 @@ def parallelize(model, device, stage, offload="none", directory=None):
     shards; make the optimizer over them, then hook_optimizer(model, optimizer). The model is
     already on `device` (the skeleton's argument; on a GPU the CPU buffers are pinned). Offload
     "cpu", or "disk" into `directory`."""
-    model.zero = ZeRO(model, stage, offload, directory, pin_memory=device.type == "cuda")
+    # one parameter group: an offloaded optimizer steps one master shard per unit
+    model.zero = ZeRO(model, stage, None, offload, directory, pin_memory=device.type == "cuda")
     return model
 
 
@@ -405,6 +513,8 @@ def full_state_dict(model):
         for key, tensor, offset in unit.params:
             view = flat[offset : offset + tensor.numel()].view_as(tensor)
             state[key] = view.to("cpu", copy=True)
+        for key, owner_key in unit.tied:
+            state[key] = state[owner_key]  # one tensor under both names, as the model's own
     return state
 
 

@@ -53,7 +53,7 @@ MUTANTS = {
     ),
     "zero-no-average": (
         "ZeRO's reduce-scatter sums",
-        "test_zero.py::test_stage_equals_one_ddp_process[2-2-sgd]",
+        "test_zero.py::test_stage_equals_one_ddp_process[2-3-sgd]",
     ),
     "fsdp-sum": (
         "FSDP sums the gradients",
@@ -82,6 +82,14 @@ MUTANTS = {
     "ep-dense-sum": (
         "EP sums the dense gradients",
         "test_expert_parallel.py::test_equals_one_ddp_process[W2-E4-K2-sgd]",
+    ),
+    "zero-untied": (
+        "ZeRO unties lm_head.weight from wte.weight",
+        "test_copy.py::test_zero_equals_one_process[1-sgd]",
+    ),
+    "zero-last-backward": (
+        "ZeRO drops all but a step's last backward",
+        "test_copy.py::test_zero_equals_one_process[2-adamw]",
     ),
     "nd-fsdp-sum": (
         "N-D: FSDP sums under a pipeline",

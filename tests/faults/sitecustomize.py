@@ -362,5 +362,30 @@ if os.environ.get("MUTANT"):
             return _TimesWorldOnWait(work, t)
 
         dist.all_reduce = _summed
+    elif _mutant == "zero-untied":  # ZeRO flattens a tied parameter in every unit that uses it
+
+        def _untie(zero):
+            unit_init = zero.Unit.__init__
+
+            def init_forgetting_placed(self, name, module, rank, world, stage, placed, group_of):
+                # each unit starts with no record of what earlier units flattened: the head flattens
+                # its own copy of wte.weight, as before the fix
+                unit_init(self, name, module, rank, world, stage, {}, group_of)
+
+            zero.Unit.__init__ = init_forgetting_placed
+
+        _after_import["zero"] = _untie
+    elif _mutant == "zero-last-backward":  # ZeRO keeps only a step's last backward's gradient
+
+        def _forget_accumulated(zero):
+            start_flat_grad = zero.ZeRO.start_flat_grad
+
+            def start_forgetting(self, unit):
+                start_flat_grad(self, unit)
+                unit.grad_shard = None  # the earlier backward passes' average, dropped
+
+            zero.ZeRO.start_flat_grad = start_forgetting
+
+        _after_import["zero"] = _forget_accumulated
     else:
         raise SystemExit(f"tests/faults: unknown MUTANT={_mutant}")
