@@ -98,9 +98,7 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 # autograd; at stage 3 that unit is gathered for the other's forward and backward too); optimizer
 # parameter groups (parallelize's param_groups: each unit lays its parameters out group by group
 # and cuts its shard where the groups meet); several backward passes per step (gradient
-# accumulation: each one's averaged shard is added up). With offload: one parameter group only,
-# and gradient accumulation with --offload disk only (--offload cpu copies each backward's gradient
-# shard over the last one's).
+# accumulation: each one's averaged shard is added up). With offload: one parameter group only.
 
 
 class Unit:
@@ -267,6 +265,7 @@ class ZeRO:
         ]
         self.reducing = None  # (unit, output, work): the reduce-scatter in flight, at most one
         self.gathering = {}  # unit index -> work: stage 3's all-gathers in flight
+        self.on_cpu = set()  # --offload cpu: the units whose master_grad holds this step's gradient
         for unit in self.units:
             for _, tensor, offset in unit.params:
                 hook = functools.partial(self.gradient_arrived, unit, offset)
@@ -396,7 +395,13 @@ class ZeRO:
             # ZeRO-Offload: the gradient shard to the CPU while backward goes on. The copies run in
             # order on the device's stream, so only the last one makes the host wait: when it
             # returns, every unit's gradient has landed, and the step on the host can read them.
-            unit.master_grad.copy_(unit.grad_shard, non_blocking=not last)
+            if unit in self.on_cpu:
+                # gradient accumulation: a later backward of the same step adds to the CPU copy
+                # (a blocking copy: it also waits for the earlier backward's copy to land)
+                unit.master_grad += unit.grad_shard.to(unit.master_grad.device)
+            else:
+                unit.master_grad.copy_(unit.grad_shard, non_blocking=not last)
+                self.on_cpu.add(unit)
             unit.grad_shard = None
         if self.stage >= 2:
             unit.flat_grad = None  # only this rank's shard of the gradient stays
@@ -410,6 +415,7 @@ class ZeRO:
         for unit in self.units:
             if self.offload == "cpu":
                 unit.master.grad = unit.master_grad  # the optimizer steps the CPU master
+                self.on_cpu.discard(unit)  # the next step's first backward overwrites it
             else:
                 for _, own, piece in unit.pieces:
                     piece.grad = unit.grad_shard[own]

@@ -25,6 +25,7 @@ from causal_lm import CausalLM, bigram_batches, lm_loss, weight_decay_groups  # 
 
 import ddp  # noqa: E402
 import zero  # noqa: E402
+import zero_offload  # noqa: E402
 
 STEPS = 4
 ACCUMULATE = 2  # backward passes per optimizer step
@@ -35,6 +36,8 @@ CASES = [
     for technique, stage in (("ddp", 0), ("zero", 1), ("zero", 2), ("zero", 3))
     for optim in ("sgd", "adamw")
 ]
+# zero_offload.py steps one parameter group: SGD, the reference's one group
+CASES += [("zero_offload-cpu", 2, "sgd"), ("zero_offload-disk", 3, "sgd")]
 
 
 def case_name(technique, stage, optim):
@@ -99,6 +102,15 @@ def run_zero(stage, optim, batches, rank, world):
     return model, zero.full_state_dict(model), tied
 
 
+def run_zero_offload(offload, stage, optim, batches, rank, world, directory):
+    model = zero_offload.parallelize(CausalLM(), torch.device("cpu"), stage, offload, directory)
+    optimizer = make_optimizer(model.parameters(), optim)
+    zero_offload.hook_optimizer(model, optimizer)
+    train(model, optimizer, batches, rank, world)
+    tied = model.head.lm_head.weight is model.embed.wte.weight
+    return model, zero_offload.full_state_dict(model), tied
+
+
 def main():
     folder = Path(sys.argv[1])
     dist.init_process_group("gloo")
@@ -114,8 +126,15 @@ def main():
     for technique, stage, optim in CASES:
         if technique == "ddp":
             model, state, tied = run_ddp(optim, batches, rank, world)
-        else:
+        elif technique == "zero":
             model, state, tied = run_zero(stage, optim, batches, rank, world)
+        else:
+            offload = technique.split("-")[1]
+            directory = folder / f"{technique}-files"  # --offload disk's unit files
+            directory.mkdir(exist_ok=True)
+            model, state, tied = run_zero_offload(
+                offload, stage, optim, batches, rank, world, directory
+            )
         eval_loss = evaluation_loss(model, test_tokens)
         if rank == 0:
             name = case_name(technique, stage, optim)

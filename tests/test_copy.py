@@ -61,3 +61,10 @@ def test_ddp_equals_one_process(copies, optim):
 )
 def test_zero_equals_one_process(copies, stage, optim):
     assert_same_as_one_process(copies, f"zero{stage}-{optim}", optim)
+
+
+@pytest.mark.parametrize("offload, stage", [("cpu", 2), ("disk", 3)])
+def test_zero_offload_equals_one_process(copies, offload, stage):
+    """zero_offload.py's engine, shared with zero.py, with the optimizer on CPU or on disk: the
+    tie, and the gradient of both backward passes of a step added up where the shard lives."""
+    assert_same_as_one_process(copies, f"zero_offload-{offload}{stage}-sgd", "sgd")
