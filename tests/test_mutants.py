@@ -139,8 +139,11 @@ def outcomes(request, tmp_path_factory):
         for item in request.session.items
         if item.module is request.module and hasattr(item, "callspec")
     ]
+    # the folders made here, in this thread: pytest's tmp_path_factory is not thread-safe (made
+    # from the pool's threads, one mktemp once failed its own path check)
+    folders = {mutant: tmp_path_factory.mktemp(mutant) / "t" for mutant in wanted}
     with ThreadPoolExecutor(2) as pool:
-        runs = pool.map(lambda m: under(m, tmp_path_factory.mktemp(m) / "t"), wanted)
+        runs = pool.map(lambda mutant: under(mutant, folders[mutant]), wanted)
         return dict(zip(wanted, runs, strict=True))
 
 
