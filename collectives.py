@@ -8,7 +8,7 @@ Bytes each rank sends in the usual bandwidth-optimal algorithm (x4 for fp32):
 
     broadcast(root)  every rank gets the root's x                              ~N
     scatter(root)    rank r gets chunk r of the root's x                       root: (p-1)/p·N
-    gather(root)     the root gets [x_0, ..., x_p-1]                           N (root gets (p-1)·N)
+    gather(root)     the root gets [x_0, ..., x_p-1]                           N (root: (p-1)·N)
     reduce(root)     the root gets x_0 + ... + x_p-1                           ~N
     all-gather       every rank gets [x_0, ..., x_p-1]                         (p-1)·N
     all-reduce       every rank gets x_0 + ... + x_p-1 (DDP's gradient sync)   2(p-1)/p·N

@@ -290,8 +290,8 @@ class LocalPatchEmbed(nn.Module):
         B = img.shape[0]
         p = self.patch
         side = img.shape[-1] // p  # patches along each side
-        # [B, 1, side·p, side·p] -> [B, T, p²]; the patch in row i, column j is token i·side + j,
-        # the model's own order.
+        # [B, 1, side·p, side·p] -> [B, T, p²]; the patch in row i, column j is token
+        # i·side + j, the model's own order.
         patches = img.reshape(B, side, p, side, p).transpose(2, 3).reshape(B, side * side, p * p)
         mine = self.token_range
         return self.proj(patches[:, mine]) + self.pos[:, mine]

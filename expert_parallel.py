@@ -80,8 +80,8 @@ class AllToAll(torch.autograd.Function):
 
 
 class ExpertParallel(nn.Module):
-    """This rank's E/W experts of one block (rank r: experts r·E/W .. (r+1)·E/W - 1, named by their
-    global index, so the state_dict has the model's keys), called like the whole list."""
+    """This rank's E/W experts of one block (rank r: experts r·E/W .. (r+1)·E/W - 1, named by
+    their global index, so the state_dict has the model's keys), called like the whole list."""
 
     def __init__(self, experts, rank, world):
         super().__init__()

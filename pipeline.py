@@ -27,10 +27,10 @@ synchronous (one optimizer step per batch, each micro-batch's loss / m): exact.
 Memory per rank (fp32, AdamW): 16Ψ_s bytes for its stage's Ψ_s parameters (≈ 16Ψ/p), plus the
 activations A_s/m of each micro-batch in flight (A_s: the stage's for the whole batch): 1 in flight
 (naive), m (gpipe), p-s on stage s (1f1b: at most p, whatever m).
-Communication per step, T tokens of width D (--dim) a sample: m activations of B/m·T·D fp32 forward
-and m gradients back over each of the p-1 stage boundaries: 2(p-1)·m messages, 4·B·T·D bytes each
-way per boundary. No collective in the step: every message a step sends is received within it
-(each schedule ends flushed), so the loop's collectives (the logged loss's all-reduce,
+Communication per step, T tokens of width D (--dim) a sample: m activations of B/m·T·D fp32
+forward and m gradients back over each of the p-1 stage boundaries: 2(p-1)·m messages, 4·B·T·D
+bytes each way per boundary. No collective in the step: every message a step sends is received
+within it (each schedule ends flushed), so the loop's collectives (the logged loss's all-reduce,
 evaluation's) never meet an open send.
 
     torchrun --standalone --nproc_per_node=2 pipeline.py --schedule 1f1b --microbatches 4
@@ -57,8 +57,8 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 
 class Stage(torch.nn.Module):
-    """Stage `index` of `num_stages` (s of p): blocks s·d/p .. (s+1)·d/p - 1, with the embedding on
-    the first stage and the head on the last. Blocks keep their index in the whole model, so the
+    """Stage `index` of `num_stages` (s of p): blocks s·d/p .. (s+1)·d/p - 1, with the embedding
+    on the first stage and the head on the last. Blocks keep their index in the whole model, so the
     stage's state_dict has the common model's keys."""
 
     def __init__(self, model, index, num_stages):

@@ -43,8 +43,8 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 
 class Stage(torch.nn.Module):
-    """Stage `index` of `num_stages` (s of p): blocks s·d/p .. (s+1)·d/p - 1, with the embedding on
-    the first stage and the head on the last. Blocks keep their index in the whole model, so the
+    """Stage `index` of `num_stages` (s of p): blocks s·d/p .. (s+1)·d/p - 1, with the embedding
+    on the first stage and the head on the last. Blocks keep their index in the whole model, so the
     stage's state_dict has the common model's keys."""
 
     def __init__(self, model, index, num_stages):

@@ -60,9 +60,10 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 class Stage(torch.nn.Module):
     """Stage `index` of `num_stages` (s of p), holding `num_chunks` (V) chunks: its chunk v is
-    global chunk c = v·p + s of the C = V·p the blocks are cut into (blocks c·d/C .. (c+1)·d/C - 1),
-    with the embedding before global chunk 0 and the head after chunk C-1. Blocks keep their index
-    in the whole model, so the stage's state_dict has the common model's keys."""
+    global chunk c = v·p + s of the C = V·p the blocks are cut into (blocks
+    c·d/C .. (c+1)·d/C - 1), with the embedding before global chunk 0 and the head after chunk
+    C-1. Blocks keep their index in the whole model, so the stage's state_dict has the common
+    model's keys."""
 
     def __init__(self, model, index, num_stages, num_chunks=1):
         super().__init__()

@@ -48,7 +48,8 @@ just before the recompute. Under --sequence-parallel x already is T/W tokens: Pa
 
 Memory per rank (fp32; Ψ = Ψs split + Ψr replicated; Ψs = depth·(12D² + 6D): the q, k, v, proj
 weights 4D², the fc1, fc2 weights 8D², the q, v, fc1 biases 6D; the key projection has no bias):
-    parameters 4(Ψr + Ψs/W), gradients 4(Ψr + Ψs/W), AdamW state 8(Ψr + Ψs/W) (SGD 4(Ψr + Ψs/W)).
+    parameters 4(Ψr + Ψs/W), gradients 4(Ψr + Ψs/W), AdamW state 8(Ψr + Ψs/W)
+    (SGD 4(Ψr + Ψs/W)).
 Communication per step, counted in [B, T, D] fp32 activations (B: the whole batch; a ring moves
 2(W-1)/W of an all-reduce, (W-1)/W of an all-gather or a reduce-scatter):
     4·depth all-reduces: per block, g's forward and f's backward, in attention and in the MLP;

@@ -5,8 +5,8 @@
   does an MoE model accumulated over two micro-batches (its balance loss divided alike).
 - Checkpointing is on in training: measured from outside the script, each block's forward runs
   twice per micro-batch in the first step (tests/faults PROBE) and in every later one (hooks on a
-  run of the script's main() in this process), and autograd keeps E + L·B·T·D·4 bytes (the Meter's
-  act_bytes), with E (what embed and head keep) measured here on a model without blocks.
+  run of the script's main() in this process), and autograd keeps E + L·B·T·D·4 bytes (the
+  Meter's act_bytes), with E (what embed and head keep) measured here on a model without blocks.
 - no_sync: one all-reduce of Ψ per optimizer step, however many micro-batches.
 - --clip under SGD equals a reference trained here in-process with clip_grad_norm_.
 - bf16 is active (16-bit queries in attention, fewer bytes kept, weights that differ from fp32's

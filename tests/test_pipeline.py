@@ -159,8 +159,8 @@ def test_recorded_order_bubble_and_in_flight(case, runs):
 def test_measured_bytes_per_stage(case, runs):
     """Stage s holds its own Ψ_s parameters, gradients and optimizer state (AdamW m, v; SGD
     momentum), counted here off the model cut as the script cuts it (4 blocks over 3 stages: 1, 1,
-    2). Per step, each boundary carries m activations of B/m·T·D fp32 forward and m gradients back:
-    2(p-1)·m messages in all, and nothing else is communicated."""
+    2). Per step, each boundary carries m activations of B/m·T·D fp32 forward and m gradients
+    back: 2(p-1)·m messages in all, and nothing else is communicated."""
     p, _, m, optim = case
     result, _, _ = runs[0][case]
     args = common.parse_args(common.get_parser("test"), CFG)

@@ -1,9 +1,9 @@
 """tensor_parallel_zero_r.py: tensor parallelism with ZeRO-R's --checkpoint and
 --partition-activations (Pa). At W=2 and 4, and under --sequence-parallel, it ends with the
-parameters of the one-process ddp.py run; autograd keeps E + L·B·T·D·4 bytes (÷W with Pa or SP);
-the recompute's collectives are the ones the formula counts, Pa adding exactly one all-gather
-per block and nothing under SP. test_bad_input.py checks that a W not dividing the tokens is
-refused."""
+parameters of the one-process ddp.py run; autograd keeps E + L·B·T·D·4 bytes (÷W with Pa or
+SP); the recompute's collectives are the ones the formula counts, Pa adding exactly one
+all-gather per block and nothing under SP. test_bad_input.py checks that a W not dividing the
+tokens is refused."""
 
 import pytest
 import torch
