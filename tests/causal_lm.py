@@ -7,6 +7,10 @@ a project that is not the common ViT.
 The layout is what ZeRO's model contract names: `embed` (wte, wpe), `blocks` (an nn.ModuleList),
 `head` (ln_f, lm_head), and lm_head.weight IS wte.weight (tied, as in GPT-2). The attention has
 one fused q, k, v projection, `c_attn`, as nanoGPT and GPT-2 name it.
+
+Below the model, what every copy case shares: the batches (STEPS optimizer steps of ACCUMULATE
+micro-batches), the optimizers (SGD over one group, AdamW over two weight-decay groups) and the
+one-process training every case is compared with (`train`, `reference`).
 """
 
 import math
@@ -150,3 +154,66 @@ def weight_decay_groups(model, weight_decay):
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+
+
+# What every copy case trains: STEPS optimizer steps, each of ACCUMULATE backward passes
+# (gradient accumulation) on micro-batches of MICRO_BATCH sequences (over all ranks together).
+STEPS = 4
+ACCUMULATE = 2
+MICRO_BATCH = 8
+WEIGHT_DECAY = 0.1
+OPTIMS = ("sgd", "adamw")
+
+
+def task():
+    """(the STEPS step batches of ACCUMULATE * MICRO_BATCH sequences, MICRO_BATCH held-out
+    sequences of the same bigram table that no step trains on)"""
+    *batches, held_out = bigram_batches(STEPS + 1, ACCUMULATE * MICRO_BATCH)
+    return batches, held_out[:MICRO_BATCH]
+
+
+def param_groups(model, optim):
+    """SGD: one group, every parameter. AdamW: the two weight-decay groups."""
+    if optim == "sgd":
+        return [{"params": list(model.parameters())}]
+    return weight_decay_groups(model, WEIGHT_DECAY)
+
+
+def make_optimizer(groups, optim):
+    """SGD with momentum, or AdamW, over `groups` (a list of parameter groups, or parameters)."""
+    if optim == "sgd":
+        return torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+    return torch.optim.AdamW(groups, lr=1e-2)
+
+
+def train(model, optimizer, batches, rank=0, world=1, loss_fn=lm_loss):
+    """Each step: ACCUMULATE backward passes, each on this rank's slice (rank of world) of a
+    micro-batch, the loss divided by ACCUMULATE so that the step sees the mean gradient of the
+    step's sequences. rank=0, world=1: every rank (or the one process) feeds the whole batch."""
+    losses = []
+    for step_batch in batches:
+        for micro_batch in step_batch.chunk(ACCUMULATE):
+            tokens = micro_batch.chunk(world)[rank]
+            loss = loss_fn(model(tokens), tokens) / ACCUMULATE
+            loss.backward()
+            losses.append(loss.item() * ACCUMULATE)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return losses
+
+
+@torch.no_grad()
+def evaluation_loss(model, tokens):
+    """A forward without autograd (ZeRO-3 and FSDP gather and free their units without a
+    backward)."""
+    return lm_loss(model(tokens), tokens).item()
+
+
+def reference(optim, batches, test_tokens, model=None):
+    """One process training `model` (default: a fresh CausalLM) on the whole of every micro-batch:
+    (its state_dict, dict(losses, eval_loss))."""
+    model = model or CausalLM()
+    optimizer = make_optimizer(param_groups(model, optim), optim)
+    losses = train(model, optimizer, batches)
+    results = dict(losses=losses, eval_loss=evaluation_loss(model, test_tokens))
+    return model.state_dict(), results

@@ -1,0 +1,55 @@
+"""Copy cases for ddp.py, zero.py (stages 1-3) and zero_offload.py (to CPU, to disk): each rank
+trains on its slice of every micro-batch, as data parallelism does. Run by tests/copy_cases.py."""
+
+import torch
+from causal_lm import OPTIMS, CausalLM, make_optimizer, param_groups, train
+
+import ddp
+import zero
+import zero_offload
+
+CPU = torch.device("cpu")
+
+
+def run_ddp(optim, batches, rank, world):
+    model = ddp.parallelize(CausalLM(), CPU)
+    optimizer = make_optimizer(param_groups(model.module, optim), optim)
+    train(model, optimizer, batches, rank, world)
+    tied = model.module.head.lm_head.weight is model.module.embed.wte.weight
+    return model, ddp.full_state_dict(model), dict(tied=tied)
+
+
+def run_zero(stage, optim, batches, rank, world):
+    model = CausalLM()
+    model = zero.parallelize(model, CPU, stage, param_groups(model, optim))
+    optimizer = make_optimizer(model.zero.param_groups, optim)
+    zero.hook_optimizer(model, optimizer)
+    train(model, optimizer, batches, rank, world)
+    tied = model.head.lm_head.weight is model.embed.wte.weight
+    return model, zero.full_state_dict(model), dict(tied=tied)
+
+
+def run_zero_offload(offload, stage, batches, rank, world, folder):
+    """zero_offload.py steps one parameter group: SGD, the reference's one group."""
+    directory = folder / f"zero_offload-{offload}-files"  # --offload disk's unit files
+    directory.mkdir(exist_ok=True)
+    model = zero_offload.parallelize(CausalLM(), CPU, stage, offload, directory)
+    optimizer = make_optimizer(model.parameters(), "sgd")
+    zero_offload.hook_optimizer(model, optimizer)
+    train(model, optimizer, batches, rank, world)
+    tied = model.head.lm_head.weight is model.embed.wte.weight
+    return model, zero_offload.full_state_dict(model), dict(tied=tied)
+
+
+def cases(batches, rank, world, folder):
+    """Yield (case name, its reference: the one-process run it must equal, "sgd" or "adamw",
+    the trained model, its full state_dict, a dict of what else the case shows), one case at a
+    time."""
+    for optim in OPTIMS:
+        yield f"ddp-{optim}", optim, *run_ddp(optim, batches, rank, world)
+    for stage in (1, 2, 3):
+        for optim in OPTIMS:
+            yield f"zero{stage}-{optim}", optim, *run_zero(stage, optim, batches, rank, world)
+    for offload, stage in (("cpu", 2), ("disk", 3)):
+        name = f"zero_offload-{offload}{stage}-sgd"
+        yield name, "sgd", *run_zero_offload(offload, stage, batches, rank, world, folder)
