@@ -56,6 +56,8 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 ### begin: AMP + activation checkpointing
 # Model contract: any nn.Module, built with the same weights on every rank (DDP also broadcasts
 # rank 0's parameters when it wraps), on this rank's device; --checkpoint: `model.blocks`.
+# forward_backward's loss is `loss_fn(model(x), y)`, a classifier's cross-entropy by default: a
+# language model passes its next-token loss as loss_fn, and its tokens as both x and y.
 
 
 def parallelize(model, device, checkpointing=False):
@@ -86,13 +88,14 @@ def full_state_dict(model):
     return {k: v.detach().cpu() for k, v in model.module.state_dict().items()}
 
 
-def forward_backward(model, x, y, amp, scaler, grad_accum=1):
+def forward_backward(model, x, y, amp, scaler, grad_accum=1, loss_fn=F.cross_entropy):
     """Forward and backward of the batch (x, y) as grad_accum micro-batches; returns its loss.
 
-    Each micro-batch's loss is divided by grad_accum, so that the gradients they add up to are
-    those of the batch's mean loss. `amp` ("bf16", "fp16" or "off") sets autocast, which covers
-    the forward only: backward runs each op in the dtype its forward used, and cross_entropy
-    autocasts to fp32. The scaler multiplies the loss by S before backward (fp16; else a no-op)."""
+    A micro-batch's loss is loss_fn(model(micro_x), micro_y), a mean over its samples, divided by
+    grad_accum, so that the gradients the micro-batches add up to are those of the batch's mean
+    loss. `amp` ("bf16", "fp16" or "off") sets autocast, which covers the forward only: backward
+    runs each op in the dtype its forward used, and cross_entropy autocasts to fp32. The scaler
+    multiplies the loss by S before backward (fp16; else a no-op)."""
     autocast_dtype = torch.float16 if amp == "fp16" else torch.bfloat16
     batch_loss = torch.zeros((), device=x.device)
     micro_batches = zip(x.chunk(grad_accum), y.chunk(grad_accum), strict=True)
@@ -103,7 +106,7 @@ def forward_backward(model, x, y, amp, scaler, grad_accum=1):
         gradient_sync = contextlib.nullcontext() if last else model.no_sync()
         with gradient_sync:
             with torch.autocast(x.device.type, dtype=autocast_dtype, enabled=amp != "off"):
-                loss = F.cross_entropy(model(micro_x), micro_y) / grad_accum
+                loss = loss_fn(model(micro_x), micro_y) / grad_accum
             scaler.scale(loss).backward()
         batch_loss += loss.detach()
     return batch_loss
@@ -153,7 +156,7 @@ def check_args(args, world):
         "each rank gets per step",
     )
     common.check(args.clip >= 0, f"--clip must be >= 0 (0: no clipping), got {args.clip}")
-    # The load-balancing gradient is added inside backward (common.AuxLossScaler), where the
+    # The load-balancing gradient is added inside backward (expert_parallel.AuxLossScaler), where
     # GradScaler's factor S never multiplies it, yet unscale_ divides it by S: it would shrink.
     common.check(
         not args.experts or args.amp != "fp16",

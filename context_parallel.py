@@ -27,6 +27,19 @@ Ulysses, W = 2: an all-to-all trades the token split for a head split, and back 
                                                                   | attention (SDPA)
     out      [B, T/2, H, d]  this rank's tokens  <==all-to-all==  [B, T, H/2, d]
 
+Causal (a decoder LM; parallelize's causal=True): a query sees only keys at or before it. Split
+contiguously, each ring step's block is wholly past (computed in full), this rank's own (the
+causal mask) or wholly future (skipped): rank 0 computes one block, rank W-1 all W, and the ring
+runs at the last rank's pace. The zig-zag split (zigzag=True) cuts T into 2W chunks and gives
+rank r chunks r and 2W-1-r; then every other rank's block costs each rank half a block:
+
+    W = 2, T = 4 chunks     rank 0 holds [c0 | c3], rank 1 holds [c1 | c2]
+    rank 0, KV of rank 1:   c3 sees c1 and c2, c0 sees neither -> our late half, all its keys
+    rank 1, KV of rank 0:   c1 and c2 see c0, neither sees c3  -> all our queries, its early half
+
+The messages are the same, causal or not. Ulysses gathers the whole sequence for H/W heads, puts
+it in sequence order (zig-zag) and lets SDPA apply is_causal.
+
 Memory per rank (fp32, AdamW): 16Ψ, as DDP. Attention's activations per block are 1/W of one
 process's: 4·a·B·T·D/W bytes for the a [B, T/W, D] tensors it saves (a = 5 for ring: input, q,
 k, v, out; 6 for Ulysses: + the output brought back to this rank's tokens), plus 4·B·H·T/W for
@@ -58,9 +71,69 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 
 ### begin: Context parallel
-# Model contract: `model.embed` (proj on patch² pixels, pos [1, T, D], patch), `model.blocks`
-# (attn.q, attn.k, attn.v, attn.proj nn.Linear, attn.head_dim), `model.head` (fc applied to
-# norm(x).mean(1)), the same weights on every rank.
+# Model contract: `model.blocks`, each `attn` with q, k, v, proj (nn.Linear) and head_dim; for
+# another attention (GPT-2's fused c_attn...), pass parallelize `attention=` a module built as
+# attention(block.attn, method, group, causal, zigzag) that keeps the model's projections and
+# calls `context_attention` where the model called F.scaled_dot_product_attention. The same
+# weights on every rank; every rank feeds the same batch.
+# causal=False (the ViT): `model.embed` (proj on patch² pixels, pos [1, T, D], patch), `model.head`
+# (fc applied to norm(x).mean(1)); parallelize splits the patches and sums the pooled mean.
+# causal=True (a decoder LM, an output per token): your embedding must embed this rank's tokens
+# at their own positions: `split_tokens(batch, group, zigzag)` gives both from the [B, T] batch
+# (tests/copy_context_parallel.py's LocalTokenEmbed); the loss is
+# `causal_lm_loss(logits, split_labels(batch, group, zigzag), group)`, for the whole sequence.
+
+
+def token_positions(tokens, rank, world, zigzag=False):
+    """The positions, in a sequence of `tokens`, of the tokens rank holds. Contiguous: the rank's
+    run of T/W. Zig-zag: T cut into 2W chunks, rank r holds chunks r and 2W-1-r, so that under a
+    causal mask every rank has as many (query, key) pairs to compute (W = 2: chunks 0+3, 1+2)."""
+    chunks = 2 * world if zigzag else world
+    if tokens % chunks:
+        raise ValueError(f"{tokens} tokens do not split into {chunks} equal chunks")
+    size = tokens // chunks
+    mine = [rank, chunks - 1 - rank] if zigzag else [rank]
+    return torch.cat([torch.arange(chunk * size, (chunk + 1) * size) for chunk in mine])
+
+
+def split_tokens(batch, group=None, zigzag=False):
+    """[B, T] -> (this rank's [B, T/W] tokens, their positions [T/W] in the sequence)."""
+    group = group or dist.group.WORLD
+    rank = dist.get_rank(group)
+    world = dist.get_world_size(group)
+    positions = token_positions(batch.shape[1], rank, world, zigzag).to(batch.device)
+    return batch[:, positions], positions
+
+
+def split_labels(batch, group=None, zigzag=False, ignore_index=-100):
+    """This rank's next-token labels, [B, T/W]: shifted on the whole sequence before the split
+    (a rank's last token's successor may live on another rank); the last position has none."""
+    labels = torch.full_like(batch, ignore_index)
+    labels[:, :-1] = batch[:, 1:]
+    return split_tokens(labels, group, zigzag)[0]
+
+
+def visible_part(query_rank, key_rank, tokens, causal, zigzag):
+    """What this rank's queries see of key_rank's K/V block: (query rows, key columns, whether
+    the causal mask applies inside) or None when the block lies wholly in their future. tokens:
+    T/W a rank. A rank's tokens are in sequence order, so its own block takes the causal mask."""
+    everything = slice(None)
+    if not causal:
+        return everything, everything, False
+    if key_rank == query_rank:
+        return everything, everything, True
+    if not zigzag:  # an earlier rank's block is wholly past, a later one's wholly future
+        return (everything, everything, False) if key_rank < query_rank else None
+    early = slice(0, tokens // 2)  # chunk r
+    late = slice(tokens // 2, None)  # chunk 2W-1-r
+    if key_rank < query_rank:  # its early chunk precedes both of ours, its late one follows both
+        return everything, early, False
+    return late, everything, False  # both its chunks precede our late chunk, follow our early one
+
+
+def future_mask(scores):
+    """True above the diagonal of a rank's own [T/W, T/W] score block: a key after the query."""
+    return torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu_(1)
 
 
 class RingPass:
@@ -97,14 +170,34 @@ class RingPass:
 # merge, calls SDPA.
 
 
+def merge_block(q_scaled, kv_block, masked, out, row_max, row_sum):
+    """Online softmax: fold one K/V block into this rank's running O, m and l, in place (the
+    rows of them the block reaches: views of forward's tensors)."""
+    key, value = kv_block
+    scores = q_scaled @ key.mT  # S_j
+    if masked:
+        scores.masked_fill_(future_mask(scores), -float("inf"))
+    new_max = torch.maximum(row_max, scores.amax(-1, keepdim=True))  # m'
+    # What was summed under the old max is rescaled to the new one, e^(m - m') <= 1: no exponent
+    # ever exceeds 0, so nothing overflows however large the scores.
+    correction = torch.exp(row_max - new_max)
+    # e^(S_j - m'), computed in place: the scores are not needed again.
+    exp_scores = scores.sub_(new_max).exp_()
+    row_sum.mul_(correction).add_(exp_scores.sum(-1, keepdim=True))
+    out.mul_(correction).add_(exp_scores @ value)
+    row_max.copy_(new_max)
+
+
 class RingAttention(torch.autograd.Function):
     """softmax(q·kᵀ/√d)·v over the whole sequence; q, k, v and the output: [B, H, T/W, d], this
-    rank's tokens. Forward is the online softmax over the ring (the formulas in the module
-    docstring); backward is flash attention's, one K/V block at a time, recomputing each block's
-    softmax from the saved log-sum-exp."""
+    rank's tokens (in the order token_positions gives). Forward is the online softmax over the
+    ring (the formulas in the module docstring); backward is flash attention's, one K/V block at a
+    time, recomputing each block's softmax from the saved log-sum-exp. causal: each block pair
+    computes only what visible_part says, in forward and backward alike."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group):
+    def forward(ctx, q, k, v, group, causal=False, zigzag=False):
+        rank = dist.get_rank(group)
         world = dist.get_world_size(group)
         q_scaled = q * q.shape[-1] ** -0.5
         kv_block = torch.stack([k, v])  # one message per step: the K/V block in hand
@@ -115,28 +208,32 @@ class RingAttention(torch.autograd.Function):
             last_step = step == world - 1
             if not last_step:
                 transfer = RingPass([kv_block], group)  # the next block travels meanwhile
-            scores = q_scaled @ kv_block[0].mT  # S_j
-            new_max = torch.maximum(row_max, scores.amax(-1, keepdim=True))  # m'
-            # What was summed under the old max is rescaled to the new one, e^(m - m') <= 1:
-            # no exponent ever exceeds 0, so nothing overflows however large the scores.
-            correction = torch.exp(row_max - new_max)
-            # e^(S_j - m'), computed in place: the scores are not needed again.
-            exp_scores = scores.sub_(new_max).exp_()
-            row_sum = row_sum * correction + exp_scores.sum(-1, keepdim=True)
-            out = out * correction + exp_scores @ kv_block[1]
-            row_max = new_max
+            part = visible_part(rank, (rank - step) % world, q.shape[-2], causal, zigzag)
+            if part is not None:  # step 0, this rank's own block, always has a part
+                rows, cols, masked = part
+                merge_block(
+                    q_scaled[..., rows, :],
+                    kv_block[..., cols, :],
+                    masked,
+                    out[..., rows, :],
+                    row_max[..., rows, :],
+                    row_sum[..., rows, :],
+                )
             if not last_step:
                 kv_block = transfer.wait()[0]
         out = out / row_sum
         log_sum_exp = row_max + row_sum.log()
         ctx.save_for_backward(q, k, v, out, log_sum_exp)
         ctx.group = group
+        ctx.causal = causal
+        ctx.zigzag = zigzag
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, log_sum_exp = ctx.saved_tensors
         group = ctx.group
+        rank = dist.get_rank(group)
         world = dist.get_world_size(group)
         q_scaled = q * q.shape[-1] ** -0.5
         # Softmax's backward needs rowsum(P ∘ dP) over the whole row; it equals rowsum(dO ∘ O)
@@ -162,10 +259,22 @@ class RingAttention(torch.autograd.Function):
             if sending_partial:
                 outgoing.append(grad_kv_partial)
             transfer = RingPass(outgoing, group)
-            grad_q_share, grad_kv = block_backward(
-                q_scaled, kv_block, grad_out, log_sum_exp, grad_dot_out
-            )
-            grad_q += grad_q_share
+            # A block wholly in this rank's future gets a zero share, yet its partial sum still
+            # travels: every rank passes the same messages at every step.
+            grad_kv = torch.zeros_like(kv_block)
+            part = visible_part(rank, (rank - step) % world, q.shape[-2], ctx.causal, ctx.zigzag)
+            if part is not None:
+                rows, cols, masked = part
+                grad_q_share, grad_kv_share = block_backward(
+                    q_scaled[..., rows, :],
+                    kv_block[..., cols, :],
+                    grad_out[..., rows, :],
+                    log_sum_exp[..., rows, :],
+                    grad_dot_out[..., rows, :],
+                    masked,
+                )
+                grad_q[..., rows, :] += grad_q_share
+                grad_kv[..., cols, :] = grad_kv_share
             incoming = transfer.wait()  # as outgoing: [next K/V block], [the previous partial]
             if step == 0:
                 grad_kv_home = grad_kv
@@ -177,16 +286,20 @@ class RingAttention(torch.autograd.Function):
                 kv_block = incoming[0]
         if world > 1:  # the last partial sum goes home: W - 1 dK/dV hops in all
             grad_kv_home = grad_kv_home + RingPass([grad_kv_partial], group).wait()[0]
-        return grad_q, grad_kv_home[0], grad_kv_home[1], None
+        return grad_q, grad_kv_home[0], grad_kv_home[1], None, None, None
 
 
-def block_backward(q_scaled, kv_block, grad_out, log_sum_exp, grad_dot_out):
+def block_backward(q_scaled, kv_block, grad_out, log_sum_exp, grad_dot_out, masked=False):
     """Flash attention's backward for one K/V block: this rank's queries' share of dQ and the
-    block's [dK, dV] from this rank's queries. The block's softmax P = e^(S - lse), as in forward;
-    dS = P ∘ (dO·Vᵀ - rowsum(dO ∘ O)); dQ = dS·K/√d, dK = dSᵀ·Q/√d, dV = Pᵀ·dO."""
+    block's [dK, dV] from this rank's queries. The block's softmax P = e^(S - lse), as in forward
+    (0 where `masked` hides a future key); dS = P ∘ (dO·Vᵀ - rowsum(dO ∘ O)); dQ = dS·K/√d,
+    dK = dSᵀ·Q/√d, dV = Pᵀ·dO."""
     scale = q_scaled.shape[-1] ** -0.5
     key, value = kv_block
-    probs = (q_scaled @ key.mT).sub_(log_sum_exp).exp_()
+    scores = q_scaled @ key.mT
+    if masked:
+        scores.masked_fill_(future_mask(scores), -float("inf"))
+    probs = scores.sub_(log_sum_exp).exp_()
     grad_scores = (grad_out @ value.mT).sub_(grad_dot_out).mul_(probs)
     grad_q = grad_scores @ key * scale
     grad_kv = torch.stack([grad_scores.mT @ q_scaled, probs.mT @ grad_out])
@@ -232,11 +345,38 @@ def heads_to_tokens(x, group):
     return AllToAll.apply(x, group, 1, 2)
 
 
+def ulysses_attention(q, k, v, group, causal=False, zigzag=False):
+    """[B, H, T/W, d] in and out, as SDPA; SDPA sees all T tokens of H/W heads. The all-to-all
+    gathers the tokens rank by rank: with the zig-zag split they are put in sequence order for
+    SDPA (is_causal needs it) and back after."""
+    world = dist.get_world_size(group)
+    q, k, v = (tokens_to_heads(x.transpose(1, 2), group).transpose(1, 2) for x in (q, k, v))
+    reorder = zigzag and causal  # without a mask, attention does not care about the order
+    if reorder:
+        tokens = q.shape[-2]
+        ranks = range(world)
+        gathered = torch.cat([token_positions(tokens, r, world, zigzag) for r in ranks])
+        gathered = gathered.to(q.device)  # the position of each gathered token
+        q, k, v = (x[..., gathered.argsort(), :] for x in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # [B, H/W, T, d]
+    if reorder:
+        out = out[..., gathered, :]  # back to the gathered order
+    return heads_to_tokens(out.transpose(1, 2), group).transpose(1, 2)
+
+
+def context_attention(q, k, v, method, group, causal=False, zigzag=False):
+    """Drop-in for F.scaled_dot_product_attention(q, k, v, is_causal=causal) on this rank's
+    tokens: [B, H, T/W, d] in and out, attending to all T."""
+    if method == "ring":
+        return RingAttention.apply(q, k, v, group, causal, zigzag)
+    return ulysses_attention(q, k, v, group, causal, zigzag)
+
+
 class ContextParallelAttention(nn.Module):
     """The block's attention on this rank's T/W tokens, attending to all T: the same q, k, v and
     proj modules, so the state_dict keys are the model's."""
 
-    def __init__(self, attn, method, group):
+    def __init__(self, attn, method, group, causal=False, zigzag=False):
         super().__init__()
         self.q = attn.q
         self.k = attn.k
@@ -245,46 +385,29 @@ class ContextParallelAttention(nn.Module):
         self.head_dim = attn.head_dim
         self.method = method
         self.group = group
+        self.causal = causal
+        self.zigzag = zigzag
 
     def forward(self, x):  # x: [B, T/W, D]
         B, local_tokens, D = x.shape
         shape = (B, local_tokens, -1, self.head_dim)  # [B, T/W, H, d]
-        q = self.q(x).view(shape)
-        k = self.k(x).view(shape)
-        v = self.v(x).view(shape)
-        if self.method == "ring":
-            out = self.ring(q, k, v)
-        else:
-            out = self.ulysses(q, k, v)
-        return self.proj(out.reshape(B, local_tokens, D))
-
-    def ring(self, q, k, v):
-        """[B, T/W, H, d] in and out; the ring, like SDPA, works on [B, H, T/W, d]."""
-        q = q.transpose(1, 2)
-        k = k.transpose(1, 2)
-        v = v.transpose(1, 2)
-        out = RingAttention.apply(q, k, v, self.group)
-        return out.transpose(1, 2)
-
-    def ulysses(self, q, k, v):
-        """[B, T/W, H, d] in and out; SDPA sees all T tokens of H/W heads, as [B, H/W, T, d]."""
-        q = tokens_to_heads(q, self.group).transpose(1, 2)
-        k = tokens_to_heads(k, self.group).transpose(1, 2)
-        v = tokens_to_heads(v, self.group).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)  # [B, T, H/W, d]
-        return heads_to_tokens(out, self.group)
+        q = self.q(x).view(shape).transpose(1, 2)  # [B, H, T/W, d], as SDPA takes them
+        k = self.k(x).view(shape).transpose(1, 2)
+        v = self.v(x).view(shape).transpose(1, 2)
+        out = context_attention(q, k, v, self.method, self.group, self.causal, self.zigzag)
+        return self.proj(out.transpose(1, 2).reshape(B, local_tokens, D))
 
 
 class LocalPatchEmbed(nn.Module):
-    """The model's patch embedding for this rank's tokens only (a contiguous run of the T patches)
-    and their position embeddings."""
+    """The model's patch embedding for this rank's tokens only (its `positions` among the T
+    patches) and their position embeddings."""
 
-    def __init__(self, embed, token_range):
+    def __init__(self, embed, positions):
         super().__init__()
         self.proj = embed.proj
         self.pos = embed.pos
         self.patch = embed.patch
-        self.token_range = token_range  # a slice of the T patches
+        self.positions = positions  # token_positions: a run of the T patches, or two chunks
 
     def forward(self, img):
         B = img.shape[0]
@@ -293,7 +416,7 @@ class LocalPatchEmbed(nn.Module):
         # [B, 1, side·p, side·p] -> [B, T, p²]; the patch in row i, column j is token
         # i·side + j, the model's own order.
         patches = img.reshape(B, side, p, side, p).transpose(2, 3).reshape(B, side * side, p * p)
-        mine = self.token_range
+        mine = self.positions.to(img.device)
         return self.proj(patches[:, mine]) + self.pos[:, mine]
 
 
@@ -315,27 +438,48 @@ class SumOverRanks(torch.autograd.Function):
         return grad * ctx.world, None
 
 
-def parallelize(model, device, method="ring", group=None):
-    """Every rank keeps the whole model and runs it on its T/W tokens of every sample."""
+def causal_lm_loss(logits, labels, group=None, ignore_index=-100):
+    """The cross-entropy averaged over every rank's labels (split_labels), the same value on
+    every rank: one process's mean over the whole sequence. One all-reduce of [sum, count]."""
+    group = group or dist.group.WORLD
+    loss_sum = F.cross_entropy(
+        logits.flatten(0, -2), labels.flatten(), ignore_index=ignore_index, reduction="sum"
+    )
+    count = (labels != ignore_index).sum().to(loss_sum.dtype)
+    total = SumOverRanks.apply(torch.stack([loss_sum, count]), group)
+    return total[0] / total[1]
+
+
+def parallelize(
+    model,
+    device,
+    method="ring",
+    group=None,
+    causal=False,
+    zigzag=False,
+    attention=ContextParallelAttention,
+):
+    """Every rank keeps the whole model and runs it on its T/W tokens of every sample: a
+    contiguous run, or (zigzag) chunks r and 2W-1-r of 2W, which balances causal attention."""
     group = group or dist.group.WORLD
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
-    tokens = model.embed.pos.shape[1]
-    token_range = slice(rank * tokens // world, (rank + 1) * tokens // world)
-    model.embed = LocalPatchEmbed(model.embed, token_range)
     for block in model.blocks:
-        block.attn = ContextParallelAttention(block.attn, method, group)
+        block.attn = attention(block.attn, method, group, causal, zigzag)
+    if not causal:  # the ViT: split the patches here, sum the pooled mean over ranks
+        tokens = model.embed.pos.shape[1]
+        model.embed = LocalPatchEmbed(model.embed, token_positions(tokens, rank, world, zigzag))
 
-    def mean_over_all_tokens(fc, inputs):
-        # A forward pre-hook gets fc's inputs as a tuple and returns what fc takes instead.
-        # The mean over T tokens is the sum over ranks of each rank's mean over T/W, / W.
-        local_mean = inputs[0]
-        return SumOverRanks.apply(local_mean / world, group)
+        def mean_over_all_tokens(fc, inputs):
+            # A forward pre-hook gets fc's inputs as a tuple and returns what fc takes instead.
+            # The mean over T tokens is the sum over ranks of each rank's mean over T/W, / W.
+            local_mean = inputs[0]
+            return SumOverRanks.apply(local_mean / world, group)
 
-    model.head.fc.register_forward_pre_hook(mean_over_all_tokens)
+        model.head.fc.register_forward_pre_hook(mean_over_all_tokens)
     # A weight's gradient is a sum over all tokens; each rank holds its own tokens' part, times W
-    # (SumOverRanks' backward; the classifier's is whole on every rank). DDP's all-reduce / W
-    # then leaves the whole gradient on every rank.
+    # (SumOverRanks' backward, in the pooled mean or in causal_lm_loss; the classifier's is whole
+    # on every rank). DDP's all-reduce / W then leaves the whole gradient on every rank.
     return DDP(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
@@ -345,7 +489,7 @@ def parallelize(model, device, method="ring", group=None):
 
 
 def full_state_dict(model):
-    """The plain state_dict of the common model: every rank holds it whole."""
+    """The plain state_dict of the model: every rank holds it whole."""
     return {k: v.detach().cpu() for k, v in model.module.state_dict().items()}
 
 

@@ -2,7 +2,8 @@
 different ranks. Each of W ranks holds the dense part whole and trains on its slice of each batch
 (data parallel), and owns E/W whole experts of every MoE block (expert parallel). The router
 picks each token's K experts; the token travels to the ranks that own them (dispatch) and the
-experts' outputs travel back (combine).
+experts' outputs travel back (combine). The MoE layer itself (router, experts, balance loss) is
+this section's too: common/model.py builds the ViT's MoE blocks from it, for every script.
 
     rank 0 owns experts 0, 1                rank 1 owns experts 2, 3        E = 4, W = 2, K = 1
     tokens      a  b  c  d                  tokens      e  f  g  h
@@ -45,25 +46,116 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 
 ### begin: Expert parallel
-# Model contract: model.blocks[i].mlp.experts is a list of E expert modules, called with the
-# routing as experts(tokens [N, D], expert of each (token, slot) [N, K], weights [N, K]) -> [N, D]
-# (the sum over slots of weight * expert(token)); every other parameter is dense and lives in
-# model.embed, model.blocks or model.head.
+# Model contract: every block's MLP is this section's MoE, built over E expert modules of your
+# own (any [N, D] -> [N, D] module, e.g. your MLP): block.mlp = MoE(dim, [MLP(dim) for _ in
+# range(E)], top_k, aux_loss, forwards_per_step), where forwards_per_step is the count of forwards
+# whose losses one optimizer step sums, each divided by it (gradient accumulation, micro-batches).
+# parallelize finds the experts at model.blocks[i].mlp.experts; every other parameter is dense and
+# lives in model.embed, model.blocks or model.head. E divisible by the expert group's size.
+
+
+class Experts(nn.ModuleList):
+    """E expert modules, called with the routing: tokens [N, D], the expert each token picked in
+    each of its K slots [N, K] and the slots' weights [N, K] -> sum over k of weights[:, k] times
+    the output of expert chosen[:, k] on the token, [N, D].
+
+    All experts run in this process, each on its tokens in token order; parallelize swaps in an
+    ExpertParallel, called the same way, that sends each token to the rank owning its expert.
+    Every expert runs, also on no token, so each always has a gradient (zero if it got no token),
+    as DDP and ZeRO expect of every parameter. One host sync (the tokens per expert) per layer."""
+
+    def forward(self, tokens, chosen, weights):
+        num_tokens, top_k = chosen.shape
+        slots = chosen.reshape(-1)  # [N * K]: the expert of each (token, slot)
+        by_expert = slots.argsort(stable=True)  # slots grouped by expert, token order kept
+        # tokens per expert: scatter_add_, not bincount, which waits for the device on CUDA
+        per_expert = torch.zeros(len(self), dtype=torch.long, device=slots.device)
+        per_expert.scatter_add_(0, slots, torch.ones_like(slots))
+        inputs = tokens[by_expert // top_k].split(per_expert.tolist())  # the one host sync
+        outputs = torch.cat([expert(x) for expert, x in zip(self, inputs, strict=True)])
+        outputs = torch.empty_like(outputs).index_copy(0, by_expert, outputs)  # slot order again
+        return (weights.unsqueeze(-1) * outputs.view(num_tokens, top_k, -1)).sum(1)
+
+
+class AuxLossScaler(torch.autograd.Function):
+    """Returns x unchanged; in backward also gives `aux` the gradient `scale` (Megatron-LM's
+    MoEAuxLossAutoScaler), as if aux * scale had been added to the loss the loop backpropagates."""
+
+    @staticmethod
+    def forward(ctx, x, aux, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad.new_full((), ctx.scale), None
+
+
+class MoE(nn.Module):
+    """Mixture of experts in place of the MLP: a linear router scores the E experts for each token;
+    each token goes to its top K, mixed by the softmax over the K chosen scores. No capacity limit,
+    no dropped token: the output does not depend on how tokens are grouped into batches or ranks.
+
+    Load balance: DeepSeek-V3's sequence-wise auxiliary loss, per sample (an image, a sequence) of
+    T tokens: f_i = E/(K*T) * (the sample's tokens routed to expert i; no gradient), P_i = the mean
+    over its tokens of the router's full softmax for expert i; aux = coef * sum_i f_i * P_i,
+    averaged over the samples. A per-sample mean is what makes it exact across ranks and
+    micro-batches: a batch-wise (Switch) loss over the whole batch would make W=2 differ from W=1.
+    The loop's loss stays the task's (and so does the printed train loss): the aux term's gradient
+    is added in backward by AuxLossScaler, attached to the routing weights, scaled by
+    1/forwards_per_step because the loop divides each micro-batch's loss by the micro-batch count
+    (gradient accumulation, pipeline micro-batches); averaging the gradients over ranks does the
+    rest."""
+
+    def __init__(self, dim, experts, top_k, aux_loss=0.0, forwards_per_step=1):
+        super().__init__()
+        experts = Experts(experts)
+        self.top_k = top_k
+        self.aux_loss = aux_loss
+        self.forwards_per_step = forwards_per_step
+        self.router = nn.Linear(dim, len(experts), bias=False)
+        self.experts = experts
+
+    def forward(self, x):
+        batch, tokens_per_sample, dim = x.shape
+        tokens = x.reshape(batch * tokens_per_sample, dim)
+        logits = self.router(tokens)  # [B*T, E]
+        top_logits, chosen = logits.topk(self.top_k, dim=-1)
+        weights = top_logits.softmax(-1)
+        if self.training and self.aux_loss and torch.is_grad_enabled():
+            aux = self.balance_loss(logits, chosen, batch, tokens_per_sample)
+            weights = AuxLossScaler.apply(weights, aux, 1.0 / self.forwards_per_step)
+        return self.experts(tokens, chosen, weights).view(batch, tokens_per_sample, dim)
+
+    def balance_loss(self, logits, chosen, batch, tokens_per_sample):
+        """coef * sum_i f_i * P_i per sample, averaged over the samples (the class docstring)."""
+        E = logits.shape[-1]
+        K = self.top_k
+        T = tokens_per_sample
+        routed = F.one_hot(chosen, E).view(batch, T * K, E).sum(1)  # [B, E] tokens per expert
+        f = routed * (E / (K * T))  # no gradient: counts
+        P = logits.softmax(-1).view(batch, T, E).mean(1)
+        return self.aux_loss * (f * P).sum(-1).mean()
 
 
 class AllToAll(torch.autograd.Function):
-    """all_to_all_single with uneven splits: x's first send_splits[0] rows go to rank 0, the next
-    send_splits[1] to rank 1, ...; the output stacks the recv_splits[r] rows from each rank r in
-    rank order. Its backward is the reverse all-to-all: each gradient row goes back where its row
-    came from."""
+    """all_to_all_single over `group` with uneven splits: x's first send_splits[0] rows go to the
+    group's rank 0, the next send_splits[1] to its rank 1, ...; the output stacks the
+    recv_splits[r] rows from each rank r in rank order. Its backward is the reverse all-to-all:
+    each gradient row goes back where its row came from."""
 
     @staticmethod
-    def forward(ctx, x, send_splits, recv_splits):
+    def forward(ctx, x, send_splits, recv_splits, group):
         ctx.send_splits = send_splits
         ctx.recv_splits = recv_splits
+        ctx.group = group
         out = x.new_empty(sum(recv_splits), *x.shape[1:])
         dist.all_to_all_single(
-            out, x.contiguous(), output_split_sizes=recv_splits, input_split_sizes=send_splits
+            out,
+            x.contiguous(),
+            output_split_sizes=recv_splits,
+            input_split_sizes=send_splits,
+            group=group,
         )
         return out
 
@@ -75,16 +167,23 @@ class AllToAll(torch.autograd.Function):
             grad.contiguous(),
             output_split_sizes=ctx.send_splits,
             input_split_sizes=ctx.recv_splits,
+            group=ctx.group,
         )
-        return out, None, None
+        return out, None, None, None
 
 
 class ExpertParallel(nn.Module):
-    """This rank's E/W experts of one block (rank r: experts r·E/W .. (r+1)·E/W - 1, named by
-    their global index, so the state_dict has the model's keys), called like the whole list."""
+    """This rank's E/W experts of one block, W the size of the expert group (its rank r: experts
+    r·E/W .. (r+1)·E/W - 1, named by their global index, so the state_dict has the model's keys),
+    called like the whole list. group: the ranks the experts are spread over (None: the world)."""
 
-    def __init__(self, experts, rank, world):
+    def __init__(self, experts, group=None):
         super().__init__()
+        rank = dist.get_rank(group)
+        world = dist.get_world_size(group)
+        if len(experts) % world:
+            raise ValueError(f"{len(experts)} experts do not split over {world} ranks evenly")
+        self.group = group
         self.num_experts = len(experts)  # E, on all ranks
         self.world = world
         self.experts_per_rank = len(experts) // world
@@ -106,10 +205,12 @@ class ExpertParallel(nn.Module):
         sent, received = self.exchange_counts(row_expert)
         send_splits = [sum(counts) for counts in sent]  # rows to each rank
         recv_splits = [sum(counts) for counts in received]  # rows from each rank
-        dispatched = AllToAll.apply(tokens[by_expert // top_k], send_splits, recv_splits)
+        dispatched = AllToAll.apply(
+            tokens[by_expert // top_k], send_splits, recv_splits, self.group
+        )
         expert_out = self.run_experts(dispatched, received)
         # Combine: the reverse all-to-all brings each output back in the order its row was sent.
-        returned = AllToAll.apply(expert_out, recv_splits, send_splits)
+        returned = AllToAll.apply(expert_out, recv_splits, send_splits, self.group)
         # Returned row i is row by_expert[i]: put it back there, token-major again.
         per_slot = torch.empty_like(returned).index_copy(0, by_expert, returned)
         per_slot = per_slot.view(num_tokens, top_k, -1)  # [N, K, D]
@@ -124,7 +225,7 @@ class ExpertParallel(nn.Module):
         send_counts.scatter_add_(0, row_expert, torch.ones_like(row_expert))  # rows per expert
         recv_counts = torch.empty_like(send_counts)
         # Even splits of E/W: rank r gets the counts for its own experts, from every rank in order.
-        dist.all_to_all_single(recv_counts, send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         # The layer's one host sync: the uneven all-to-alls take their split sizes as host
         # integers (backward reuses them). Stacked, both lists come over in one copy.
         both = torch.stack([send_counts, recv_counts]).view(2, self.world, self.experts_per_rank)
@@ -151,13 +252,13 @@ class ExpertParallel(nn.Module):
         return torch.cat(in_arrival_order)
 
 
-def parallelize(model, device):
+def parallelize(model, device, group=None):
     """Keep this rank's experts of every block and drop the others, then move to the device: the
-    other ranks' experts never reach it."""
-    rank = dist.get_rank()
-    world = dist.get_world_size()
+    other ranks' experts never reach it. group: the expert group, the ranks the E experts are
+    spread over (None: the world); beside data parallelism on another mesh dimension, the
+    DeviceMesh's expert dimension, mesh["ep"].get_group()."""
     for block in model.blocks:
-        block.mlp.experts = ExpertParallel(block.mlp.experts, rank, world)
+        block.mlp.experts = ExpertParallel(block.mlp.experts, group)
     return model.to(device)
 
 
@@ -168,37 +269,64 @@ def expert_params(model):
 
 def dense_buckets(model):
     """The dense parameters in the order backward finishes them, one bucket per unit: the head,
-    the blocks from last to first (attention, norms, router: not the experts), the embedding."""
-    expert_ids = {id(p) for p in expert_params(model)}
-    units = [model.head, *reversed(model.blocks), model.embed]
-    buckets = [[p for p in unit.parameters() if id(p) not in expert_ids] for unit in units]
-    dense = [p for p in model.parameters() if id(p) not in expert_ids]
-    if sum(len(bucket) for bucket in buckets) != len(dense):
+    the blocks from last to first (attention, norms, router: not the experts), the embedding. A
+    parameter two units share (an embedding tied to the output head) goes in the bucket of the
+    one nearest the input: its gradient is whole only once backward has reached that unit."""
+    placed = {id(p) for p in expert_params(model)}  # each parameter in one bucket at most
+    buckets = []
+    for unit in [model.embed, *model.blocks, model.head]:  # forward order
+        bucket = [p for p in unit.parameters() if id(p) not in placed]
+        placed.update(id(p) for p in bucket)
+        buckets.append(bucket)
+    outside = [p for p in model.parameters() if id(p) not in placed]
+    if outside:
         raise ValueError("every dense parameter must live in model.embed, .blocks or .head")
-    return buckets
+    return buckets[::-1]  # backward's order
 
 
 class GradientAverager:
-    """Averages every gradient over the W ranks before the step, as DDP would.
+    """Averages every gradient over the W data-parallel ranks before the step, as DDP would.
 
-    The dense gradients: all-reduced like DDP's, bucket by bucket, each as soon as backward has
-    finished it, so that a block's all-reduce travels while backward runs the blocks before it.
-    The expert gradients need no all-reduce: the all-to-alls already brought every token routed
-    to an expert, from every rank, to its one owner. Each rank's loss is the mean over its batch/W
-    images, so what the owner accumulated is the sum of W ranks' mean gradients, W times the
-    gradient of the global batch's mean: only the scale, 1/W, is missing. One backward per step,
-    as the training loop does."""
+    The data-parallel ranks (data_group; None: the world) each train on their slice of the batch
+    and hold the same dense part. They are the expert group (parallelize's) times replica_group:
+    the ranks that hold the same experts as this one, one in each copy of the expert group (None:
+    one copy, the expert group is every data-parallel rank).
 
-    def __init__(self, model, world):
-        self.world = world
+    The dense gradients: all-reduced over data_group like DDP's, bucket by bucket, each as soon as
+    the step's last backward has finished it, so that a block's all-reduce travels while backward
+    runs the blocks before it. The MoE's forwards_per_step backward passes (gradient accumulation)
+    add up in .grad first: a bucket launches when all of its gradients have arrived that many times.
+    The expert gradients need no all-reduce within the expert group: the all-to-alls already
+    brought every token routed to an expert, from every rank of the group, to its one owner; with
+    several copies, one all-reduce over replica_group adds the other copies'. Each rank's loss is
+    the mean over its slice, so what the owner then holds is the sum of W ranks' mean gradients, W
+    times the gradient of the global batch's mean: only the scale, 1/W, is missing."""
+
+    def __init__(self, model, data_group=None, replica_group=None):
+        self.data_group = data_group
+        self.replica_group = replica_group
+        self.world = dist.get_world_size(data_group)
+        copies = 1 if replica_group is None else dist.get_world_size(replica_group)
+        layers = [block.mlp for block in model.blocks]
+        if self.world != layers[0].experts.world * copies:
+            raise ValueError(
+                f"{self.world} data-parallel ranks are not {layers[0].experts.world} ranks of "
+                f"the expert group times {copies} copies of it: pass replica_group, the ranks "
+                "that hold this rank's experts"
+            )
+        self.backward_passes = layers[0].forwards_per_step  # per optimizer step
         self.buckets = dense_buckets(model)
         self.experts = expert_params(model)
         # missing[i]: the gradients of bucket i that backward has not accumulated yet this step
-        self.missing = [len(bucket) for bucket in self.buckets]
+        self.missing = self.expected()
         self.in_flight = []  # (flat gradients, all-reduce work) per launched bucket, in order
         for index, bucket in enumerate(self.buckets):
             for param in bucket:
                 param.register_post_accumulate_grad_hook(self.grad_ready_hook(index))
+
+    def expected(self):
+        """Gradients each bucket gets in a step: one per parameter per backward pass."""
+        return [len(bucket) * self.backward_passes for bucket in self.buckets]
 
     def grad_ready_hook(self, index):
         """The hook for bucket `index`'s parameters (a function per bucket: each keeps its own
@@ -206,6 +334,11 @@ class GradientAverager:
 
         def grad_ready(param):
             self.missing[index] -= 1
+            if self.missing[index] < 0:
+                raise RuntimeError(
+                    f"more than {self.backward_passes} backward passes before an optimizer step: "
+                    "build the MoE layers with forwards_per_step = the backward passes per step"
+                )
             self.launch_ready_buckets()
 
         return grad_ready
@@ -225,7 +358,7 @@ class GradientAverager:
         # A parameter that got no gradient sends zeros: the bucket has the same size everywhere.
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
         flat = torch.cat([grad.reshape(-1) for grad in grads])
-        work = dist.all_reduce(flat, async_op=True)
+        work = dist.all_reduce(flat, group=self.data_group, async_op=True)
         self.in_flight.append((flat, work))
 
     def wait(self, optimizer, args, kwargs):
@@ -239,22 +372,29 @@ class GradientAverager:
             sizes = [p.numel() for p in bucket]
             for param, grad in zip(bucket, flat.split(sizes), strict=True):
                 param.grad = grad.view_as(param)  # a view of the bucket: no copy
-        for param in self.experts:
-            if param.grad is not None:
-                param.grad.div_(self.world)
+        expert_grads = [p.grad for p in self.experts if p.grad is not None]
+        if self.replica_group is not None:
+            for grad in expert_grads:
+                dist.all_reduce(grad, group=self.replica_group)
+        for grad in expert_grads:
+            grad.div_(self.world)
         # Ready for the next step's backward.
-        self.missing = [len(bucket) for bucket in self.buckets]
+        self.missing = self.expected()
         self.in_flight = []
 
 
-def hook_optimizer(model, optimizer):
-    """Before each step, every gradient averaged over the W ranks (GradientAverager)."""
-    averager = GradientAverager(model, dist.get_world_size())
+def hook_optimizer(model, optimizer, data_group=None, replica_group=None):
+    """Before each step, every gradient averaged over the data-parallel ranks (GradientAverager:
+    data_group, None: the world; replica_group, the ranks holding this rank's experts, None: no
+    other). Beside data parallelism on a DeviceMesh ("dp", "ep"): parallelize's group is
+    mesh["ep"].get_group(), replica_group mesh["dp"].get_group(), data_group the world."""
+    averager = GradientAverager(model, data_group, replica_group)
     optimizer.register_step_pre_hook(averager.wait)
 
 
 def full_state_dict(model):
-    """The plain state_dict of the common model, the experts gathered on rank 0 (None elsewhere)."""
+    """The plain state_dict of the whole model, every rank's experts gathered on the world's rank 0
+    (None elsewhere); every rank of the world calls it."""
     local = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     if dist.get_rank() != 0:
         dist.gather_object(local, None, dst=0)

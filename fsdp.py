@@ -51,8 +51,10 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 ### begin: FSDP
 # Model contract: `model.blocks` (a unit each; the rest, embed and head, is the root unit), built
-# with the same weights on every rank, on this rank's device. Build the optimizer after sharding:
-# it must hold the shards, not the full parameters that sharding replaces.
+# with the same weights on every rank, on this rank's device. Build the optimizer after sharding,
+# its parameter groups too: it must hold the shards, not the full parameters that sharding
+# replaces. A weight shared by two modules (an embedding tied to the output head) must be in one
+# unit, here the root: keep both modules out of `model.blocks` (FSDP refuses a split tie).
 
 
 def parallelize(model, device, mixed_precision=False, offload=False, reshard_after_forward=True):

@@ -29,9 +29,11 @@ activations A_s/m of each micro-batch in flight (A_s: the stage's for the whole 
 (naive), m (gpipe), p-s on stage s (1f1b: at most p, whatever m).
 Communication per step, T tokens of width D (--dim) a sample: m activations of B/m·T·D fp32
 forward and m gradients back over each of the p-1 stage boundaries: 2(p-1)·m messages, 4·B·T·D
-bytes each way per boundary. No collective in the step: every message a step sends is received
-within it (each schedule ends flushed), so the loop's collectives (the logged loss's all-reduce,
-evaluation's) never meet an open send.
+bytes each way per boundary. A weight the embedding and the head share (a language model's tied
+embedding, Ψ_e) adds an all-reduce of its 4Ψ_e-byte gradient between the first and the last stage,
+after the step's last backward; no other collective in the step: every message a step sends is
+received within it (each schedule ends flushed), so the loop's collectives (the logged loss's
+all-reduce, evaluation's) never meet an open send.
 
     torchrun --standalone --nproc_per_node=2 pipeline.py --schedule 1f1b --microbatches 4
     python pipeline.py --nproc 4 --schedule gpipe --microbatches 8
@@ -52,16 +54,22 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 
 ### begin: Pipeline
-# Model contract: model.embed (images -> [B, T, D], with a parameter pos [1, T, D]), model.blocks
-# (a list of [B, T, D] -> [B, T, D]) and model.head (-> logits), in that order; cross-entropy loss.
+# Model contract: model.embed (the inputs -> [B, T, D]), model.blocks (a list of [B, T, D] ->
+# [B, T, D]) and model.head (-> what the loss takes), in that order, the same weights built on every
+# rank. A float [B/m, T, D] crosses each stage boundary: (T, D) is parallelize's activation_shape,
+# model.embed.pos's [1, T, D] by default. The loss is train_step's loss_fn(output, targets),
+# cross-entropy by default (a language model: next-token cross-entropy over the positions). A weight
+# model.embed and model.head share (GPT-2's wte.weight, lm_head.weight) gets a copy of its own on
+# the last stage (stage.tied): a weight-decay split puts that copy in its original's group.
 
 
 class Stage(torch.nn.Module):
     """Stage `index` of `num_stages` (s of p): blocks s·d/p .. (s+1)·d/p - 1, with the embedding
     on the first stage and the head on the last. Blocks keep their index in the whole model, so the
-    stage's state_dict has the common model's keys."""
+    stage's state_dict has the common model's keys. `tied`: the stage's copy of each weight the
+    embedding and the head share, on the first and the last stage (parallelize's)."""
 
-    def __init__(self, model, index, num_stages):
+    def __init__(self, model, index, num_stages, activation_shape=None):
         super().__init__()
         self.index = index
         self.num_stages = num_stages
@@ -76,7 +84,11 @@ class Stage(torch.nn.Module):
         )
         self.head = model.head if self.is_last else None
         # a sample's activation, (T, D): what crosses a stage boundary, received into empty tensors
-        self.activation_shape = tuple(model.embed.pos.shape[1:])
+        if activation_shape is None:
+            activation_shape = model.embed.pos.shape[1:]
+        self.activation_shape = tuple(activation_shape)
+        self.tied = []
+        self.tied_group = None
 
     def forward(self, x):
         if self.embed is not None:
@@ -88,9 +100,50 @@ class Stage(torch.nn.Module):
         return x
 
 
-def parallelize(model, device):
-    """Keep this rank's stage, on its device; the rest of the model is dropped."""
-    return Stage(model, dist.get_rank(), dist.get_world_size()).to(device)
+def parallelize(model, device, activation_shape=None):
+    """Keep this rank's stage, on its device; the rest of the model is dropped. activation_shape:
+    (T, D) of one sample's activation between stages (default: model.embed.pos's).
+
+    A weight tied between the embedding (first stage) and the head (last stage) cannot be one
+    tensor on two ranks. As in Megatron-LM, the last stage gets a copy of its own, equal to the
+    first stage's (every rank built the same weights), and the two stages, its "embedding group",
+    sum their gradients after each step's backward (all_reduce_tied): both copies take the same
+    step, the tied weight's."""
+    num_stages = dist.get_world_size()
+    tied_names = tied_weights(model) if num_stages > 1 else []  # one stage: the tie stays
+    stage = Stage(model, dist.get_rank(), num_stages, activation_shape)
+    if tied_names:
+        # every rank takes part in making a group, the ranks outside it too (dist.new_group's rule)
+        stage.tied_group = dist.new_group([0, num_stages - 1])
+    if stage.is_first:
+        stage.tied = [model.head.get_parameter(name) for name in tied_names]
+    if stage.is_last:
+        stage.tied = [untie(model.head, name) for name in tied_names]
+    return stage.to(device)
+
+
+def tied_weights(model):
+    """The names, in model.head, of the parameters model.embed holds too (GPT-2's lm_head.weight,
+    which is wte.weight)."""
+    embed_parameters = set(model.embed.parameters())
+    return [name for name, param in model.head.named_parameters() if param in embed_parameters]
+
+
+def untie(module, name):
+    """Give `module` a copy of its parameter `name` (a dotted path) of its own; return the copy."""
+    owner_name, _, attribute = name.rpartition(".")
+    owner = module.get_submodule(owner_name)
+    copy = torch.nn.Parameter(owner.get_parameter(attribute).detach().clone())
+    setattr(owner, attribute, copy)
+    return copy
+
+
+def all_reduce_tied(stage):
+    """The first and the last stage: each copy of a tied weight has its stage's part of the
+    weight's gradient (the embedding's use, the head's); both take their sum. At the same point on
+    both, after the step's last backward. The other stages hold no copy and do nothing."""
+    for weight in stage.tied:
+        dist.all_reduce(weight.grad, group=stage.tied_group)
 
 
 def schedule(name, micro_batches, num_stages, index):
@@ -124,9 +177,11 @@ def p2p(ops):
         work.wait()
 
 
-def train_step(stage, x, y, schedule_name, micro_batches):
-    """Forward, loss and backward of every micro-batch in the schedule's order. Returns the batch's
-    mean loss on the last stage, 0 elsewhere.
+def train_step(stage, x, y, schedule_name, micro_batches, loss_fn=F.cross_entropy):
+    """Forward, loss and backward of every micro-batch in the schedule's order, then the tied
+    weights' gradients summed. Returns the batch's mean loss on the last stage, 0 elsewhere. The
+    micro-batches are the step's gradient accumulation; a second train_step before the optimizer's
+    step adds to the gradients too.
 
     An action's output is sent in one group with the next action's receive, as Megatron-LM and
     torch.distributed.pipelining do: in 1F1B's steady state stage s sends activation i while stage
@@ -136,6 +191,11 @@ def train_step(stage, x, y, schedule_name, micro_batches):
     loss = torch.zeros((), device=x.device)
     kept = {}  # micro-batch -> (its input, its output), kept for its backward
     sends = []  # the last action's output, which goes out with the next action's receive
+    if stage.is_last:
+        # A tied copy's gradient from an earlier train_step of this optimizer step is in the first
+        # stage's copy too (all_reduce_tied summed it there): dropped here, the sum counts it once.
+        for weight in stage.tied:
+            weight.grad = None
     for action, i in schedule(schedule_name, micro_batches, stage.num_stages, stage.index):
         if action == "F":
             if stage.is_first:
@@ -152,7 +212,7 @@ def train_step(stage, x, y, schedule_name, micro_batches):
                 # The loss takes the output's place, so the backward starts from it. It is the
                 # mean over the micro-batch's B/m samples; / m makes the m of them sum to the
                 # batch's mean.
-                output = F.cross_entropy(output, targets[i]) / micro_batches
+                output = loss_fn(output, targets[i]) / micro_batches
                 loss += output.detach()
                 sends = []
             else:
@@ -170,6 +230,7 @@ def train_step(stage, x, y, schedule_name, micro_batches):
             output.backward(grad)
             sends = [] if stage.is_first else [(dist.isend, activation.grad, stage.index - 1)]
     p2p(sends)  # the last backward's gradient: stage s-1 receives it in its own last backward
+    all_reduce_tied(stage)
     return loss
 
 

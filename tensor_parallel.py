@@ -51,6 +51,7 @@ W must divide --heads (whole heads per rank) and, with --sequence-parallel, the 
 """
 
 import datetime
+import functools
 import os
 
 import torch
@@ -66,18 +67,34 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 ### begin: Tensor parallel
 # Model contract: `model.embed` -> [B, T, D] -> `model.blocks` -> `model.head`, the same weights on
-# every rank; a block is x + attn(norm1(x)), x + mlp(norm2(x)) with nn.Linear `attn.q/k/v/proj` and
-# `mlp.fc1/fc2`, heads contiguous in q, k, v's outputs. Attention reads its head count off q's
-# output width, so with q, k, v split it runs this rank's H/W heads unchanged.
+# every rank; a block is x + attn(norm1(x)), x + mlp(norm2(x)) under any names. Its forward is
+# kept: f goes on the input of the sub-modules (attn, mlp) holding the layers `plan` splits.
+# `plan` maps the name of each nn.Linear in a block to its split; heads contiguous in q, k, v's
+# outputs. PLAN is the ViT's (attn.q/k/v/proj, mlp.fc1/fc2), whose attention reads its head count
+# off q's width, so it runs this rank's H/W heads unchanged. GPT-2 and nanoGPT fuse q, k, v in one
+# layer (c_attn: q, then k, then v) that their forward splits by D into all H heads: give their
+# plan, `heads` (H) and `causal=True`, and that attention runs `attend_local_heads` instead
+# (scaled-dot-product, no dropout; its RowParallelLinear is the output projection):
+#   {"attn.c_attn": QKVParallelLinear, "attn.c_proj": RowParallelLinear,
+#    "mlp.c_fc": ColumnParallelLinear, "mlp.c_proj": RowParallelLinear}
 
 # The tensor-parallel group is every rank: the collectives below run on the default group.
 
 
-def shard_of(tensor, dim):
-    """This rank's 1/W of `tensor` along `dim`, copied (a view would keep the whole alive). A clone,
-    not .contiguous(): a chunk along dim 0 is already contiguous and would stay a view."""
-    shard = tensor.detach().chunk(dist.get_world_size(), dim)[dist.get_rank()]
-    return shard.clone(memory_format=torch.contiguous_format)
+def shard_of(tensor, dim, parts=1):
+    """This rank's 1/W of `tensor` along `dim`, copied (a view would keep the whole alive). With
+    parts=3 (q, k and v fused in one tensor), its 1/W of each third, side by side."""
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    pieces = tensor.detach().chunk(parts, dim)
+    return torch.cat([piece.chunk(world, dim)[rank] for piece in pieces], dim)  # a new tensor
+
+
+def join_shards(shards, dim, parts=1):
+    """The whole tensor again from the W ranks' shard_of(tensor, dim, parts), in its own order:
+    with parts=3, every rank's q rows, then every rank's k rows, then every rank's v rows."""
+    pieces = [shard.chunk(parts, dim) for shard in shards]  # pieces[rank][part]
+    return torch.cat([by_rank[part] for part in range(parts) for by_rank in pieces], dim)
 
 
 def all_reduce(partial):
@@ -197,28 +214,39 @@ class LeaveSequenceParallel(torch.autograd.Function):
 
 class ColumnParallelLinear(nn.Module):
     """Y_r = X·A_r: this rank's 1/W of a linear layer's output features (rows of nn.Linear's
-    [out, in] weight, and of its bias). Its input comes through f, which ParallelBlock applies
-    once for q, k and v together; its output stays split."""
+    [out, in] weight, and of its bias). Its input comes through f, which parallelize puts once on
+    the input of the attention (for q, k and v together) and of the MLP; its output stays split."""
 
     shard_dims = {"weight": 0, "bias": 0}  # where full_state_dict joins the shards
+    parts = 1  # the output features are one matrix's (QKVParallelLinear: three side by side)
 
     def __init__(self, linear):
         super().__init__()
-        self.weight = nn.Parameter(shard_of(linear.weight, dim=0))
+        self.weight = nn.Parameter(shard_of(linear.weight, dim=0, parts=self.parts))
         bias = linear.bias  # None for the key projection
-        self.bias = None if bias is None else nn.Parameter(shard_of(bias, dim=0))
+        self.bias = None if bias is None else nn.Parameter(shard_of(bias, dim=0, parts=self.parts))
 
     def forward(self, x):
         return F.linear(x, self.weight, self.bias)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """A ColumnParallelLinear for q, k and v fused in one layer (GPT-2's c_attn, 3D output
+    features: q, then k, then v): rank r keeps the rows of its H/W heads in each of the three, not
+    the r-th 1/W of the 3D rows, which would give rank 0 all of q and part of k. Its output is this
+    rank's q, k and v side by side, [B, T, 3D/W]."""
+
+    parts = 3
 
 
 class RowParallelLinear(nn.Module):
     """Z = g(Y_r·B_r) + b = Σ_r Y_r·B_r + b: this rank's 1/W of a linear layer's input features
     (columns of the weight), applied to the column-parallel layer's split output Y_r, then g sums
     the W partial products. The bias is whole and added once, after g: added before it, the sum
-    would count it W times. That is why g lives here rather than in ParallelBlock."""
+    would count it W times. That is why g lives here rather than in the block."""
 
     shard_dims = {"weight": 1}  # where full_state_dict joins the shards; the bias is replicated
+    parts = 1
 
     def __init__(self, linear, g):
         super().__init__()
@@ -230,66 +258,105 @@ class RowParallelLinear(nn.Module):
         return self.g(F.linear(y, self.weight)) + self.bias
 
 
-class ParallelBlock(nn.Module):
-    """The common block with its linears split, under the same attribute names (so the same
-    state_dict keys): x + attn(f(norm1(x))), then x + mlp(f(norm2(x))), attn and mlp ending in g.
-    A new forward because f sits between the norm and the split layers, inside the common block's
-    forward; one f serves q, k and v, so backward all-reduces their summed dX once, not thrice."""
+# The split of the common ViT's block: q, k, v and fc1 by output features, proj and fc2 by input.
+PLAN = {
+    "attn.q": ColumnParallelLinear,
+    "attn.k": ColumnParallelLinear,
+    "attn.v": ColumnParallelLinear,
+    "attn.proj": RowParallelLinear,
+    "mlp.fc1": ColumnParallelLinear,
+    "mlp.fc2": RowParallelLinear,
+}
 
-    def __init__(self, block, sequence_parallel):
-        super().__init__()
-        if sequence_parallel:
-            self.f = GatherToTensorParallel.apply
-            g = ReduceScatterFromTensorParallel.apply
+
+def apply_f(f, module, inputs):
+    """A forward pre-hook (f bound by functools.partial) on the attention and on the MLP: f on
+    their input, the normed x, before their column-parallel layers. One f serves q, k and v, so
+    backward all-reduces their summed dX once, not thrice."""
+    (x,) = inputs
+    return f(x)
+
+
+def attend_local_heads(qkv, proj, heads, causal, x):
+    """The forward of an attention whose q, k, v are one QKVParallelLinear `qkv`, over this rank's
+    `heads` (H/W), in place of the model's own, which splits the fused output by D and views it
+    with all H heads. `proj`: the row-parallel output projection (g inside)."""
+    batch, tokens, _ = x.shape
+    q, k, v = qkv(x).chunk(3, dim=2)  # this rank's heads of each, [B, T, D/W]
+    # (batch, tokens, D/W) -> (batch, heads, tokens, head_dim)
+    q = q.view(batch, tokens, heads, -1).transpose(1, 2)
+    k = k.view(batch, tokens, heads, -1).transpose(1, 2)
+    v = v.view(batch, tokens, heads, -1).transpose(1, 2)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    y = y.transpose(1, 2).reshape(batch, tokens, -1)  # this rank's heads side by side again
+    return proj(y)
+
+
+def split_block(block, plan, f, g, heads, causal):
+    """Swap the block's linears named in `plan` for their split, in place (the same names, so the
+    same state_dict keys); f on the input of the sub-modules holding them; a fused q, k, v's
+    attention runs attend_local_heads on this rank's heads."""
+    owners = {}  # the sub-modules holding split layers (attn, mlp), each once, in plan order
+    for name, parallel_linear in plan.items():
+        owner_name, _, layer_name = name.rpartition(".")
+        owner = block.get_submodule(owner_name)
+        linear = owner.get_submodule(layer_name)
+        if parallel_linear is RowParallelLinear:
+            setattr(owner, layer_name, RowParallelLinear(linear, g))
         else:
-            self.f = CopyToTensorParallel.apply
-            g = ReduceFromTensorParallel.apply
-        attn = block.attn  # the common Attention, its linears swapped for split ones
-        attn.q = ColumnParallelLinear(attn.q)
-        attn.k = ColumnParallelLinear(attn.k)
-        attn.v = ColumnParallelLinear(attn.v)
-        attn.proj = RowParallelLinear(attn.proj, g)
-        mlp = block.mlp
-        mlp.fc1 = ColumnParallelLinear(mlp.fc1)
-        mlp.fc2 = RowParallelLinear(mlp.fc2, g)
-        self.norm1 = block.norm1
-        self.attn = attn
-        self.norm2 = block.norm2
-        self.mlp = mlp
-
-    def forward(self, x):  # x: [B, T, D], or this rank's [B, T/W, D] under --sequence-parallel
-        x = x + self.attn(self.f(self.norm1(x)))
-        return x + self.mlp(self.f(self.norm2(x)))
+            setattr(owner, layer_name, parallel_linear(linear))
+        owners[owner_name] = owner
+    for owner in owners.values():
+        owner.register_forward_pre_hook(functools.partial(apply_f, f))
+        children = list(owner.children())
+        qkv = [child for child in children if isinstance(child, QKVParallelLinear)]
+        if qkv:  # the attention of a fused q, k, v; its row-parallel layer is its projection
+            (proj,) = [child for child in children if isinstance(child, RowParallelLinear)]
+            local_heads = heads // dist.get_world_size()
+            owner.forward = functools.partial(attend_local_heads, qkv[0], proj, local_heads, causal)
 
 
 class PartialGradientSum:
     """Under --sequence-parallel the norms and the row-parallel biases see only this rank's T/W
-    tokens, so their gradients are partial sums. Its hook goes on each of them and counts the
-    gradients backward has finished; after the last, it sums them all over the ranks in one flat
-    all-reduce (as Megatron does: one collective rather than 6·depth small ones)."""
+    tokens, so their gradients are partial sums. A tensor hook on each holds its partial gradient
+    back from .grad (autograd adds zeros); after the last has arrived, one flat all-reduce sums
+    them all over the ranks (as Megatron does: one collective rather than 6·depth small ones) and
+    adds the sums to .grad. Held back rather than summed in .grad: with several backward passes a
+    step (gradient accumulation) .grad also holds the earlier passes' sums, counted W times."""
 
     def __init__(self, params):
         self.params = params
+        self.partials = {}  # this backward's partial gradients, by parameter
         self.accumulated = 0  # gradients finished in this backward
+
+    def hold(self, param, grad):
+        """The tensor hook (param bound by functools.partial), before accumulation."""
+        self.partials[param] = grad
+        return torch.zeros_like(grad)
 
     def hook(self, _param):  # which parameter finished does not matter, only how many have
         self.accumulated += 1
         if self.accumulated < len(self.params):
             return
         self.accumulated = 0
-        flat = all_reduce(torch.cat([param.grad.flatten() for param in self.params]))
+        partials = [self.partials.pop(param) for param in self.params]
+        flat = all_reduce(torch.cat([partial.flatten() for partial in partials]))
         summed = flat.split([param.numel() for param in self.params])
         for param, grad in zip(self.params, summed, strict=True):
-            param.grad.copy_(grad.view_as(param))
+            param.grad += grad.view_as(param)
 
 
 def token_sharded_params(model):
-    """Under --sequence-parallel, the parameters that see only this rank's T/W tokens: the norms,
-    and the row-parallel biases (added after g's reduce-scatter)."""
+    """Under --sequence-parallel, the parameters that see only this rank's T/W tokens: every block
+    parameter left whole (the norms, the row-parallel biases added after g's reduce-scatter). The
+    embedding and the head see all T tokens, a tied one too: their gradients are whole."""
     params = []
     for block in model.blocks:
-        params += [*block.norm1.parameters(), *block.norm2.parameters()]
-        params += [block.attn.proj.bias, block.mlp.fc2.bias]
+        for module in block.modules():
+            split = getattr(module, "shard_dims", {})  # only the parallel linears have them
+            for name, param in module.named_parameters(recurse=False):
+                if name not in split:
+                    params.append(param)
     return params
 
 
@@ -305,26 +372,36 @@ def leave_sequence_parallel(head, inputs):
     return LeaveSequenceParallel.apply(shard)
 
 
-def parallelize(model, device, sequence_parallel=False):
-    """Split every block's linears in place; the embedding and the head stay replicated (every
-    rank sees the whole batch, so their gradients are the same everywhere). `device` is unused:
-    the model is already on it (the argument keeps every script's call the same)."""
-    blocks = [ParallelBlock(block, sequence_parallel) for block in model.blocks]
-    model.blocks = nn.ModuleList(blocks)
+def parallelize(model, device, sequence_parallel=False, plan=PLAN, heads=None, causal=False):
+    """Split every block's linears in place as `plan` says; the embedding and the head stay
+    replicated (every rank sees the whole batch, so their gradients are the same everywhere).
+    `heads` (H) and `causal`: for a QKVParallelLinear's attention. `device` is unused: the model
+    is already on it (the argument keeps every script's call the same)."""
+    if QKVParallelLinear in plan.values() and (heads is None or heads % dist.get_world_size()):
+        raise ValueError(f"heads={heads}: a fused q, k, v needs H divisible by the W ranks")
+    if sequence_parallel:
+        f = GatherToTensorParallel.apply
+        g = ReduceScatterFromTensorParallel.apply
+    else:
+        f = CopyToTensorParallel.apply
+        g = ReduceFromTensorParallel.apply
+    for block in model.blocks:
+        split_block(block, plan, f, g, heads, causal)
     if sequence_parallel:  # the blocks run on this rank's T/W tokens, the embedding and head on all
         model.embed.register_forward_hook(enter_sequence_parallel)
         model.head.register_forward_pre_hook(leave_sequence_parallel)
         params = token_sharded_params(model)
         partial_sum = PartialGradientSum(params)
         for param in params:
+            param.register_hook(functools.partial(partial_sum.hold, param))
             param.register_post_accumulate_grad_hook(partial_sum.hook)
     return model
 
 
 def full_state_dict(model):
-    """The common model's plain state_dict on rank 0 (None elsewhere): each split parameter is
-    gathered to rank 0 and its shards joined along the dim they were cut. Every rank walks the
-    parameters in the same order, so their gathers pair up."""
+    """The model's plain state_dict on rank 0 (None elsewhere): each split parameter is gathered
+    to rank 0 and its shards joined as they were cut. Every rank walks the parameters in the same
+    order, so their gathers pair up."""
     rank = dist.get_rank()
     world = dist.get_world_size()
     state = {}
@@ -338,11 +415,11 @@ def full_state_dict(model):
                     shards = [torch.empty_like(tensor) for _ in range(world)]
                 dist.gather(tensor.contiguous(), shards, dst=0)
                 if rank == 0:
-                    tensor = torch.cat(shards, dim=shard_dims[name])
+                    tensor = join_shards(shards, shard_dims[name], module.parts)
             state[f"{module_name}.{name}"] = tensor.cpu()
     if rank != 0:
         return None
-    # model.state_dict()'s keys in its order: the common model's file, as ddp.py saves it
+    # model.state_dict()'s keys in its order: the plain model's file, as ddp.py saves it
     return {key: state[key] for key in model.state_dict()}
 
 

@@ -66,90 +66,6 @@ class MLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
-class Experts(nn.ModuleList):
-    """E expert MLPs, called with the routing: tokens [N, D], the expert each token picked in each
-    of its K slots [N, K] and the slots' weights [N, K] -> sum over k of weights[:, k] times the
-    output of expert chosen[:, k] on the token, [N, D].
-
-    All experts run on this process, each on its tokens in token order; expert_parallel.py swaps in
-    a module with the same call that sends each token to the rank that owns its expert. Every
-    expert runs, also on no token, so each always has a gradient (zero if it got no token), as DDP
-    and ZeRO expect of every parameter. One host sync (the tokens per expert) per layer."""
-
-    def forward(self, tokens, chosen, weights):
-        N, K = chosen.shape
-        slots = chosen.reshape(-1)  # [N * K]: the expert of each (token, slot)
-        by_expert = slots.argsort(stable=True)  # slots grouped by expert, token order kept
-        # tokens per expert: scatter_add_, not bincount, which waits for the device on CUDA
-        per_expert = torch.zeros(len(self), dtype=torch.long, device=slots.device)
-        per_expert.scatter_add_(0, slots, torch.ones_like(slots))
-        inputs = tokens[by_expert // K].split(per_expert.tolist())  # the one host sync
-        outputs = torch.cat([expert(x) for expert, x in zip(self, inputs, strict=True)])
-        outputs = torch.empty_like(outputs).index_copy(0, by_expert, outputs)  # slot order again
-        return (weights.unsqueeze(-1) * outputs.view(N, K, -1)).sum(1)
-
-
-class AuxLossScaler(torch.autograd.Function):
-    """Returns x unchanged; in backward also gives `aux` the gradient `scale` (Megatron-LM's
-    MoEAuxLossAutoScaler), as if aux * scale had been added to the loss the script
-    backpropagates."""
-
-    @staticmethod
-    def forward(ctx, x, aux, scale):
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, grad.new_full((), ctx.scale), None
-
-
-class MoE(nn.Module):
-    """Mixture of experts in place of the MLP: a linear router scores the E experts for each token;
-    each token goes to its top K, mixed by the softmax over the K chosen scores. No capacity limit,
-    no dropped token: the output does not depend on how tokens are grouped into batches or ranks.
-
-    Load balance: DeepSeek-V3's sequence-wise auxiliary loss, per image (T tokens):
-    f_i = E/(K*T) * (tokens of the image routed to expert i; no gradient), P_i = the mean over the
-    image's tokens of the router's full softmax for expert i; aux = coef * sum_i f_i * P_i, averaged
-    over the images. A per-sample mean is what makes it exact across ranks and micro-batches: a
-    batch-wise (Switch) loss over the whole batch would make DDP at W=2 differ from W=1.
-    The skeleton's loss stays the cross-entropy (and so does the printed train loss): the aux term's
-    gradient is added in backward by AuxLossScaler, attached to the routing weights, scaled by
-    1/forwards_per_step because the scripts divide each micro-batch's loss by the micro-batch count
-    (pipeline.py --microbatches, amp_checkpoint.py --grad-accum); DDP's average over W does the
-    rest.
-    """
-
-    def __init__(self, dim, hidden, experts, top_k, aux_loss=0.0, forwards_per_step=1):
-        super().__init__()
-        self.top_k = top_k
-        self.aux_loss = aux_loss
-        self.forwards_per_step = forwards_per_step
-        self.router = nn.Linear(dim, experts, bias=False)
-        self.experts = Experts(MLP(dim, hidden) for _ in range(experts))
-
-    def forward(self, x):
-        B, T, D = x.shape
-        tokens = x.reshape(B * T, D)
-        logits = self.router(tokens)  # [B*T, E]
-        top_logits, chosen = logits.topk(self.top_k, dim=-1)
-        weights = top_logits.softmax(-1)
-        if self.training and self.aux_loss and torch.is_grad_enabled():
-            aux = self.balance_loss(logits, chosen, B, T)
-            weights = AuxLossScaler.apply(weights, aux, 1.0 / self.forwards_per_step)
-        return self.experts(tokens, chosen, weights).view(B, T, D)
-
-    def balance_loss(self, logits, chosen, B, T):
-        """coef * sum_i f_i * P_i per image, averaged over the images (see the class docstring)."""
-        E = logits.shape[-1]
-        K = self.top_k
-        routed = F.one_hot(chosen, E).view(B, T * K, E).sum(1)  # [B, E] tokens per expert
-        f = routed * (E / (K * T))  # no gradient: counts
-        P = logits.softmax(-1).view(B, T, E).mean(1)
-        return self.aux_loss * (f * P).sum(-1).mean()
-
-
 class Block(nn.Module):
     """Pre-norm Transformer block: x + attn(norm1(x)), then x + mlp(norm2(x))."""
 
@@ -161,7 +77,18 @@ class Block(nn.Module):
         self.attn = Attention(dim, heads)
         self.norm2 = nn.LayerNorm(dim)
         if experts:
-            self.mlp = MoE(dim, mlp_ratio * dim, experts, top_k, aux_loss, forwards_per_step)
+            # The MoE layer (router, experts, balance loss) lives in expert_parallel.py's
+            # technique section, so that the section can be copied alone; imported here, when a
+            # block needs it, as the scripts' folder is on sys.path (importing it at the top
+            # would be circular: expert_parallel.py imports common). When expert_parallel.py is
+            # the running script (__main__), this loads its text once more as a module: the same
+            # classes, which its parallelize takes as it takes any MoE.
+            from expert_parallel import MoE
+
+            hidden = mlp_ratio * dim
+            self.mlp = MoE(
+                dim, [MLP(dim, hidden) for _ in range(experts)], top_k, aux_loss, forwards_per_step
+            )
         else:
             self.mlp = MLP(dim, mlp_ratio * dim)
 

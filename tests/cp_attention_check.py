@@ -1,6 +1,7 @@
 """Driver for test_context_parallel.py, launched once with torchrun at W=4: on subgroups of 2, 3
 and 4 ranks, RingAttention and the Ulysses all-to-alls give F.scaled_dot_product_attention's output
-and gradients on random q, k, v (odd head dims), and the ring sends what the docstring says, each
+and gradients on random q, k, v (odd head dims), without a mask and causal (is_causal=True) with
+the contiguous and the zig-zag token split, and the ring sends what the docstring says, each
 step's sends and receives in one batch. Prints one `CHECK {json}` line per case from rank 0."""
 
 import json
@@ -32,24 +33,32 @@ class BatchRecorder:
         return self.original(ops)
 
 
-def ring(local, dout, group, recorder):
+# (name, method, causal, zigzag): each is checked against SDPA with is_causal=causal
+VARIANTS = [
+    ("ring", "ring", False, False),
+    ("ulysses", "ulysses", False, False),
+    ("ring-causal", "ring", True, False),
+    ("ring-zigzag", "ring", True, True),
+    ("ulysses-causal", "ulysses", True, False),
+    ("ulysses-zigzag", "ulysses", True, True),
+]
+
+
+def ring(local, dout, group, recorder, causal, zigzag):
     """Forward and backward of the ring on this rank's tokens: the forward's calls and batches."""
     counter = common.CollectiveCounter()
     with counter:
-        out = cp.RingAttention.apply(*local, group)
+        out = cp.RingAttention.apply(*local, group, causal, zigzag)
         forward = dict(counter.calls)
         forward_batches = len(recorder.batches)
         out.backward(dout)
     return out, counter, forward, forward_batches
 
 
-def ulysses(local, dout, group):
+def ulysses(local, dout, group, causal, zigzag):
     counter = common.CollectiveCounter()
     with counter:
-        q, k, v = (x.transpose(1, 2) for x in local)  # [B, T/W, H, d]
-        q, k, v = (cp.AllToAll.apply(x, group, 2, 1).transpose(1, 2) for x in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
-        out = cp.AllToAll.apply(out, group, 1, 2).transpose(1, 2)
+        out = cp.ulysses_attention(*local, group, causal, zigzag)
         forward = dict(counter.calls)
         out.backward(dout)
     return out, counter, forward
@@ -58,23 +67,22 @@ def ulysses(local, dout, group):
 def case(world, head_dim, group, rank):
     torch.manual_seed(world * 100 + head_dim)  # the same full tensors on every rank
     q, k, v, dout = (torch.randn(B, H, T, head_dim) for _ in range(4))
-    full = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = F.scaled_dot_product_attention(*full)
-    ref.backward(dout)
-    tokens = T // world
-    mine = slice(rank * tokens, (rank + 1) * tokens)
     results = {}
-    for method in ("ring", "ulysses"):
+    for name, method, causal, zigzag in VARIANTS:
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = F.scaled_dot_product_attention(*full, is_causal=causal)
+        ref.backward(dout)
+        mine = cp.token_positions(T, rank, world, zigzag)
         local = [x[:, :, mine].clone().requires_grad_() for x in (q, k, v)]
         recorder = BatchRecorder()
         dist.batch_isend_irecv = recorder
         try:
             if method == "ring":
                 out, counter, forward, forward_batches = ring(
-                    local, dout[:, :, mine], group, recorder
+                    local, dout[:, :, mine], group, recorder, causal, zigzag
                 )
             else:
-                out, counter, forward = ulysses(local, dout[:, :, mine], group)
+                out, counter, forward = ulysses(local, dout[:, :, mine], group, causal, zigzag)
                 forward_batches = 0
         finally:
             dist.batch_isend_irecv = recorder.original
@@ -83,7 +91,7 @@ def case(world, head_dim, group, rank):
             (x.grad - f.grad[:, :, mine]).abs().max().item()
             for x, f in zip(local, full, strict=True)
         ]
-        results[method] = dict(
+        results[name] = dict(
             out=(out - ref[:, :, mine]).abs().max().item(),
             dq=grads[0],
             dk=grads[1],

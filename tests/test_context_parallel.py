@@ -2,8 +2,8 @@
 parameters of the one-process ddp.py run (ring and Ulysses at W=2 with SGD and at W=4 with AdamW);
 the collectives the Meter measures from outside and the attention activations it measures per rank
 equal what this test works out from B, T, D, H and depth; the ring's autograd Function and the
-Ulysses all-to-alls give F.scaled_dot_product_attention's output and gradients at W=2, 3, 4 (one
-launch of a driver)."""
+Ulysses all-to-alls give F.scaled_dot_product_attention's output and gradients at W=2, 3, 4, also
+causal with the contiguous and the zig-zag split (one launch of a driver)."""
 
 import json
 import sys
@@ -140,24 +140,31 @@ def checks():
 def test_attention_function_equals_sdpa(checks):
     """Random q, k, v (B=2, H=12, T=24, head dims 5 and 7) on subgroups of 2, 3 and 4 ranks:
     output and dq, dk, dv of the ring Function and of the Ulysses all-to-alls equal SDPA's to fp32
-    round-off; the ring sends W-1 K/V blocks forward and 2(W-1) backward, each step's sends and
-    receives in one batch; Ulysses all-to-alls 4 tensors each way."""
+    round-off, without a mask and causal (SDPA's is_causal=True; the ring skipping the blocks in
+    a rank's future), with the contiguous and the zig-zag token split; the ring sends W-1 K/V
+    blocks forward and 2(W-1) backward, each step's sends and receives in one batch, causal or
+    not; Ulysses all-to-alls 4 tensors each way."""
     assert sorted((c["world"], c["head_dim"]) for c in checks) == [
         (w, d) for w in (2, 3, 4) for d in (5, 7)
     ]
+    rings = ("ring", "ring-causal", "ring-zigzag")
+    ulysses = ("ulysses", "ulysses-causal", "ulysses-zigzag")
     for c in checks:
         w, d = c["world"], c["head_dim"]
-        for method in ("ring", "ulysses"):
+        for method in rings + ulysses:
             errs = {k: c[method][k] for k in ("out", "dq", "dk", "dv")}
             assert max(errs.values()) < 1e-5, (w, d, method, errs)
-        assert c["ring"]["fwd_calls"] == dict(send=w - 1, recv=w - 1), c
-        assert c["ring"]["bwd_calls"] == dict(send=2 * (w - 1), recv=2 * (w - 1)), c
-        assert c["ring"]["send_bytes"] == 3 * (w - 1) * 2 * 2 * 12 * (24 // w) * d * 4, c
-        # One batch_isend_irecv per step, each pairing its sends with as many receives; backward
-        # sends K/V until its last step and dK/dV partial sums from step 2, then one hop home.
-        steps_sending = [step for step in range(w) if step < w - 1 or step >= 2]
-        assert c["ring"]["paired"], c
-        assert c["ring"]["fwd_batches"] == w - 1, c
-        assert c["ring"]["bwd_batches"] == len(steps_sending) + 1, c
-        assert c["ulysses"]["fwd_calls"] == dict(all_to_all=4), c
-        assert c["ulysses"]["bwd_calls"] == dict(all_to_all=4), c
+        for ring in rings:
+            assert c[ring]["fwd_calls"] == dict(send=w - 1, recv=w - 1), c
+            assert c[ring]["bwd_calls"] == dict(send=2 * (w - 1), recv=2 * (w - 1)), c
+            assert c[ring]["send_bytes"] == 3 * (w - 1) * 2 * 2 * 12 * (24 // w) * d * 4, c
+            # One batch_isend_irecv per step, each pairing its sends with as many receives;
+            # backward sends K/V until its last step and dK/dV partial sums from step 2, then one
+            # hop home.
+            steps_sending = [step for step in range(w) if step < w - 1 or step >= 2]
+            assert c[ring]["paired"], c
+            assert c[ring]["fwd_batches"] == w - 1, c
+            assert c[ring]["bwd_batches"] == len(steps_sending) + 1, c
+        for method in ulysses:
+            assert c[method]["fwd_calls"] == dict(all_to_all=4), c
+            assert c[method]["bwd_calls"] == dict(all_to_all=4), c

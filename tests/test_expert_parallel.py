@@ -1,4 +1,4 @@
-"""expert_parallel.py and the mixture of experts in common.py: experts spread over W ranks end
+"""expert_parallel.py and its section's mixture-of-experts layer: experts spread over W ranks end
 with the parameters of one ddp.py process with the same --experts --top-k; the dispatch/combine
 equals a loop over experts (output and gradients, an expert that receives no token included) and
 waits for the device once per layer; the dense gradients' all-reduces start during backward; the
@@ -143,7 +143,7 @@ def _dispatch_worker(rank, world, port):
     try:
         E, K, N, D = 4, 2, 37 + 5 * rank, 8
         torch.manual_seed(0)  # the same experts on every rank
-        experts = common.Experts(common.MLP(D, 16) for _ in range(E))
+        experts = expert_parallel.Experts(common.MLP(D, 16) for _ in range(E))
         torch.manual_seed(1 + rank)  # this rank's tokens and routing
         h, out_grad = torch.randn(N, D), torch.randn(N, D)
         never_one = torch.tensor([0, 2, 3])
@@ -161,7 +161,7 @@ def _dispatch_worker(rank, world, port):
         ref_out, ref_x, ref_w, ref_g = run(experts)
         for g in ref_g.values():
             dist.all_reduce(g)  # the owner's tokens come from every rank
-        layer = expert_parallel.ExpertParallel(experts, rank, world)
+        layer = expert_parallel.ExpertParallel(experts)  # over the world
         with HostSyncs() as syncs:
             out, gx, gw, grads = run(layer)
         assert syncs.count == 1, syncs.count  # the token counts, once
@@ -203,7 +203,7 @@ def _check_overlap(expert_parallel):
     would import torch._dynamo for seconds), every gradient is the average over ranks."""
     args = common.parse_args(common.get_parser("t"), CFG)
     model = expert_parallel.parallelize(common.build_model(args), torch.device("cpu"))
-    averager = expert_parallel.GradientAverager(model, dist.get_world_size())
+    averager = expert_parallel.GradientAverager(model)
     torch.manual_seed(2 + dist.get_rank())
     x, y = torch.randn(4, 1, 28, 28), torch.randint(0, 10, (4,))
     loss = torch.nn.functional.cross_entropy(model(x), y)

@@ -91,6 +91,10 @@ MUTANTS = {
         "ZeRO drops all but a step's last backward",
         "test_copy.py::test_zero_equals_one_process[2-adamw]",
     ),
+    "pipeline-tied-unsummed": (
+        "pipeline: the tied copies' gradients not summed",
+        "test_copy.py::test_pipeline_equals_one_process[pipeline-sgd]",
+    ),
     "nd-fsdp-sum": (
         "N-D: FSDP sums under a pipeline",
         "test_nd_parallel.py::test_same_parameters_as_ddp_one_process[R1S2T1P2-sgd]",

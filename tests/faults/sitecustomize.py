@@ -387,5 +387,11 @@ if os.environ.get("MUTANT"):
             zero.ZeRO.start_flat_grad = start_forgetting
 
         _after_import["zero"] = _forget_accumulated
+    elif _mutant == "pipeline-tied-unsummed":  # pipeline: each tied copy steps on its stage's part
+
+        def _unsummed(pipeline):
+            pipeline.all_reduce_tied = lambda stage: None
+
+        _after_import["pipeline"] = _unsummed
     else:
         raise SystemExit(f"tests/faults: unknown MUTANT={_mutant}")

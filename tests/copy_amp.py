@@ -1,0 +1,105 @@
+"""Copy cases for amp_checkpoint.py: its section (`parallelize` with checkpointing on,
+`forward_backward`, `optimizer_step`, `full_state_dict`) trains the second model, each rank on its
+slice of every micro-batch, both micro-batches of a step through one forward_backward with the
+language model's next-token loss as loss_fn. Run by tests/copy_cases.py."""
+
+import torch
+import torch.nn as nn
+from causal_lm import (
+    ACCUMULATE,
+    OPTIMS,
+    CausalLM,
+    lm_loss,
+    make_optimizer,
+    param_groups,
+)
+
+import amp_checkpoint
+
+CPU = torch.device("cpu")
+
+
+class EveryStep:
+    """What each optimizer step computed, seen through hooks: how often the blocks' attention ran
+    forward (a checkpointed block runs its forward again in backward), and the dtypes the Linear
+    layers computed in."""
+
+    def __init__(self, model, optimizer):
+        self.attention_forwards = []  # one entry per optimizer step
+        self.linear_dtypes = set()
+        self.forwards = 0
+        for block in model.blocks:
+            block.attn.register_forward_hook(self.attention_ran)
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                module.register_forward_hook(self.linear_ran)
+        optimizer.register_step_post_hook(self.stepped)
+
+    def attention_ran(self, module, inputs, output):
+        if torch.is_grad_enabled():  # not the evaluation's forward: nothing to recompute there
+            self.forwards += 1
+
+    def linear_ran(self, module, inputs, output):
+        if torch.is_grad_enabled():
+            self.linear_dtypes.add(str(output.dtype))
+
+    def stepped(self, optimizer, args, kwargs):
+        self.attention_forwards.append(self.forwards)
+        self.forwards = 0
+
+
+def train(model, optimizer, batches, rank, world, amp):
+    """causal_lm.train's steps through the section: this rank's slice of each of the step's
+    ACCUMULATE micro-batches, one after the other, which forward_backward cuts apart again."""
+    scaler = torch.amp.GradScaler(CPU.type, enabled=amp == "fp16")  # a no-op unless fp16
+    for step_batch in batches:
+        micro_batches = step_batch.chunk(ACCUMULATE)
+        tokens = torch.cat([micro_batch.chunk(world)[rank] for micro_batch in micro_batches])
+        amp_checkpoint.forward_backward(
+            model, tokens, tokens, amp, scaler, ACCUMULATE, loss_fn=lm_loss
+        )
+        amp_checkpoint.optimizer_step(model, optimizer, scaler)
+        optimizer.zero_grad(set_to_none=True)
+
+
+def run_amp_checkpoint(optim, amp, batches, rank, world):
+    model = amp_checkpoint.parallelize(CausalLM(), CPU, checkpointing=True)
+    optimizer = make_optimizer(param_groups(model.module, optim), optim)
+    watch = EveryStep(model.module, optimizer)
+    train(model, optimizer, batches, rank, world, amp)
+    proof = dict(
+        tied=model.module.head.lm_head.weight is model.module.embed.wte.weight,
+        attention_forwards=watch.attention_forwards,
+        linear_dtypes=sorted(watch.linear_dtypes),
+    )
+    return model, amp_checkpoint.full_state_dict(model), proof
+
+
+def one_process_bf16(batches):
+    """The bf16 case's reference: one process, the whole of every micro-batch, the forward under
+    the same bf16 autocast, SGD."""
+    model = CausalLM()
+    optimizer = make_optimizer(param_groups(model, "sgd"), "sgd")
+    for step_batch in batches:
+        for tokens in step_batch.chunk(ACCUMULATE):
+            with torch.autocast(CPU.type, dtype=torch.bfloat16):
+                loss = lm_loss(model(tokens), tokens) / ACCUMULATE
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return model.state_dict()
+
+
+def cases(batches, rank, world, folder):
+    """amp_checkpoint-{sgd,adamw} in fp32 (checkpointing on) and amp_checkpoint-bf16-sgd, with
+    its own reference, reference-bf16-sgd.pt: (case, reference, model, state_dict, proof)."""
+    for optim in OPTIMS:
+        case = f"amp_checkpoint-{optim}"
+        yield case, optim, *run_amp_checkpoint(optim, "off", batches, rank, world)
+    if rank == 0:
+        torch.save(one_process_bf16(batches), folder / "reference-bf16-sgd.pt")
+    yield (
+        "amp_checkpoint-bf16-sgd",
+        "bf16-sgd",
+        *run_amp_checkpoint("sgd", "bf16", batches, rank, world),
+    )

@@ -1,0 +1,99 @@
+"""Copy cases for expert_parallel.py: its section's MoE layer (router, experts, balance loss) in
+place of each block's MLP of the second model, E=4 experts of CausalLM's own MLP, top-2, and the
+experts spread over the W=2 ranks (2 on each) while every rank trains on its slice of each
+micro-batch (data parallel over the same ranks). Run by tests/copy_cases.py.
+
+The one-process references are this module's own, as its model is (saved by rank 0): the same
+MoE model with every expert in one process, trained by the same loop (DIR/reference-moe-<optim>.pt),
+and with SGD, each step's batch in one forward and one backward (DIR/reference-moe-whole-sgd.pt):
+what the accumulation, the balance loss's 1/forwards_per_step included, must come out as.
+"""
+
+import torch
+import torch.distributed as dist
+from causal_lm import (
+    ACCUMULATE,
+    MLP,
+    OPTIMS,
+    CausalLM,
+    evaluation_loss,
+    init_weights,
+    lm_loss,
+    make_optimizer,
+    param_groups,
+    task,
+    train,
+)
+
+import expert_parallel
+
+CPU = torch.device("cpu")
+EXPERTS = 4
+TOP_K = 2
+AUX_LOSS = 0.05  # the balance loss's coefficient: large enough to move the router in 4 steps
+
+
+def moe_causal_lm(forwards_per_step):
+    """CausalLM with each block's mlp the section's MoE over EXPERTS copies of CausalLM's MLP. The
+    MoE divides its balance loss by `forwards_per_step`, as the loop divides its loss."""
+    model = CausalLM()  # seeds the generator: the same experts in every process
+    for block in model.blocks:
+        dim = block.ln_2.normalized_shape[0]
+        experts = [MLP(dim) for _ in range(EXPERTS)]
+        block.mlp = expert_parallel.MoE(dim, experts, TOP_K, AUX_LOSS, forwards_per_step)
+        block.mlp.apply(init_weights)
+    return model
+
+
+def reference(optim, batches, test_tokens):
+    """One process, every expert here (the plain layer), the loop every case runs: (its
+    state_dict, its evaluation loss)."""
+    model = moe_causal_lm(forwards_per_step=ACCUMULATE)
+    optimizer = make_optimizer(param_groups(model, optim), optim)
+    train(model, optimizer, batches)
+    return model.state_dict(), evaluation_loss(model, test_tokens)
+
+
+def whole_batch_reference(batches):
+    """SGD, one process, each step's batch in one forward and one backward (forwards_per_step=1):
+    its state_dict. SGD only: AdamW turns the round-off between one batch of 16 sequences and two
+    of 8 into steps on near-zero gradients (8e-5 here, above the test's tolerance)."""
+    model = moe_causal_lm(forwards_per_step=1)
+    optimizer = make_optimizer(param_groups(model, "sgd"), "sgd")
+    for step_batch in batches:
+        lm_loss(model(step_batch), step_batch).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return model.state_dict()
+
+
+def run_expert_parallel(optim, batches, rank, world):
+    """The section's two calls; the weight-decay groups built after parallelize (over this rank's
+    experts): the router's and the experts' matrices in the decay group."""
+    model = expert_parallel.parallelize(moe_causal_lm(forwards_per_step=ACCUMULATE), CPU)
+    optimizer = make_optimizer(param_groups(model, optim), optim)
+    expert_parallel.hook_optimizer(model, optimizer)
+    train(model, optimizer, batches, rank, world)
+    # per rank, per block: the global indices of the experts it holds, which only the split gives
+    held = [[int(name) for name, _ in block.mlp.experts.named_children()] for block in model.blocks]
+    experts_held = [None] * world
+    dist.all_gather_object(experts_held, held)
+    tied = model.head.lm_head.weight is model.embed.wte.weight
+    proof = dict(tied=tied, experts_held=experts_held)
+    return model, expert_parallel.full_state_dict(model), proof
+
+
+def cases(batches, rank, world, folder):
+    """Yield (case name, its reference "moe-<optim>", the trained model, its full state_dict, what
+    else it shows: the experts each rank held, the reference's evaluation loss)."""
+    _, test_tokens = task()
+    if rank == 0:
+        torch.save(whole_batch_reference(batches), folder / "reference-moe-whole-sgd.pt")
+    for optim in OPTIMS:
+        reference_loss = None
+        if rank == 0:
+            state, reference_loss = reference(optim, batches, test_tokens)
+            torch.save(state, folder / f"reference-moe-{optim}.pt")
+        model, state, proof = run_expert_parallel(optim, batches, rank, world)
+        proof["reference_eval_loss"] = reference_loss
+        yield f"expert_parallel-{optim}", f"moe-{optim}", model, state, proof

@@ -1,0 +1,73 @@
+"""Copy cases for tensor_parallel.py, with and without sequence parallelism: every rank feeds the
+whole micro-batch, as tensor parallelism does, and holds half of every block's heads and MLP
+columns. The change a GPT-2-like model needs is the plan below: its layers' names, q, k and v
+fused in c_attn, the head count and the causal mask. Run by tests/copy_cases.py."""
+
+import torch
+import torch.distributed as dist
+from causal_lm import OPTIMS, CausalLM, make_optimizer, param_groups, train
+
+from tensor_parallel import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    full_state_dict,
+    parallelize,
+)
+
+CPU = torch.device("cpu")
+HEADS = 4  # CausalLM()'s
+
+# the model contract's GPT-2 / nanoGPT plan, in CausalLM's names
+GPT2_PLAN = {
+    "attn.c_attn": QKVParallelLinear,
+    "attn.c_proj": RowParallelLinear,
+    "mlp.c_fc": ColumnParallelLinear,
+    "mlp.c_proj": RowParallelLinear,
+}
+
+
+def heads_held(c_attn, whole):
+    """Which heads of q, of k and of v the rows of this rank's c_attn weight are, found by
+    comparing them with the whole initial weight's rows: [[q heads], [k heads], [v heads]]."""
+    head_dim = whole.shape[1] // HEADS
+    held = []
+    for local, part in zip(c_attn.chunk(3), whole.chunk(3), strict=True):
+        heads = part.split(head_dim)  # the whole q (k, v): HEADS blocks of head_dim rows
+        found = []
+        for rows in local.split(head_dim):
+            found += [h for h, head in enumerate(heads) if torch.equal(rows, head)]
+        held.append(found)
+    return held
+
+
+def run_tensor_parallel(sequence_parallel, optim, batches):
+    model = CausalLM()
+    whole = model.blocks[0].attn.c_attn.weight.detach().clone()
+    model = parallelize(model, CPU, sequence_parallel, GPT2_PLAN, heads=HEADS, causal=True)
+    c_attn = model.blocks[0].attn.c_attn.weight
+    seen = {}  # the tokens block 0's first norm runs on: T/W under sequence parallelism
+
+    def note_tokens(module, inputs):
+        seen["tokens"] = inputs[0].shape[1]
+
+    model.blocks[0].ln_1.register_forward_pre_hook(note_tokens)
+    mine = dict(c_attn_rows=c_attn.shape[0], heads=heads_held(c_attn.detach(), whole))
+    optimizer = make_optimizer(param_groups(model, optim), optim)
+    train(model, optimizer, batches)  # rank=0, world=1: every rank feeds the whole micro-batch
+    mine["ln_1_tokens"] = seen["tokens"]
+    every_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, mine)
+    proof = {key: [rank[key] for rank in every_rank] for key in mine}
+    proof["tied"] = model.head.lm_head.weight is model.embed.wte.weight
+    return model, full_state_dict(model), proof
+
+
+def cases(batches, rank, world, folder):
+    """Yield (case name, its reference "sgd" or "adamw", the trained model, its full state_dict,
+    what else the case shows: per rank, c_attn's rows and the heads they hold, the tokens the
+    norms see), one case at a time."""
+    for sequence_parallel in (False, True):
+        for optim in OPTIMS:
+            name = f"tensor_parallel-{'sp' if sequence_parallel else 'tp'}-{optim}"
+            yield name, optim, *run_tensor_parallel(sequence_parallel, optim, batches)
