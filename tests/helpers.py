@@ -109,6 +109,17 @@ def torchrun(script, nproc, *args, **kw):
     )
 
 
+def launch_cases(world, argv, timeout=400):
+    """Run [script, [flag, ...]] cases one after another in ONE torchrun launch of `world` ranks
+    (tests/script_cases.py) and return each case's RESULT and its output before it: the launch's
+    start-up (interpreters, torch) paid once, not once per case."""
+    run = torchrun("tests/script_cases.py", world, json.dumps(argv, default=str), timeout=timeout)
+    assert run.returncode == 0, run.output
+    chunks = run.stdout.split("\nRESULT ")  # chunk i ends with case i's output, i+1 its RESULT
+    assert len(chunks) == len(argv) + 1, run.output
+    return [(json.loads(chunks[i + 1].splitlines()[0]), chunks[i]) for i in range(len(argv))]
+
+
 def ok(r):
     """Assert a launch succeeded and return its RESULT."""
     assert r.returncode == 0, r.output

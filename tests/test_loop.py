@@ -2,13 +2,15 @@
 
 A logging step all-reduces the windowed loss and an epoch boundary starts a new shuffle: a send left
 open across either (a pipeline whose last backward's gradient is received in the next step) hangs
-there on NCCL as on Gloo. Three batches an epoch, five steps, a loss line every two steps."""
+there on NCCL as on Gloo. Three batches an epoch, five steps, a loss line every two steps. Every
+script runs in one launch, one after another (tests/script_cases.py): all of them for one start-up.
+"""
 
 import re
 
 import pytest
 
-from helpers import ok, torchrun
+from helpers import launch_cases
 
 LOOP = [
     *("--data synthetic --limit 96 --batch-size 32 --epochs 2 --max-steps 5 --log-every 2").split(),
@@ -35,28 +37,35 @@ LAUNCHES = {
 }
 
 
-# The quick suite launches the scripts that can leave communication open between steps or across
-# an epoch boundary: pipelines (sends to the next stage), ZeRO-3 (the next unit's all-gather is
-# prefetched), expert parallelism (the expert gradients' all-reduce overlaps backward),
-# ddp_torchrun (a snapshot at each epoch's end) and ddp.py itself. The others finish every
-# collective inside the step; the full tier launches them too.
-FULL_ONLY = (
-    "amp_checkpoint",
-    "fsdp",
-    "tensor_parallel",
-    "tensor_parallel_zero_r",
-    "context_parallel",
-)
-NAMES = [
-    pytest.param(name, marks=pytest.mark.full) if name in FULL_ONLY else name for name in LAUNCHES
-]
+def needed(request):
+    """The configurations this session's selected tests check: every one in a whole run."""
+    names = []
+    for item in request.session.items:
+        if item.module is request.module:
+            names.append(item.callspec.params["name"])
+    return names
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_the_loop_runs_past_logging_steps_and_an_epoch_boundary(name):
-    script, *flags = LAUNCHES[name]
-    run = torchrun(script, 2, *LOOP, *flags, timeout=120)
-    result = ok(run)
+@pytest.fixture(scope="module")
+def loops(request, tmp_path_factory):
+    """Every configuration, one after another in ONE torchrun launch (tests/script_cases.py):
+    {name: (RESULT, its output)}. ddp_torchrun snapshots at each epoch's end."""
+    snapshot = tmp_path_factory.mktemp("loop") / "snapshot.pt"
+    names = needed(request)
+    argv = []
+    for name in names:
+        script, *flags = LAUNCHES[name]
+        if name == "ddp_torchrun":
+            flags += ["--snapshot", snapshot]
+        argv.append([script.removesuffix(".py"), [*LOOP, *flags]])
+    return dict(zip(names, launch_cases(2, argv, timeout=400), strict=True))
+
+
+@pytest.mark.parametrize("name", LAUNCHES)
+def test_the_loop_runs_past_logging_steps_and_an_epoch_boundary(loops, name):
+    result, output = loops[name]
     assert result["steps"] == 5
-    logged = re.findall(r"^epoch (\d) step (\d+): train loss", run.stdout, re.M)
-    assert logged == [("0", "2"), ("1", "4")], run.output
+    logged = re.findall(r"^epoch (\d) step (\d+): train loss", output, re.M)
+    assert logged == [("0", "2"), ("1", "4")], output
+    if name == "ddp_torchrun":  # the snapshot at the first epoch's end, and at the run's end
+        assert "snapshot: step 3 saved" in output and "snapshot: step 5 saved" in output, output

@@ -91,6 +91,14 @@ MUTANTS = {
         "ZeRO drops all but a step's last backward",
         "test_copy.py::test_zero_equals_one_process[2-adamw]",
     ),
+    "zero-one-group": (
+        "ZeRO puts every parameter in one group",
+        "test_copy.py::test_zero_equals_one_process[1-adamw]",
+    ),
+    "tp-sp-accumulation": (
+        "TP+SP counts a step's earlier backward W times",
+        "test_copy.py::test_tensor_parallel_equals_one_process[sgd-sp]",
+    ),
     "pipeline-tied-unsummed": (
         "pipeline: the tied copies' gradients not summed",
         "test_copy.py::test_pipeline_equals_one_process[pipeline-sgd]",

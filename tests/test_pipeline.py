@@ -11,7 +11,6 @@ pipeline tests share): no rank waits for ever; the replay does catch the one-op-
 that deadlocked, and a send left open across a collective. Bad input is refused."""
 
 import argparse
-import json
 import sys
 from collections import Counter
 
@@ -22,7 +21,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import common
 import pipeline
-from helpers import SMALL, max_diff, torchrun
+from helpers import SMALL, launch_cases, max_diff
 
 DEPTH = 4
 CFG = [*SMALL, "--depth", str(DEPTH)]  # the same config as test_tensor_parallel.py: shared refs
@@ -84,16 +83,6 @@ def stage_params(model, p):
             modules.append(model.head)
         counts.append(sum(q.numel() for module in modules for q in module.parameters()))
     return counts
-
-
-def launch_cases(world, argv, timeout=400):
-    """Run [script, flags] cases one after another in ONE torchrun launch (tests/pipeline_cases.py)
-    and return each case's RESULT and its output before it."""
-    run = torchrun("tests/pipeline_cases.py", world, json.dumps(argv, default=str), timeout=timeout)
-    assert run.returncode == 0, run.output
-    chunks = run.stdout.split("\nRESULT ")  # chunk i ends with case i's output, i+1 its RESULT
-    assert len(chunks) == len(argv) + 1, run.output
-    return [(json.loads(chunks[i + 1].splitlines()[0]), chunks[i]) for i in range(len(argv))]
 
 
 @pytest.fixture(scope="module")

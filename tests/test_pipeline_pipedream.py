@@ -20,7 +20,6 @@ from test_pipeline import (
     LOOP_COLLECTIVES,
     LOOP_STEPS,
     collectives,
-    launch_cases,
     loop_calls,
     replay,
     sends,
@@ -29,7 +28,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import common
 import pipeline_pipedream
-from helpers import SMALL, max_diff
+from helpers import SMALL, launch_cases, max_diff
 
 P = 3
 M = 4

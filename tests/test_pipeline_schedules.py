@@ -16,7 +16,6 @@ from test_pipeline import (
     LOOP_COLLECTIVES,
     LOOP_STEPS,
     collectives,
-    launch_cases,
     loop_calls,
     replay,
     sends,
@@ -24,7 +23,7 @@ from test_pipeline import (
 
 import common
 import pipeline_schedules
-from helpers import SMALL, max_diff
+from helpers import SMALL, launch_cases, max_diff
 
 # 8 blocks: 4 ranks x 2 chunks; a small dim and 3 steps keep the two launches cheap
 CFG = [*SMALL, "--dim", "16", "--depth", "8", "--heads", "2", "--max-steps", "3"]

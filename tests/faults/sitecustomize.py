@@ -393,5 +393,41 @@ if os.environ.get("MUTANT"):
             pipeline.all_reduce_tied = lambda stage: None
 
         _after_import["pipeline"] = _unsummed
+    elif _mutant == "zero-one-group":  # ZeRO drops the parameter groups: one, the first's settings
+
+        def _one_group(zero):
+            parallelize = zero.parallelize
+
+            def parallelize_one_group(model, device, stage, param_groups=None):
+                if param_groups:
+                    params = [param for group in param_groups for param in group["params"]]
+                    param_groups = [{**param_groups[0], "params": params}]
+                return parallelize(model, device, stage, param_groups)
+
+            zero.parallelize = parallelize_one_group
+
+        _after_import["zero"] = _one_group
+    elif _mutant == "tp-sp-accumulation":  # TP+SP sums the partial gradients in .grad, as before
+
+        def _sum_in_grad(tensor_parallel):
+            import torch
+
+            def keep(self, param, grad):
+                return grad  # into .grad, where the step's earlier backward passes' sums are
+
+            def sum_when_all_arrived(self, _param):
+                self.accumulated += 1
+                if self.accumulated < len(self.params):
+                    return
+                self.accumulated = 0
+                flat = torch.cat([param.grad.flatten() for param in self.params])
+                summed = tensor_parallel.all_reduce(flat).split([p.numel() for p in self.params])
+                for param, grad in zip(self.params, summed, strict=True):
+                    param.grad.copy_(grad.view_as(param))
+
+            tensor_parallel.PartialGradientSum.hold = keep
+            tensor_parallel.PartialGradientSum.hook = sum_when_all_arrived
+
+        _after_import["tensor_parallel"] = _sum_in_grad
     else:
         raise SystemExit(f"tests/faults: unknown MUTANT={_mutant}")
