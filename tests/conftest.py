@@ -9,16 +9,13 @@ sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).
 import torch  # noqa: E402
 
 import common  # noqa: E402
-from helpers import ddp_reference  # noqa: E402
+from helpers import ddp_references  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def refs(request, tmp_path_factory):
     """ddp.py at W=1 with SGD and with AdamW on the test module's CFG (shared across modules)."""
-    return {
-        optim: ddp_reference(tmp_path_factory, request.module.CFG, optim)
-        for optim in ("sgd", "adamw")
-    }
+    return ddp_references(tmp_path_factory, request.module.CFG)
 
 
 @pytest.fixture(scope="module")

@@ -126,15 +126,33 @@ def ok(r):
     return r.result
 
 
-def ddp_reference(tmp_path_factory, cfg, optim):
-    """ddp.py at W=1 on `cfg` with `optim`: the one-process run every exact technique must
-    reproduce. Launched once per pytest session and configuration; test files with the same cfg
-    share it. Plain `python ddp.py` is that world of one, without torchrun's agent process."""
+def ddp_references(tmp_path_factory, cfg, optims=("sgd", "adamw")):
+    """ddp.py at W=1 on `cfg`, one run per optimizer in `optims`: the one-process runs every exact
+    technique must reproduce, {optim: saved path}. Made once per pytest session and
+    configuration (test files with the same cfg share them), the missing ones in ONE plain
+    `python` process (tests/script_cases.py: a world of one, no torchrun agent, one start-up)."""
     key = hashlib.sha1(" ".join(map(str, cfg)).encode()).hexdigest()[:12]
-    path = tmp_path_factory.getbasetemp() / f"reference-ddp-w1-{key}-{optim}.pt"
-    if not path.exists():
-        ok(python("ddp.py", *cfg, "--optim", optim, "--save", path, timeout=120))
-    return path
+    base = tmp_path_factory.getbasetemp()
+    paths = {optim: base / f"reference-ddp-w1-{key}-{optim}.pt" for optim in optims}
+    missing = [optim for optim, path in paths.items() if not path.exists()]
+    if missing:
+        argv = [["ddp", [*cfg, "--optim", optim, "--save", paths[optim]]] for optim in missing]
+        run = python("tests/script_cases.py", json.dumps(argv, default=str), timeout=180)
+        assert run.returncode == 0, run.output
+        results = run.stdout.split("\nRESULT ")[1:]  # case i's RESULT line opens chunk i
+        for optim, result in zip(missing, results, strict=True):
+            paths[optim].with_suffix(".json").write_text(result.splitlines()[0])
+    return paths
+
+
+def reference_result(path):
+    """The RESULT of the reference run that saved `path` (ddp_references)."""
+    return json.loads(path.with_suffix(".json").read_text())
+
+
+def ddp_reference(tmp_path_factory, cfg, optim):
+    """ddp_references for one optimizer: its saved path."""
+    return ddp_references(tmp_path_factory, cfg, (optim,))[optim]
 
 
 def max_diff(path_a, path_b):

@@ -13,7 +13,16 @@ import pytest
 import torch
 
 import common
-from helpers import ROOT, SMALL, max_diff, ok, python, torchrun
+from helpers import (
+    ROOT,
+    SMALL,
+    ddp_references,
+    max_diff,
+    ok,
+    python,
+    reference_result,
+    torchrun,
+)
 
 # 48: W = 1..4 all divide it; 511 test samples
 CFG = [*SMALL, "--limit", "511", "--batch-size", "48"]
@@ -54,16 +63,10 @@ def needed(request):
 @pytest.fixture(scope="module")
 def reference(request, tmp_path_factory):
     """One process, per optimizer: the run every data-parallel run must reproduce."""
-    directory = tmp_path_factory.mktemp("ref")
     # adamw: also for the dp.py and load tests
     optimizers = sorted({optim for optim, _, _ in needed(request)} | {"adamw"})
-
-    def launch(optim):
-        saved = directory / f"{optim}.pt"
-        return saved, ok(python("ddp.py", *CFG, "--optim", optim, "--save", saved))
-
-    with ThreadPoolExecutor(2) as pool:
-        return dict(zip(optimizers, pool.map(launch, optimizers), strict=True))
+    paths = ddp_references(tmp_path_factory, CFG, optimizers)
+    return {optim: (path, reference_result(path)) for optim, path in paths.items()}
 
 
 @pytest.fixture(scope="module")
