@@ -40,6 +40,7 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 ### begin: Pipeline
 # Model contract: model.embed (images -> [B, T, D], with a parameter pos [1, T, D]), model.blocks
 # (a list of [B, T, D] -> [B, T, D]) and model.head (-> logits), in that order; cross-entropy loss.
+# No weight shared by model.embed and model.head (a tied embedding is refused: see parallelize).
 
 
 class Stage(torch.nn.Module):
@@ -79,8 +80,23 @@ class Stage(torch.nn.Module):
 
 
 def parallelize(model, device):
-    """Keep this rank's stage, on its device; the rest of the model is dropped."""
+    """Keep this rank's stage, on its device; the rest of the model is dropped. A weight tied
+    between the embedding and the head is refused: pipeline.py gives the last stage a copy and sums
+    the two copies' gradients before each step, but here the first and the last stage step after
+    each micro-batch's backward at different times, each with its own stashed versions."""
+    if dist.get_world_size() > 1 and tied_weights(model):
+        raise ValueError(
+            f"model.embed and model.head share {tied_weights(model)}: pipeline_pipedream.py cannot "
+            "keep a tied weight's two stages in step; untie it, or use pipeline.py"
+        )
     return Stage(model, dist.get_rank(), dist.get_world_size()).to(device)
+
+
+def tied_weights(model):
+    """The names, in model.head, of the parameters model.embed holds too (GPT-2's lm_head.weight,
+    which is wte.weight)."""
+    embed_parameters = set(model.embed.parameters())
+    return [name for name, param in model.head.named_parameters() if param in embed_parameters]
 
 
 def schedule(micro_batches, num_stages, index, first, final):

@@ -32,7 +32,8 @@ p-s micro-batches on stage s (1f1b); 2(p-s-1) + (V-1)·p + 1 chunks, a V-th of a
 m·V when m = p (interleaved); p on every stage (zb-h1, 1f1b's peak). Communication per step: m
 activations of B/m·T·D fp32 forward and m gradients back over each of the V·p-1 chunk boundaries
 (interleaved: about V times 1f1b's p-1). Every message a step sends is received within it, as in
-pipeline.py.
+pipeline.py; a weight the embedding and the head share adds pipeline.py's all-reduce of its
+gradient between the first and the last stage.
 
     torchrun --standalone --nproc_per_node=4 pipeline_schedules.py --schedule interleaved \\
         --virtual-stages 2 --depth 8
@@ -54,8 +55,13 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 
 ### begin: Pipeline
-# Model contract: model.embed (images -> [B, T, D], with a parameter pos [1, T, D]), model.blocks
-# (a list of [B, T, D] -> [B, T, D]) and model.head (-> logits), in that order; cross-entropy loss.
+# Model contract: model.embed (the inputs -> [B, T, D]), model.blocks (a list of [B, T, D] ->
+# [B, T, D]) and model.head (-> what the loss takes), in that order, the same weights built on every
+# rank. A float [B/m, T, D] crosses each stage boundary: (T, D) is parallelize's activation_shape,
+# model.embed.pos's [1, T, D] by default. The loss is train_step's loss_fn(output, targets),
+# cross-entropy by default (a language model: next-token cross-entropy over the positions). A weight
+# model.embed and model.head share (GPT-2's wte.weight, lm_head.weight) gets a copy of its own on
+# the last stage (stage.tied): a weight-decay split puts that copy in its original's group.
 
 
 class Stage(torch.nn.Module):
@@ -63,9 +69,10 @@ class Stage(torch.nn.Module):
     global chunk c = v·p + s of the C = V·p the blocks are cut into (blocks
     c·d/C .. (c+1)·d/C - 1), with the embedding before global chunk 0 and the head after chunk
     C-1. Blocks keep their index in the whole model, so the stage's state_dict has the common
-    model's keys."""
+    model's keys. `tied`: the stage's copy of each weight the embedding and the head share, on the
+    first and the last stage (parallelize's)."""
 
-    def __init__(self, model, index, num_stages, num_chunks=1):
+    def __init__(self, model, index, num_stages, num_chunks=1, activation_shape=None):
         super().__init__()
         self.index = index
         self.num_stages = num_stages
@@ -89,7 +96,11 @@ class Stage(torch.nn.Module):
         )
         self.head = model.head if self.is_last else None
         # a sample's activation, (T, D): what crosses a chunk boundary, received into empty tensors
-        self.activation_shape = tuple(model.embed.pos.shape[1:])
+        if activation_shape is None:
+            activation_shape = model.embed.pos.shape[1:]
+        self.activation_shape = tuple(activation_shape)
+        self.tied = []
+        self.tied_group = None
 
     def is_first_chunk(self, chunk):
         return self.is_first and chunk == 0
@@ -107,9 +118,50 @@ class Stage(torch.nn.Module):
         return x
 
 
-def parallelize(model, device, num_chunks=1):
-    """Keep this rank's chunks, on its device; the rest of the model is dropped."""
-    return Stage(model, dist.get_rank(), dist.get_world_size(), num_chunks).to(device)
+def parallelize(model, device, num_chunks=1, activation_shape=None):
+    """Keep this rank's chunks, on its device; the rest of the model is dropped. activation_shape:
+    (T, D) of one sample's activation between stages (default: model.embed.pos's).
+
+    A weight tied between the embedding (first stage) and the head (last stage) cannot be one
+    tensor on two ranks. As in Megatron-LM, the last stage gets a copy of its own, equal to the
+    first stage's (every rank built the same weights), and the two stages, its "embedding group",
+    sum their gradients after each step's backward (all_reduce_tied): both copies take the same
+    step, the tied weight's."""
+    num_stages = dist.get_world_size()
+    tied_names = tied_weights(model) if num_stages > 1 else []  # one stage: the tie stays
+    stage = Stage(model, dist.get_rank(), num_stages, num_chunks, activation_shape)
+    if tied_names:
+        # every rank takes part in making a group, the ranks outside it too (dist.new_group's rule)
+        stage.tied_group = dist.new_group([0, num_stages - 1])
+    if stage.is_first:
+        stage.tied = [model.head.get_parameter(name) for name in tied_names]
+    if stage.is_last:
+        stage.tied = [untie(model.head, name) for name in tied_names]
+    return stage.to(device)
+
+
+def tied_weights(model):
+    """The names, in model.head, of the parameters model.embed holds too (GPT-2's lm_head.weight,
+    which is wte.weight)."""
+    embed_parameters = set(model.embed.parameters())
+    return [name for name, param in model.head.named_parameters() if param in embed_parameters]
+
+
+def untie(module, name):
+    """Give `module` a copy of its parameter `name` (a dotted path) of its own; return the copy."""
+    owner_name, _, attribute = name.rpartition(".")
+    owner = module.get_submodule(owner_name)
+    copy = torch.nn.Parameter(owner.get_parameter(attribute).detach().clone())
+    setattr(owner, attribute, copy)
+    return copy
+
+
+def all_reduce_tied(stage):
+    """The first and the last stage: each copy of a tied weight has its stage's part of the
+    weight's gradient (the embedding's use, the head's); both take their sum. At the same point on
+    both, after the step's last backward. The other stages hold no copy and do nothing."""
+    for weight in stage.tied:
+        dist.all_reduce(weight.grad, group=stage.tied_group)
 
 
 def schedule(name, micro_batches, num_stages, index, num_chunks=1):
@@ -200,9 +252,11 @@ def receives(stage, step, inputs, received):
     return ops
 
 
-def train_step(stage, x, y, schedule_name, micro_batches):
-    """Forward, loss and backward of every micro-batch in the schedule's order. Returns the batch's
-    mean loss on the last stage, 0 elsewhere.
+def train_step(stage, x, y, schedule_name, micro_batches, loss_fn=F.cross_entropy):
+    """Forward, loss and backward of every micro-batch in the schedule's order, then the tied
+    weights' gradients summed. Returns the batch's mean loss on the last stage, 0 elsewhere. The
+    micro-batches are the step's gradient accumulation; a second train_step before the optimizer's
+    step adds to the gradients too.
 
     A step's sends go in one group with the next step's receives, as Megatron-LM and
     torch.distributed.pipelining do, so no two stages both wait to send. zb-h1: B takes the input's
@@ -215,6 +269,11 @@ def train_step(stage, x, y, schedule_name, micro_batches):
     received = {}  # (action, micro-batch, chunk) -> the tensor its input arrives in
     kept = {}  # (micro-batch, chunk) -> (its input, its output), kept for its B (zb-h1: its W)
     output_grads = {}  # zb-h1: (micro-batch, chunk) -> the gradient its B went back with, for W
+    if stage.is_last:
+        # A tied copy's gradient from an earlier train_step of this optimizer step is in the first
+        # stage's copy too (all_reduce_tied summed it there): dropped here, the sum counts it once.
+        for weight in stage.tied:
+            weight.grad = None
     # The first step's inputs come alone: no step before it has sends to pair them with.
     p2p(receives(stage, steps[0], inputs, received))
     for step, next_step in zip(steps, [*steps[1:], []], strict=True):
@@ -231,7 +290,7 @@ def train_step(stage, x, y, schedule_name, micro_batches):
                     # The loss takes the output's place, so the backward starts from it. It is the
                     # mean over the micro-batch's B/m samples; / m makes the m of them sum to the
                     # batch's mean.
-                    output = F.cross_entropy(output, targets[i]) / micro_batches
+                    output = loss_fn(output, targets[i]) / micro_batches
                     loss += output.detach()
                 else:
                     sends.append((dist.isend, output.detach(), stage.next_rank))
@@ -252,6 +311,7 @@ def train_step(stage, x, y, schedule_name, micro_batches):
                 _, output = kept.pop((i, chunk))
                 output.backward(output_grads.pop((i, chunk)), inputs=list(stage.parameters()))
         p2p(sends + receives(stage, next_step, inputs, received))
+    all_reduce_tied(stage)
     return loss
 
 

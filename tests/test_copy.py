@@ -123,6 +123,21 @@ def test_pipeline_equals_one_process(copies, case):
     assert results[case]["copies"] == [1, 1]
 
 
+@pytest.mark.parametrize(
+    "case, blocks",
+    [("pipeline_schedules-zb-h1-adamw", [1, 1]), ("pipeline_schedules-interleaved-sgd", [2, 2])],
+)
+def test_pipeline_schedules_equals_one_process(copies, case, blocks):
+    """pipeline_schedules.py's zero-bubble (zb-h1: B and W apart) and interleaved schedules (two
+    chunks a stage, so 4 blocks against a reference of 4 blocks), with pipeline.py's loss_fn,
+    activation_shape and tied copies, summed after the step's last backward (zb-h1: its last W)."""
+    _, results = copies
+    assert_same_as_one_process(copies, case)
+    assert results[case]["blocks"] == blocks
+    assert results[case]["wpe"] == [True, False]
+    assert results[case]["copies"] == [1, 1]
+
+
 def expected_groups(optim):
     """The names in each parameter group of the plain model, as param_groups builds them."""
     model = CausalLM()

@@ -15,6 +15,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from causal_lm import CausalLM
 from test_pipeline import (
     LOOP,
     LOOP_COLLECTIVES,
@@ -187,3 +188,12 @@ def test_the_replay_catches_a_send_left_open_across_the_loops_all_reduce(monkeyp
 
     monkeypatch.setattr(pipeline_pipedream, "train_step", closing_send_at_once)
     assert replay(pipedream_loop(2, 2, monkeypatch)) is not None
+
+
+def test_a_weight_tied_across_stages_is_refused(monkeypatch):
+    """A language model's tied embedding (tests/causal_lm.py: lm_head.weight is wte.weight) cannot
+    be kept in step by PipeDream's per-micro-batch steps: parallelize says so before it splits
+    the model, instead of training two copies that drift apart (pipeline.py sums them)."""
+    monkeypatch.setattr(pipeline_pipedream.dist, "get_world_size", lambda group=None: 2)
+    with pytest.raises(ValueError, match="share \\['lm_head.weight'\\].*use pipeline.py"):
+        pipeline_pipedream.parallelize(CausalLM(), torch.device("cpu"))
