@@ -63,6 +63,8 @@ the working copy that forward and the all-gathers read:
     (temporary file, flush, fsync, rename: a crash leaves the old file or the new one, whole). The
     gradient shards wait in device memory until the step. DeepSpeed swaps through pinned buffers
     with asynchronous O_DIRECT reads and writes (libaio) instead of torch.save and a thread.
+Optimizer groups (parallelize's param_groups, a weight-decay split): the CPU or disk master is cut
+    into the shard's pieces, one per group, each stepped with its group's hyperparameters.
 
 Memory per rank, besides the stage's parameters and whole gradients on the device (above):
     --offload cpu:   device: no optimizer state; CPU: 4Ψ'/W master + 4Ψ'/W gradient + KΨ'/W state
@@ -98,7 +100,8 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 # autograd; at stage 3 that unit is gathered for the other's forward and backward too); optimizer
 # parameter groups (parallelize's param_groups: each unit lays its parameters out group by group
 # and cuts its shard where the groups meet); several backward passes per step (gradient
-# accumulation: each one's averaged shard is added up). With offload: one parameter group only.
+# accumulation: each one's averaged shard is added up). Offloaded, the master shard is cut into the
+# same pieces, each stepped with its group's hyperparameters.
 
 
 class Unit:
@@ -221,12 +224,14 @@ def put_tensor(module, name, tensor):
 def move_master_to_cpu(unit, module, pin_memory):
     """ZeRO-Offload: the optimizer steps an fp32 master copy of the shard in CPU memory, next to its
     gradient, both allocated once. Pinned memory lets copies between it and the GPU run without the
-    host waiting. The shard on the device stays, as the working copy."""
-    unit.master = nn.Parameter(torch.empty_like(unit.shard, device="cpu", pin_memory=pin_memory))
+    host waiting. The shard on the device stays, as the working copy. The master is cut into the
+    shard's pieces (one per optimizer group), which become the unit's pieces."""
+    unit.master = torch.empty_like(unit.shard, device="cpu", pin_memory=pin_memory)
     unit.master.copy_(unit.shard)
     unit.master_grad = torch.empty_like(unit.master, pin_memory=pin_memory)
-    # the module's parameter now: model.parameters() are the masters
-    module.shards = nn.ParameterList([unit.master])
+    unit.pieces = [(group, own, nn.Parameter(unit.master[own])) for group, own, _ in unit.pieces]
+    # the module's parameters now: model.parameters() are the masters' pieces
+    module.shards = nn.ParameterList([piece for _, _, piece in unit.pieces])
 
 
 def save_atomically(obj, path):
@@ -259,6 +264,9 @@ class ZeRO:
         for module in modules:
             unit = Unit(name_of[module], module, self.rank, self.world, stage, placed, group_of)
             self.units.append(unit)
+        if offload == "cpu":  # before the groups: the optimizer steps the CPU masters' pieces
+            for index, module in enumerate(modules):
+                move_master_to_cpu(self.units[index], module, pin_memory)
         # the optimizer's groups, their hyperparameters kept, their parameters now the pieces
         self.param_groups = [
             {**group, "params": self.pieces_of(index)} for index, group in enumerate(groups)
@@ -275,9 +283,6 @@ class ZeRO:
                 self.units[index].free()
                 module.register_forward_pre_hook(functools.partial(self.before_forward, index))
                 module.register_forward_hook(functools.partial(self.after_forward, index))
-        if offload == "cpu":
-            for index, module in enumerate(modules):
-                move_master_to_cpu(self.units[index], module, pin_memory)
         if offload == "disk":
             self.reader = ThreadPoolExecutor(1)  # reads the next unit's file while one steps
             for index, unit in enumerate(self.units):  # each rank its own files
@@ -414,12 +419,11 @@ class ZeRO:
             return  # the gradient shards wait in the units: step_on_disk steps them after step()
         for unit in self.units:
             if self.offload == "cpu":
-                unit.master.grad = unit.master_grad  # the optimizer steps the CPU master
+                unit.grad_shard = unit.master_grad  # the pieces are the CPU master's
                 self.on_cpu.discard(unit)  # the next step's first backward overwrites it
-            else:
-                for _, own, piece in unit.pieces:
-                    piece.grad = unit.grad_shard[own]
-                unit.grad_shard = None  # the optimizer's now: zero_grad(set_to_none=True) frees it
+            for _, own, piece in unit.pieces:
+                piece.grad = unit.grad_shard[own]
+            unit.grad_shard = None  # the optimizer's now: zero_grad(set_to_none=True) frees it
 
     @torch.no_grad()
     def after_step(self, optimizer):
@@ -443,21 +447,25 @@ class ZeRO:
 
     def write_unit_files(self, optimizer):
         """Each unit's file, written anew: its master shard and the empty state of an optimizer of
-        `optimizer`'s class over it (made here, unstepped, only for its state_dict)."""
+        `optimizer`'s class over it, a group per piece (made here, unstepped, only for its
+        state_dict)."""
         for unit in self.units:
-            master = nn.Parameter(unit.shard.to("cpu", copy=True))
-            empty_optimizer = type(optimizer)([master])
-            state = dict(master=master.detach(), optimizer=empty_optimizer.state_dict())
+            master = unit.shard.to("cpu", copy=True)
+            pieces = [nn.Parameter(master[own]) for _, own, _ in unit.pieces]
+            empty_optimizer = type(optimizer)([{"params": [piece]} for piece in pieces])
+            state = dict(master=master, optimizer=empty_optimizer.state_dict())
             save_atomically(state, unit.path)
 
     def step_on_disk(self, optimizer):
         """ZeRO-Infinity's step, after `optimizer.step()` has stepped nothing: none of its
-        parameters (the device shards) has a .grad, so it skips them all and holds no state. It
-        lends this step its class and its hyperparameters, the learning rate the schedule set.
-        The units step one at a time, from their files; a thread reads the next unit's file while
-        this one steps."""
-        group = optimizer.param_groups[0]  # the one group
-        hyperparameters = {key: value for key, value in group.items() if key != "params"}
+        parameters (the device shards' pieces) has a .grad, so it skips them all and holds no
+        state. It lends this step its class and each group's hyperparameters, the learning rate
+        the schedule set. The units step one at a time, from their files; a thread reads the next
+        unit's file while this one steps."""
+        hyperparameters = [  # the optimizer's groups, in parallelize's param_groups order
+            {key: value for key, value in group.items() if key != "params"}
+            for group in optimizer.param_groups
+        ]
         reading = self.reader.submit(torch.load, self.units[0].path, weights_only=True)
         for index, unit in enumerate(self.units):
             saved = reading.result()
@@ -467,26 +475,36 @@ class ZeRO:
             self.step_unit(unit, saved, type(optimizer), hyperparameters)
 
     def step_unit(self, unit, saved, optimizer_class, hyperparameters):
-        """One unit's step: an optimizer over its master shard alone, its state from the file."""
-        master = nn.Parameter(saved["master"])
-        master.grad = unit.grad_shard.cpu()
+        """One unit's step: an optimizer over its master shard alone, cut into the shard's pieces,
+        each piece a group with its optimizer group's hyperparameters; its state from the file."""
+        master = saved["master"]
+        grad_shard = unit.grad_shard.cpu()
         unit.grad_shard = None
-        unit_optimizer = optimizer_class([master])
+        unit_groups = []
+        for _, own, _ in unit.pieces:
+            piece = nn.Parameter(master[own])  # a view: stepping it steps the master
+            piece.grad = grad_shard[own]
+            unit_groups.append({"params": [piece]})
+        unit_optimizer = optimizer_class(unit_groups)
         unit_optimizer.load_state_dict(saved["optimizer"])
-        unit_optimizer.param_groups[0].update(hyperparameters)  # the file holds the last step's
+        for (group, _, _), unit_group in zip(unit.pieces, unit_optimizer.param_groups, strict=True):
+            unit_group.update(hyperparameters[group])  # the file holds the last step's
         unit_optimizer.step()
-        state = dict(master=master.detach(), optimizer=unit_optimizer.state_dict())
+        state = dict(master=master, optimizer=unit_optimizer.state_dict())
         save_atomically(state, unit.path)
         unit.shard.copy_(master)
 
 
-def parallelize(model, device, stage, offload="none", directory=None):
+def parallelize(model, device, stage, param_groups=None, offload="none", directory=None):
     """ZeRO at `stage`, in place: the engine goes to model.zero and model.parameters() become the
-    shards; make the optimizer over them, then hook_optimizer(model, optimizer). The model is
-    already on `device` (the skeleton's argument; on a GPU the CPU buffers are pinned). Offload
-    "cpu", or "disk" into `directory`."""
-    # one parameter group: an offloaded optimizer steps one master shard per unit
-    model.zero = ZeRO(model, stage, None, offload, directory, pin_memory=device.type == "cuda")
+    shards (the CPU master shards with offload "cpu"); make the optimizer over them, then
+    hook_optimizer(model, optimizer). The model is already on `device` (the skeleton's argument;
+    on a GPU the CPU buffers are pinned). `param_groups`: the optimizer's groups over the model's
+    parameters (dicts with "params" and hyperparameters, such as weight_decay); then make the
+    optimizer over model.zero.param_groups, the same groups over the shards. Offload "cpu", or
+    "disk" into `directory`."""
+    pin_memory = device.type == "cuda"
+    model.zero = ZeRO(model, stage, param_groups, offload, directory, pin_memory)
     return model
 
 
@@ -694,7 +712,9 @@ def run(args):
         if args.load:
             model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
         psi = sum(p.numel() for p in model.parameters())
-        model = parallelize(model.to(device), device, args.stage, args.offload, args.offload_dir)
+        model = parallelize(
+            model.to(device), device, args.stage, offload=args.offload, directory=args.offload_dir
+        )
         # Ψ': every unit padded to a multiple of W (model.parameters() are the shards now)
         padded = world * sum(p.numel() for p in model.parameters())
         largest_shard = max(p.numel() for p in model.parameters())  # --offload disk's formula

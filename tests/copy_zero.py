@@ -29,12 +29,15 @@ def run_zero(stage, optim, batches, rank, world):
     return model, zero.full_state_dict(model), dict(tied=tied)
 
 
-def run_zero_offload(offload, stage, batches, rank, world, folder):
-    """zero_offload.py steps one parameter group: SGD, the reference's one group."""
-    directory = folder / f"zero_offload-{offload}-files"  # --offload disk's unit files
+def run_zero_offload(offload, stage, optim, batches, rank, world, folder):
+    """zero_offload.py steps each group's pieces of the master (CPU, or the unit files on disk)
+    with the group's hyperparameters: AdamW's two weight-decay groups."""
+    directory = folder / f"zero_offload-{offload}-{optim}-files"  # --offload disk's unit files
     directory.mkdir(exist_ok=True)
-    model = zero_offload.parallelize(CausalLM(), CPU, stage, offload, directory)
-    optimizer = make_optimizer(model.parameters(), "sgd")
+    model = CausalLM()
+    groups = param_groups(model, optim)
+    model = zero_offload.parallelize(model, CPU, stage, groups, offload, directory)
+    optimizer = make_optimizer(model.zero.param_groups, optim)
     zero_offload.hook_optimizer(model, optimizer)
     train(model, optimizer, batches, rank, world)
     tied = model.head.lm_head.weight is model.embed.wte.weight
@@ -51,5 +54,7 @@ def cases(batches, rank, world, folder):
         for optim in OPTIMS:
             yield f"zero{stage}-{optim}", optim, *run_zero(stage, optim, batches, rank, world)
     for offload, stage in (("cpu", 2), ("disk", 3)):
-        name = f"zero_offload-{offload}{stage}-sgd"
-        yield name, "sgd", *run_zero_offload(offload, stage, batches, rank, world, folder)
+        for optim in OPTIMS:
+            name = f"zero_offload-{offload}{stage}-{optim}"
+            case = run_zero_offload(offload, stage, optim, batches, rank, world, folder)
+            yield name, optim, *case

@@ -102,11 +102,15 @@ def test_zero_equals_one_process(copies, stage, optim):
     assert_same_as_one_process(copies, f"zero{stage}-{optim}")
 
 
-@pytest.mark.parametrize("offload, stage", [("cpu", 2), ("disk", 3)])
-def test_zero_offload_equals_one_process(copies, offload, stage):
+@pytest.mark.parametrize(
+    "offload, stage, optim",
+    [(offload, stage, optim) for offload, stage in (("cpu", 2), ("disk", 3)) for optim in OPTIMS],
+)
+def test_zero_offload_equals_one_process(copies, offload, stage, optim):
     """zero_offload.py's engine, shared with zero.py, with the optimizer on CPU or on disk: the
-    tie, and the gradient of both backward passes of a step added up where the shard lives."""
-    assert_same_as_one_process(copies, f"zero_offload-{offload}{stage}-sgd")
+    tie, the gradient of both backward passes of a step added up where the shard lives, and
+    AdamW's two weight-decay groups, each stepped with its own hyperparameters."""
+    assert_same_as_one_process(copies, f"zero_offload-{offload}{stage}-{optim}")
 
 
 @pytest.mark.parametrize("case", ["pipeline-sgd", "pipeline-adamw", "pipeline-calls-sgd"])

@@ -95,6 +95,10 @@ MUTANTS = {
         "ZeRO puts every parameter in one group",
         "test_copy.py::test_zero_equals_one_process[1-adamw]",
     ),
+    "zero-offload-one-group": (
+        "ZeRO-Infinity steps every piece with one group's settings",
+        "test_copy.py::test_zero_offload_equals_one_process[disk-3-adamw]",
+    ),
     "tp-sp-accumulation": (
         "TP+SP counts a step's earlier backward W times",
         "test_copy.py::test_tensor_parallel_equals_one_process[sgd-sp]",

@@ -87,19 +87,24 @@ def test_offload_cpu_equals_one_ddp_process(stage, optim, refs, sizes, launched)
 @pytest.mark.filterwarnings("ignore:.*is deprecated")
 def test_offload_cpu_buffers_are_allocated_once():
     """White-box, in this process at W=1: the master shard and its gradient are CPU buffers made
-    once; every step copies into them (the optimizer's .grad is the same buffer each step)."""
+    once; every step copies into them (the optimizer's parameters are the master's pieces, one
+    per unit with one group, and their .grad the same buffer each step)."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        model = zero_offload.parallelize(build(), torch.device("cpu"), 3, "cpu")
+        model = zero_offload.parallelize(build(), torch.device("cpu"), 3, offload="cpu")
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         zero_offload.hook_optimizer(model, optimizer)
         units = model.zero.units
-        assert list(model.parameters()) == [unit.master for unit in units]
+        assert all(len(unit.pieces) == 1 for unit in units)
+        pieces = [piece for unit in units for _, _, piece in unit.pieces]
+        assert list(model.parameters()) == pieces
+        assert [piece.data_ptr() for piece in pieces] == [unit.master.data_ptr() for unit in units]
         buffers = [(u.master.data_ptr(), u.master_grad.data_ptr()) for u in units]
         for _ in range(2):
             model(torch.randn(4, 1, 28, 28)).logsumexp(1).mean().backward()
             optimizer.step()
-            assert all(unit.master.grad is unit.master_grad for unit in units)
+            grads = [piece.grad.data_ptr() for piece in pieces]
+            assert grads == [unit.master_grad.data_ptr() for unit in units]
             assert all(torch.equal(unit.master, unit.shard) for unit in units)
             optimizer.zero_grad(set_to_none=True)
         assert [(u.master.data_ptr(), u.master_grad.data_ptr()) for u in units] == buffers

@@ -407,6 +407,20 @@ if os.environ.get("MUTANT"):
             zero.parallelize = parallelize_one_group
 
         _after_import["zero"] = _one_group
+    elif _mutant == "zero-offload-one-group":  # zero_offload.py drops the groups, as zero-one-group
+
+        def _offload_one_group(zero_offload):
+            parallelize = zero_offload.parallelize
+
+            def parallelize_one_group(model, device, stage, param_groups=None, *where, **kw):
+                if param_groups:
+                    params = [param for group in param_groups for param in group["params"]]
+                    param_groups = [{**param_groups[0], "params": params}]
+                return parallelize(model, device, stage, param_groups, *where, **kw)
+
+            zero_offload.parallelize = parallelize_one_group
+
+        _after_import["zero_offload"] = _offload_one_group
     elif _mutant == "tp-sp-accumulation":  # TP+SP sums the partial gradients in .grad, as before
 
         def _sum_in_grad(tensor_parallel):
