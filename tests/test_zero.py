@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import common
 import zero
-from helpers import SMALL, max_diff, ok, tiered, torchrun
+from helpers import SMALL, launch_cases, max_diff, tiered
 
 CFG = [
     *SMALL,
@@ -27,7 +27,7 @@ GRID = [
     (stage, world, optim) for stage in (1, 2, 3) for world in (2, 3) for optim in ("sgd", "adamw")
 ]
 # The quick suite: every stage with each optimizer and at each world size, each world size with
-# each optimizer (6 launches); the full tier runs the other 6 of the grid.
+# each optimizer (6 runs, one launch per world size); the full tier adds the other 6 of the grid.
 QUICK = [
     (1, 2, "sgd"),
     (1, 3, "adamw"),
@@ -37,6 +37,7 @@ QUICK = [
     (3, 3, "adamw"),
 ]
 CASES = tiered(GRID, QUICK)
+LOADED = "load"  # test_load_ddp_save's round trip: stage 3 at W=3, lr 0, one step
 
 
 def build(data=False):
@@ -79,21 +80,52 @@ def setting():
     return sizes, accuracy
 
 
+def needed(request):
+    """The zero.py runs this session's selected tests of this module read: every one in a whole run,
+    one when a single test is asked for (as tests/test_mutants.py does). LOADED names the --load
+    round trip of test_load_ddp_save."""
+    cases = set()
+    for item in request.session.items:
+        if item.module is request.module:
+            params = getattr(getattr(item, "callspec", None), "params", {})
+            if "world" in params:
+                cases.add((params["stage"], params["world"], params["optim"]))
+            elif item.name == "test_load_ddp_save":
+                cases.add(LOADED)
+    return [case for case in [*GRID, LOADED] if case in cases]
+
+
+def world_of(case):
+    """The world size a case runs at."""
+    return 3 if case == LOADED else case[1]
+
+
+def flags(case, path, reference):
+    """zero.py's flags for a case of GRID, or for LOADED (which --loads `reference`)."""
+    if case == LOADED:
+        round_trip = ["--stage", 3, "--optim", "sgd", "--lr", 0, "--max-steps", 1]
+        return [*CFG, *round_trip, "--load", reference, "--save", path]
+    stage, _, optim = case
+    return [*CFG, "--stage", stage, "--optim", optim, "--save", path]
+
+
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    """launched(stage, world, optim) -> (RESULT, saved path): zero.py on CFG, launched once per
-    configuration and shared by every test that reads that run."""
+def launched(request, tmp_path_factory, refs):
+    """{case: (RESULT, saved path)} for zero.py on CFG, case (stage, world, optim) or LOADED: the
+    needed runs of one world size as the cases of ONE launch (tests/script_cases.py), each run
+    shared by every test that reads it."""
+    folder = tmp_path_factory.mktemp("zero")
+    cases = needed(request)
+    saved = {case: folder / f"{i}.pt" for i, case in enumerate(cases)}
     runs = {}
-
-    def launch(stage, world, optim):
-        if (stage, world, optim) not in runs:
-            path = tmp_path_factory.mktemp(f"zero-{stage}-{world}-{optim}") / "out.pt"
-            flags = ["--stage", stage, "--optim", optim, "--save", path]
-            result = ok(torchrun("zero.py", world, *CFG, *flags, timeout=240))
-            runs[stage, world, optim] = (result, path)
-        return runs[stage, world, optim]
-
-    return launch
+    for world in (2, 3):
+        group = [case for case in cases if world_of(case) == world]
+        if group:
+            argv = [["zero", flags(case, saved[case], refs["adamw"])] for case in group]
+            results = launch_cases(world, argv, timeout=max(300, 120 * len(argv)))
+            for case, (result, _) in zip(group, results, strict=True):
+                runs[case] = (result, saved[case])
+    return runs
 
 
 @pytest.mark.parametrize("stage,world,optim", CASES)
@@ -102,7 +134,7 @@ def test_stage_equals_one_ddp_process(stage, world, optim, refs, setting, launch
     sharded state), and an exact evaluation over uneven shards (which must also finish: stage 3
     gathers in every forward)."""
     _, accuracy = setting
-    res, path = launched(stage, world, optim)
+    res, path = launched[stage, world, optim]
     assert (res["world_size"], res["steps"], res["comm_steps"]) == (world, 6, STEPS)
     diff = max_diff(path, refs[optim])
     print(f"stage {stage} W={world} {optim}: max |Δ| vs ddp.py W=1 = {diff:.2e}")
@@ -114,7 +146,7 @@ def test_stage_equals_one_ddp_process(stage, world, optim, refs, setting, launch
 def test_bytes_per_rank_are_zeros_formula(stage, world, optim, setting, launched):
     """Memory, read by the Meter off the storages after the first step: ZeRO's formula for Ψ'."""
     sizes, _ = setting
-    res, _ = launched(stage, world, optim)
+    res, _ = launched[stage, world, optim]
     psi = sum(sizes)
     pad = padded(sizes, world)
     k = 8 if optim == "adamw" else 4
@@ -130,7 +162,7 @@ def test_communication_per_step(stage, world, optim, setting, launched):
     """Counted by the Meter: Ψ' reduce-scattered (input bytes) and Ψ' all-gathered (output bytes)
     at stages 1-2, 2Ψ' all-gathered at stage 3; one collective per unit each time."""
     sizes, _ = setting
-    res, _ = launched(stage, world, optim)
+    res, _ = launched[stage, world, optim]
     pad = padded(sizes, world)
     assert res["comm"] == {"reduce_scatter": 4 * pad, "all_gather": (8 if stage == 3 else 4) * pad}
     assert res["comm_calls"] == {
@@ -139,13 +171,11 @@ def test_communication_per_step(stage, world, optim, setting, launched):
     }
 
 
-def test_load_ddp_save(refs, tmp_path):
+def test_load_ddp_save(refs, launched):
     """--load a ddp.py save into stage 3 at W=3 (uneven padded shards); with lr 0 nothing moves, so
     --save must give it back bit for bit (and a run that ignored --load would save the seeded
     weights)."""
-    path = tmp_path / "back.pt"
-    flags = ["--stage", "3", "--optim", "sgd", "--lr", "0", "--max-steps", "1"]
-    ok(torchrun("zero.py", 3, *CFG, *flags, "--load", refs["adamw"], "--save", path, timeout=180))
+    _, path = launched[LOADED]
     assert max_diff(path, refs["adamw"]) == 0
 
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import common
 import zero_offload
-from helpers import ROOT, SMALL, max_diff, ok, tiered, torchrun
+from helpers import ROOT, SMALL, launch_cases, max_diff, tiered, torchrun
 
 # test_zero.py's configuration: the same ddp.py references serve both files
 CFG = [
@@ -48,24 +48,48 @@ def sizes():
     return [sum(p.numel() for p in unit.parameters()) for unit in units]
 
 
+# the tests that read a launched run, and the offload of the run each reads
+OFFLOAD_READ_BY = {
+    "test_offload_cpu_equals_one_ddp_process": "cpu",
+    "test_offload_to_disk_equals_one_ddp_process": "disk",
+    "test_disk_holds_the_state_and_memory_one_unit_of_it": "disk",
+}
+
+
+def needed(request):
+    """The (stage, optim, offload) runs this session's selected tests of this module read: every
+    one in a whole run, one when a single test is asked for (as tests/test_mutants.py does)."""
+    cases = set()
+    for item in request.session.items:
+        if item.module is request.module and item.originalname in OFFLOAD_READ_BY:
+            params = item.callspec.params
+            cases.add((params["stage"], params["optim"], OFFLOAD_READ_BY[item.originalname]))
+    every = [(stage, optim, "cpu") for stage, optim in CPU_CASES]
+    every += [(stage, optim, "disk") for stage, optim in DISK_GRID]
+    return [case for case in every if case in cases]
+
+
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    """launched(stage, optim, offload) -> (RESULT, saved path, offload dir): zero_offload.py at
-    W=2 on CFG, launched once per configuration and shared by the tests that read that run."""
-    runs = {}
-
-    def launch(stage, optim, offload):
-        if (stage, optim, offload) not in runs:
-            directory = tmp_path_factory.mktemp(f"offload-{offload}-{stage}-{optim}")
-            path = directory / "out.pt"
-            flags = ["--stage", stage, "--optim", optim, "--save", path, "--offload", offload]
-            if offload == "disk":
-                flags += ["--offload-dir", directory]
-            result = ok(torchrun("zero_offload.py", WORLD, *CFG, *flags, timeout=240))
-            runs[stage, optim, offload] = (result, path, directory)
-        return runs[stage, optim, offload]
-
-    return launch
+def launched(request, tmp_path_factory):
+    """{(stage, optim, offload): (RESULT, saved path, offload dir)}: zero_offload.py at W=2 on CFG,
+    the needed runs as the cases of ONE launch (tests/script_cases.py), each run shared by the
+    tests that read it."""
+    cases = needed(request)
+    directories = {}
+    argv = []
+    for stage, optim, offload in cases:
+        directory = tmp_path_factory.mktemp(f"offload-{offload}-{stage}-{optim}")
+        flags = ["--stage", stage, "--optim", optim, "--save", directory / "out.pt"]
+        flags += ["--offload", offload]
+        if offload == "disk":
+            flags += ["--offload-dir", directory]
+        argv.append(["zero_offload", [*CFG, *flags]])
+        directories[stage, optim, offload] = directory
+    results = launch_cases(WORLD, argv, timeout=max(300, 120 * len(argv)))
+    return {
+        case: (result, directories[case] / "out.pt", directories[case])
+        for case, (result, _) in zip(cases, results, strict=True)
+    }
 
 
 @pytest.mark.parametrize("stage,optim", CPU_CASES)
@@ -73,7 +97,7 @@ def test_offload_cpu_equals_one_ddp_process(stage, optim, refs, sizes, launched)
     """ZeRO-Offload: the parameters of ddp.py at W=1; the optimizer's parameters are the CPU master
     shards, so the Meter reads 4Ψ'/W of them, 4Ψ'/W of gradients and kΨ'/W of state at every
     stage, and the collectives are the stage's."""
-    res, path, _ = launched(stage, optim, "cpu")
+    res, path, _ = launched[stage, optim, "cpu"]
     diff = max_diff(path, refs[optim])
     print(f"stage {stage} --offload cpu W={WORLD} {optim}: max |Δ| vs ddp.py W=1 = {diff:.2e}")
     assert res["offload"] == "cpu" and res["steps"] == 6 and diff <= TOL[optim]
@@ -116,7 +140,7 @@ def test_offload_cpu_buffers_are_allocated_once():
 def test_offload_to_disk_equals_one_ddp_process(stage, optim, refs, sizes, launched):
     """ZeRO-Infinity: the parameters of ddp.py at W=1 (with the schedule's learning rate of each
     step, not the one saved in the file), and the stage's collectives."""
-    res, path, _ = launched(stage, optim, "disk")
+    res, path, _ = launched[stage, optim, "disk"]
     diff = max_diff(path, refs[optim])
     print(f"stage {stage} --offload disk W={WORLD} {optim}: max |Δ| vs ddp.py W=1 = {diff:.2e}")
     assert res["offload"] == "disk" and res["steps"] == 6 and diff <= TOL[optim]
@@ -130,7 +154,7 @@ def test_disk_holds_the_state_and_memory_one_unit_of_it(stage, optim, sizes, lau
     """The optimizer holds one unit's state at a time: its peak during the first step is the largest
     unit's k·S and nothing stays between steps, while each rank's files hold its master shards
     (4Ψ'/W) and their state (kΨ'/W), stepped 6 times."""
-    res, path, directory = launched(stage, optim, "disk")
+    res, path, directory = launched[stage, optim, "disk"]
     k = 8 if optim == "adamw" else 4
     shards = [-(-n // WORLD) for n in sizes]
     assert len(set(shards)) > 1, "the units must differ in size"
