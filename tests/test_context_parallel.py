@@ -3,21 +3,20 @@ parameters of the one-process ddp.py run (ring and Ulysses at W=2 with SGD and a
 the collectives the Meter measures from outside and the attention activations it measures per rank
 equal what this test works out from B, T, D, H and depth; the ring's autograd Function and the
 Ulysses all-to-alls give F.scaled_dot_product_attention's output and gradients at W=2, 3, 4, also
-causal with the contiguous and the zig-zag split (one launch of a driver)."""
+causal with the contiguous and the zig-zag split (a driver, the last case of the W=4 launch)."""
 
 import json
-import sys
 
 import pytest
 
 import common
-from helpers import ROOT, SMALL, max_diff, ok, run, torchrun
+from helpers import SMALL, max_diff, torchrun
 
 CFG = [*SMALL, "--patch", "2"]  # 196 tokens: 98 or 49 a rank at W=2, 4
 TOL = {"sgd": 1e-6, "adamw": 5e-5}
 WINDOW = 3  # optimizer steps the Meter counts collectives in
 
-# Each method at W=2 and W=4 and with both optimizers: four launches, each read by three tests.
+# Each method at W=2 and W=4 and with both optimizers: four cases, each read by three tests.
 # AdamW at W=4: at W=2 both methods end 3.2e-5 from the reference (head.norm.bias, whose gradient
 # crosses zero; AdamW turns the round-off of the split token mean into steps), within TOL but too
 # near it to test on every CPU.
@@ -25,33 +24,79 @@ CASES = [("ring", 2, "sgd"), ("ring", 4, "adamw"), ("ulysses", 2, "sgd"), ("ulys
 IDS = [f"{m}-W{w}-{o}" for m, w, o in CASES]
 
 
+def selected_tests(request):
+    """This session's selected tests of this module: all of them in a whole run, one when a single
+    test is asked for (as tests/test_mutants.py does), so that it launches only what it reads."""
+    return [item for item in request.session.items if item.module is request.module]
+
+
+def needed(request):
+    """The cases the selected tests read, in CASES' order."""
+    cases = set()
+    for item in selected_tests(request):
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if "method" in params:
+            cases.add((params["method"], params["world"], params["optim"]))
+    return [case for case in CASES if case in cases]
+
+
+def checks_attention(request):
+    """Whether test_attention_function_equals_sdpa is selected: it reads the driver's CHECKs."""
+    return any(
+        item.name == "test_attention_function_equals_sdpa" for item in selected_tests(request)
+    )
+
+
+def launch(world, argv):
+    """helpers.launch_cases, read line by line: the attention driver (tests/cp_attention_check.py,
+    the last case of the W=4 launch) prints CHECK lines and no RESULT. Returns (the RESULT of
+    each context_parallel case, in order; the driver's CHECKs)."""
+    run = torchrun("tests/script_cases.py", world, json.dumps(argv, default=str), timeout=400)
+    assert run.returncode == 0, run.output
+    lines = run.stdout.splitlines()
+    results = [json.loads(line[len("RESULT ") :]) for line in lines if line.startswith("RESULT ")]
+    checks = [json.loads(line[len("CHECK ") :]) for line in lines if line.startswith("CHECK ")]
+    return results, checks
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """One launch per case, made when a test first asks for it (a single selected test, as the
-    mutant harness runs, launches only its own) and shared by the three tests that read it."""
-    done = {}
+def launched(request, tmp_path_factory):
+    """One launch per world size runs the cases the selected tests read, each shared by the three
+    tests that read it; the W=4 launch ends with the attention driver when its test is selected.
+    Returns ({case: (RESULT, path of the saved state_dict)}, the driver's CHECKs)."""
+    folder = tmp_path_factory.mktemp("cp")
+    saved = {case: folder / f"{i}.pt" for i, case in enumerate(CASES)}
+    cases = needed(request)
+    out = {}
+    checks = []
+    for world in (2, 4):
+        in_world = [case for case in cases if case[1] == world]
+        argv = []
+        for case in in_world:
+            method, _, optim = case
+            flags = [*CFG, "--method", method, "--optim", optim, "--save", saved[case]]
+            argv.append(["context_parallel", flags])
+        if world == 4 and checks_attention(request):
+            argv.append(["cp_attention_check", []])
+        if not argv:
+            continue
+        results, checks_here = launch(world, argv)
+        for case, result in zip(in_world, results, strict=True):
+            out[case] = (result, saved[case])
+        checks += checks_here
+    return out, checks
 
-    def get(method, world, optim):
-        if (method, world, optim) not in done:
-            path = tmp_path_factory.mktemp("cp") / "cp.pt"
-            r = ok(
-                torchrun(
-                    "context_parallel.py",
-                    world,
-                    *CFG,
-                    "--method",
-                    method,
-                    "--optim",
-                    optim,
-                    "--save",
-                    path,
-                    timeout=300,
-                )
-            )
-            done[method, world, optim] = r, path
-        return done[method, world, optim]
 
-    return get
+@pytest.fixture(scope="module")
+def runs(launched):
+    """{(method, world, optim): (RESULT, path of the saved state_dict)}."""
+    return launched[0]
+
+
+@pytest.fixture(scope="module")
+def checks(launched):
+    """The attention driver's CHECK lines: one per subgroup size and head dim."""
+    return launched[1]
 
 
 def shapes():
@@ -69,7 +114,7 @@ def shapes():
 
 @pytest.mark.parametrize("method,world,optim", CASES, ids=IDS)
 def test_same_parameters_as_ddp_one_process(method, world, optim, runs, refs):
-    r, path = runs(method, world, optim)
+    r, path = runs[method, world, optim]
     diff = max_diff(refs[optim], path)
     print(f"context_parallel --method {method} W={world} {optim}: max |Δparam| = {diff:.3g}")
     assert r["world_size"] == world and r["steps"] == 6
@@ -83,7 +128,7 @@ def test_measured_collectives(method, world, optim, runs):
     all-to-all'd forward, their gradients backward, B·T·D/W each. Both: the head's all-reduce of
     the B x D pooled features, and DDP's of the Ψ gradients (one bucket: this model is under DDP's
     first bucket)."""
-    r, _ = runs(method, world, optim)
+    r, _ = runs[method, world, optim]
     B, T, D, H, depth, psi = shapes()
     if method == "ring":
         block = 2 * B * (T // world) * D * 4
@@ -108,33 +153,12 @@ def test_attention_activations_per_rank(method, world, optim, runs):
     """What attention saved for backward in the first forward, per block: [B, T/W, D] fp32
     tensors (its input, q, k, v, output; Ulysses also the output brought back to this rank's
     tokens) and the log-sum-exp [B, H, T/W]: 1/W of one process's. Never a T x T score matrix."""
-    r, _ = runs(method, world, optim)
+    r, _ = runs[method, world, optim]
     B, T, D, H, depth, _ = shapes()
     a = 5 if method == "ring" else 6
     want = depth * (a * B * (T // world) * D + B * H * (T // world)) * 4
     assert r["act_bytes_attention"] == want == r["formula"]["act_bytes_attention"], r
     assert want < depth * B * H * T * T * 4 // world  # smaller than its share of the scores
-
-
-@pytest.fixture(scope="module")
-def checks():
-    r = run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=4",
-            ROOT / "tests" / "cp_attention_check.py",
-        ],
-        timeout=300,
-    )
-    assert r.returncode == 0, r.output
-    return [
-        json.loads(line[len("CHECK ") :])
-        for line in r.stdout.splitlines()
-        if line.startswith("CHECK ")
-    ]
 
 
 def test_attention_function_equals_sdpa(checks):

@@ -8,7 +8,7 @@ ZeRO-R's --checkpoint and --partition-activations are tested in test_tensor_para
 import pytest
 
 import common
-from helpers import SMALL, ddp_reference, max_diff, ok, python, torchrun
+from helpers import SMALL, ddp_references, launch_cases, max_diff, python
 
 DEPTH = 4
 CFG = [*SMALL, "--depth", str(DEPTH)]  # the same config as test_pipeline.py: shared references
@@ -26,6 +26,7 @@ CASES = [
     (3, False, "sgd"),
     (3, False, "adamw"),
 ]
+DENSE = (3, False, "adamw")  # the case whose save ddp.py loads
 IDS = [f"W{world}-{'sp' if sp else 'tp'}-{optim}" for world, sp, optim in CASES]
 
 
@@ -38,33 +39,83 @@ def args_and_model(cfg):
     return args, common.build_model(args)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, initial):
-    """One launch per case, shared by the tests below: runs(world, sp, optim) -> (RESULT, path of
-    the saved state_dict). The W=2 SP SGD run starts from --load of the initial weights (TP
-    slices a plain state_dict)."""
-    done = {}
+def selected_tests(request):
+    """This session's selected tests of this module: all of them in a whole run, one when a single
+    test is asked for (as tests/test_mutants.py does), so that it launches only what it reads."""
+    return [item for item in request.session.items if item.module is request.module]
 
-    def get(world, sp, optim):
-        case = (world, sp, optim)
-        if case not in done:
-            path = tmp_path_factory.mktemp("tp") / "tp.pt"
-            flags = ["--optim", optim, "--save", path]
+
+def loads_dense_save(request):
+    """Whether test_dense_save_loads_in_ddp is selected: it reads DENSE and ddp.py's load of it."""
+    return any(item.name == "test_dense_save_loads_in_ddp" for item in selected_tests(request))
+
+
+def needed(request):
+    """The cases the selected tests read, in CASES' order."""
+    cases = set()
+    for item in selected_tests(request):
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if "sp" in params:
+            cases.add((params["world"], params["sp"], params["optim"]))
+    if loads_dense_save(request):
+        cases.add(DENSE)
+    return [case for case in CASES if case in cases]
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory, initial):
+    """One launch per world size runs the cases the selected tests read, each saving its
+    state_dict; the W=2 SP SGD run starts from --load of the initial weights (TP slices a plain
+    state_dict). When test_dense_save_loads_in_ddp is selected, the W=2 launch (after the W=3 one:
+    ddp.py refuses B=32 at W=3) ends with ddp.py loading DENSE's save with lr 0 and saving it
+    again. Returns ({case: (RESULT, saved path)}, ddp.py's (RESULT, saved path) or None)."""
+    folder = tmp_path_factory.mktemp("tp")
+    saved = {case: folder / f"{i}.pt" for i, case in enumerate(CASES)}
+    cases = needed(request)
+    out = {}
+    loaded = None
+    for world in (3, 2):
+        in_world = [case for case in cases if case[0] == world]
+        argv = []
+        for case in in_world:
+            _, sp, optim = case
+            flags = [*cfg_of(world), "--optim", optim, "--save", saved[case]]
             if sp:
                 flags.append("--sequence-parallel")
             if case == (2, True, "sgd"):
                 flags += ["--load", initial]
-            launch = torchrun("tensor_parallel.py", world, *cfg_of(world), *flags, timeout=180)
-            done[case] = (ok(launch), path)
-        return done[case]
+            argv.append(["tensor_parallel", flags])
+        if world == 2 and loads_dense_save(request):
+            round_trip = ["--optim", "sgd", "--lr", 0, "--max-steps", 1]
+            round_trip += ["--load", saved[DENSE], "--save", folder / "ddp.pt"]
+            argv.append(["ddp", [*CFG3, *round_trip]])
+        if not argv:
+            continue
+        results = launch_cases(world, argv)
+        for case, (result, _) in zip(in_world, results, strict=False):
+            out[case] = (result, saved[case])
+        if world == 2 and loads_dense_save(request):
+            loaded = (results[-1][0], folder / "ddp.pt")
+    return out, loaded
 
-    return get
+
+@pytest.fixture(scope="module")
+def runs(launched):
+    """{(world, sp, optim): (RESULT, path of the saved state_dict)}, shared by the tests below."""
+    return launched[0]
+
+
+@pytest.fixture(scope="module")
+def refs3(request, tmp_path_factory):
+    """ddp.py at W=1 on CFG3 with the optimizers of the selected W=3 cases, in one process."""
+    optims = sorted({optim for world, _, optim in needed(request) if world == 3})
+    return ddp_references(tmp_path_factory, CFG3, optims)
 
 
 @pytest.mark.parametrize("world,sp,optim", CASES, ids=IDS)
-def test_same_parameters_as_ddp_one_process(world, sp, optim, runs, refs, tmp_path_factory):
-    result, path = runs(world, sp, optim)
-    ref = refs[optim] if world == 2 else ddp_reference(tmp_path_factory, CFG3, optim)
+def test_same_parameters_as_ddp_one_process(world, sp, optim, runs, refs, refs3):
+    result, path = runs[world, sp, optim]
+    ref = refs[optim] if world == 2 else refs3[optim]
     diff = max_diff(ref, path)
     print(f"tensor_parallel W={world} sp={sp} {optim}: max |Δparam| vs ddp.py W=1 = {diff:.3g}")
     assert result["world_size"] == world
@@ -87,7 +138,7 @@ def test_measured_collectives(world, sp, optim, runs):
     """Every rank sees the whole batch B, so each f / g moves one [B, T, D] fp32 activation. The
     Meter counts an all-reduce's tensor, an all-gather's output and a reduce-scatter's input:
     whole activations, whatever W is (a ring then sends 2(W-1)/W resp. (W-1)/W of them)."""
-    result, _ = runs(world, sp, optim)
+    result, _ = runs[world, sp, optim]
     args, model = args_and_model(cfg_of(world))
     depth = len(model.blocks)
     activation_bytes = 4 * args.batch_size * model.embed.tokens * args.dim
@@ -114,7 +165,7 @@ def test_measured_collectives(world, sp, optim, runs):
 def test_per_rank_parameter_bytes(world, sp, optim, runs):
     """Ψs (q, k, v, fc1 weights and biases; proj, fc2 weights) is split W ways; Ψr (embedding,
     norms, row biases, head) is replicated: 4(Ψr + Ψs/W) bytes of parameters and of gradients."""
-    result, _ = runs(world, sp, optim)
+    result, _ = runs[world, sp, optim]
     _, model = args_and_model(cfg_of(world))
     psi = sum(p.numel() for p in model.parameters())
     split = 0
@@ -130,13 +181,13 @@ def test_per_rank_parameter_bytes(world, sp, optim, runs):
     assert result["optim_bytes"] == (8 if optim == "adamw" else 4) * own
 
 
-def test_dense_save_loads_in_ddp(runs, tmp_path):
-    """The W=3 save, gathered to rank 0, is the plain common model: ddp.py loads it (lr 0: nothing
-    moves), saves the same tensors and measures the same test accuracy TP measured."""
-    result, path = runs(3, False, "adamw")
-    flags = ["--optim", "sgd", "--lr", "0", "--max-steps", "1", "--save", tmp_path / "ddp.pt"]
-    loaded = ok(python("ddp.py", *CFG3, "--load", path, *flags, timeout=120))
-    assert max_diff(path, tmp_path / "ddp.pt") == 0
+def test_dense_save_loads_in_ddp(launched):
+    """The W=3 save, gathered to rank 0, is the plain common model: ddp.py (at W=2, a case of the
+    W=2 launch) loads it (lr 0: nothing moves), saves the same tensors and measures the same test
+    accuracy TP measured."""
+    runs, (loaded, loaded_path) = launched
+    result, path = runs[DENSE]
+    assert max_diff(path, loaded_path) == 0
     assert loaded["test_acc"] == result["test_acc"]
 
 

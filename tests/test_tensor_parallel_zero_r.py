@@ -10,14 +10,14 @@ import torch
 import torch.nn.functional as F
 
 import common
-from helpers import SMALL, max_diff, ok, torchrun
+from helpers import SMALL, launch_cases, max_diff
 
 DEPTH = 4
 CFG = [*SMALL, "--depth", str(DEPTH)]  # test_tensor_parallel.py's: the W=1 references are shared
 TOL = {"sgd": 1e-6, "adamw": 5e-5}  # as in test_tensor_parallel.py
 WINDOW = 3  # optimizer steps the Meter counts collectives in
 
-# name: (world, flags, optimizer); one launch each, shared by the tests below
+# name: (world, flags, optimizer); one launch per world size, shared by the tests below
 CASES = {
     "ckpt-W2-sgd": (2, ["--checkpoint"], "sgd"),
     "pa-W2-sgd": (2, ["--partition-activations"], "sgd"),
@@ -26,30 +26,36 @@ CASES = {
 }
 
 
+def needed(request):
+    """The cases this session's selected tests of this module read, in CASES' order: all of them in
+    a whole run, one when a single test is asked for (as tests/test_mutants.py does)."""
+    names = set()
+    for item in request.session.items:
+        if item.module is request.module:
+            names.add(item.callspec.params["name"])
+    return [name for name in CASES if name in names]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """runs(name) -> (RESULT, path of the saved state_dict), launched once per module."""
-    done = {}
-
-    def get(name):
-        if name not in done:
-            world, flags, optim = CASES[name]
-            path = tmp_path_factory.mktemp("zero_r") / "tp.pt"
-            launch = torchrun(
-                "tensor_parallel_zero_r.py",
-                world,
-                *CFG,
-                "--optim",
-                optim,
-                *flags,
-                "--save",
-                path,
-                timeout=300,
+def runs(request, tmp_path_factory):
+    """{name: (RESULT, path of the saved state_dict)}: one launch per world size runs the cases the
+    selected tests read, shared by the tests below."""
+    folder = tmp_path_factory.mktemp("zero_r")
+    saved = {name: folder / f"{name}.pt" for name in CASES}
+    names = needed(request)
+    out = {}
+    for world in (2, 4):
+        in_world = [name for name in names if CASES[name][0] == world]
+        argv = []
+        for name in in_world:
+            _, flags, optim = CASES[name]
+            argv.append(
+                ["tensor_parallel_zero_r", [*CFG, "--optim", optim, *flags, "--save", saved[name]]]
             )
-            done[name] = (ok(launch), path)
-        return done[name]
-
-    return get
+        if argv:
+            for name, (result, _) in zip(in_world, launch_cases(world, argv), strict=True):
+                out[name] = (result, saved[name])
+    return out
 
 
 def cfg_args():
@@ -87,7 +93,7 @@ def test_same_parameters_as_ddp_and_saved_bytes(name, runs, refs):
     """The parameters of ddp.py at W=1; autograd keeps E + L·B·T·D·4 bytes, and with Pa (or SP)
     only each rank's T/W tokens of every block's input: the Meter sees the shard, not the whole."""
     world, flags, optim = CASES[name]
-    result, path = runs(name)
+    result, path = runs[name]
     diff = max_diff(refs[optim], path)
     print(f"{name}: max |Δparam| vs ddp.py W=1 = {diff:.3g}, saved {result['act_bytes']} bytes")
     assert result["world_size"] == world
@@ -109,7 +115,7 @@ def test_recompute_collectives(name, runs):
     f). Pa adds one all-gather of x per block, in the recompute only (none in the forward). Under
     SP, Pa adds nothing: x already is T/W tokens, so the counts are SP --checkpoint's."""
     world, flags, _ = CASES[name]
-    result, _ = runs(name)
+    result, _ = runs[name]
     batch, tokens, dim, depth = sizes()
     activation_bytes = 4 * batch * tokens * dim
     if "--sequence-parallel" in flags:
