@@ -12,6 +12,11 @@
 - bf16 is active (16-bit queries in attention, fewer bytes kept, weights that differ from fp32's
   by more than round-off; every matmul of every step in bf16) and converges like fp32.
 - Bad input: one clear error, exit 2, before any process group.
+
+Launches: the runs as cases of tests/script_cases.py, 4 torchruns (W=1: accum, then the MoE and
+the two 64-step runs; W=2: ckpt, then clip; W=2: bf16; W=3: both; a PROBE run opens a launch, as
+the PROBE sees a process's first step only), and 2 ddp.py reference processes (CFG's two
+optimizers in one, the MoE model's SGD).
 """
 
 import contextlib
@@ -30,7 +35,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import amp_checkpoint
 import common
-from helpers import ROOT, SMALL, ddp_reference, max_diff, ok, python, torchrun
+from helpers import ROOT, SMALL, ddp_reference, ddp_references, max_diff, torchrun
 
 CFG = [*SMALL, "--batch-size", "48"]  # 48: W = 1, 2, 3 and two micro-batches all divide it
 OFF = [*CFG, "--amp", "off"]
@@ -45,12 +50,41 @@ PSI = sum(
     for p in common.build_model(common.parse_args(common.get_parser("t"), CFG)).parameters()
 )
 
-LAUNCHES = {  # name: (world, extra flags)
+# test_expert_parallel.py's model: a session running both shares the ddp.py reference.
+MOE = [*SMALL, "--experts", "4", "--top-k", "2"]
+LONG = [  # 64 steps of a 1-block ViT: bf16 against fp32
+    "--data",
+    "synthetic",
+    "--limit",
+    "2048",
+    "--batch-size",
+    "64",
+    "--dim",
+    "32",
+    "--depth",
+    "1",
+    "--heads",
+    "4",
+    "--epochs",
+    "2",
+    "--lr",
+    "6e-3",
+    "--shift",
+    "0",
+    "--no-progress",
+]
+
+LAUNCHES = {  # name: (world, flags), 6 steps each
     "ckpt": (2, [*OFF, "--optim", "sgd", "--checkpoint"]),
     "accum": (1, [*OFF, "--optim", "sgd", "--grad-accum", "2"]),
     "both": (3, [*OFF, "--optim", "adamw", "--checkpoint", "--grad-accum", "2"]),
     "clip": (2, [*OFF, "--optim", "sgd", "--clip", str(CLIP)]),
     "bf16": (2, [*CFG, "--amp", "bf16", "--optim", "sgd"]),
+}
+UNPROBED = {  # name: (world, flags) of the runs no test reads a PROBE of
+    "moe": (1, [*MOE, "--amp", "off", "--grad-accum", "2", "--optim", "sgd"]),
+    "fp32-long": (1, [*LONG, "--amp", "off"]),
+    "bf16-long": (1, [*LONG, "--amp", "bf16", "--checkpoint"]),
 }
 
 
@@ -58,7 +92,10 @@ USES = {  # the launches each test without a `name` parameter reads
     "test_checkpointing_keeps_only_each_blocks_input": ["ckpt", "accum"],
     "test_clip_bounds_every_step": ["clip"],
     "test_bf16_is_active": ["bf16", "accum"],
+    "test_bf16_trains_like_fp32": ["fp32-long", "bf16-long"],
+    "test_moe_accumulated_equals_ddp_one_process": ["moe"],
 }
+PROBED = ["ckpt", "accum", "both", "bf16"]  # the runs whose first step a test reads (PROBE)
 
 
 def launches_wanted(request):
@@ -73,33 +110,76 @@ def launches_wanted(request):
             wanted.add(params["name"])
         else:
             wanted.update(USES.get(item.originalname, []))
-    return [name for name in LAUNCHES if name in wanted]
+    return [name for name in {**LAUNCHES, **UNPROBED} if name in wanted]
+
+
+def launch_probed(world, argv, probe):
+    """helpers.launch_cases with the PROBE on (tests/faults): it records the first optimizer step
+    of the launch, the first case's, in `probe`/rank<r>.json."""
+    env = {"PYTHONPATH": str(ROOT / "tests" / "faults"), "PROBE": str(probe)}
+    run = torchrun(
+        "tests/script_cases.py", world, json.dumps(argv, default=str), env=env, timeout=400
+    )
+    assert run.returncode == 0, run.output
+    chunks = run.stdout.split("\nRESULT ")  # chunk i ends with case i's output, i+1 its RESULT
+    assert len(chunks) == len(argv) + 1, run.output
+    return [json.loads(chunk.splitlines()[0]) for chunk in chunks[1:]]
+
+
+def group(names):
+    """`names` as launches, lists of names of one world size: each PROBED run opens a launch of
+    its own (the PROBE sees a launch's first step only), the other runs of its world size join the
+    first launch of that size."""
+    launches = []
+    for name in names:
+        world = {**LAUNCHES, **UNPROBED}[name][0]
+        same_world = [launch for launch in launches if launch[0] == world]
+        if name in PROBED or not same_world:
+            launches.append((world, [name]))
+        else:
+            same_world[0][1].append(name)
+    return [launch for _, launch in launches]
 
 
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory):
-    """Each launch with the PROBE on, two at a time, beside the ddp.py references (which
-    conftest's `refs` then finds made): {name: (saved weights, RESULT, [probe of each rank])}."""
+    """The runs this session's tests read, each world size's as the cases of as few launches as
+    the PROBE allows (group), two launches at a time, beside the ddp.py references (which
+    conftest's `refs` then finds made): {name: (saved weights, RESULT, [probe of each rank], or
+    [] for a run not PROBED)}."""
     directory = tmp_path_factory.mktemp("amp")
+    every = {**LAUNCHES, **UNPROBED}
 
-    def launch(name):
-        world, args = LAUNCHES[name]
-        probe = directory / name
-        env = {"PYTHONPATH": str(ROOT / "tests" / "faults"), "PROBE": str(probe)}
-        saved = directory / f"{name}.pt"
-        result = ok(torchrun("amp_checkpoint.py", world, *args, "--save", saved, env=env))
-        probes = [json.loads((probe / f"rank{rank}.json").read_text()) for rank in range(world)]
-        return saved, result, probes
+    def launch(names):
+        world = every[names[0]][0]
+        argv = [
+            ["amp_checkpoint", [*every[name][1], "--save", directory / f"{name}.pt"]]
+            for name in names
+        ]
+        probe = directory / names[0]
+        results = launch_probed(world, argv, probe)
+        out = {}
+        for name, result in zip(names, results, strict=True):
+            probes = []
+            if name in PROBED:
+                probes = [json.loads((probe / f"rank{r}.json").read_text()) for r in range(world)]
+            out[name] = (directory / f"{name}.pt", result, probes)
+        return out
 
     names = launches_wanted(request)
     tests = [item for item in request.session.items if item.module is request.module]
+    out = {}
     with ThreadPoolExecutor(2) as pool:  # two launches at a time: one per core
         if any("refs" in item.fixturenames for item in tests):
-            for optim in ("sgd", "adamw"):
-                pool.submit(ddp_reference, tmp_path_factory, CFG, optim)
-        out = dict(zip(names, pool.map(launch, names), strict=True))
-    for name, (_, result, _) in out.items():
-        assert result["world_size"] == LAUNCHES[name][0] and result["steps"] == 6, name
+            pool.submit(ddp_references, tmp_path_factory, CFG)
+        if "moe" in names:
+            pool.submit(ddp_reference, tmp_path_factory, MOE, "sgd")
+        for runs_of_launch in pool.map(launch, group(names)):
+            out.update(runs_of_launch)
+    for name in LAUNCHES:
+        if name in out:
+            result = out[name][1]
+            assert result["world_size"] == LAUNCHES[name][0] and result["steps"] == 6, name
     return out
 
 
@@ -224,36 +304,11 @@ def test_bf16_is_active(runs, refs):
     assert res["comm"]["all_reduce"] == 4 * PSI  # fp32 gradients all the same
 
 
-def test_bf16_trains_like_fp32():
+def test_bf16_trains_like_fp32(runs):
     """64 steps of a 1-block ViT: bf16 (checkpointed) follows fp32's loss down and reaches its
     accuracy. (The README's settled comparison is a longer run of the same command.)"""
-    cfg = [
-        "--data",
-        "synthetic",
-        "--limit",
-        "2048",
-        "--batch-size",
-        "64",
-        "--dim",
-        "32",
-        "--depth",
-        "1",
-        "--heads",
-        "4",
-        "--epochs",
-        "2",
-        "--lr",
-        "6e-3",
-        "--shift",
-        "0",
-        "--no-progress",
-    ]
-    with ThreadPoolExecutor(2) as pool:
-        fp32 = pool.submit(python, "amp_checkpoint.py", *cfg, "--amp", "off", timeout=300)
-        bf16 = pool.submit(
-            python, "amp_checkpoint.py", *cfg, "--amp", "bf16", "--checkpoint", timeout=300
-        )
-        fp32, bf16 = ok(fp32.result()), ok(bf16.result())
+    fp32 = runs["fp32-long"][1]
+    bf16 = runs["bf16-long"][1]
     print(
         f"fp32: loss {fp32['loss']:.4f} acc {fp32['test_acc']:.4f}; bf16: loss {bf16['loss']:.4f} "
         f"acc {bf16['test_acc']:.4f}"
@@ -343,23 +398,13 @@ def test_autocast_in_every_step(watched):
         assert len(dtypes) == 4 and dtypes == [{dtype}] * 4, (name, dtypes)
 
 
-# test_expert_parallel.py's model: a session running both shares the ddp.py reference.
-MOE = [*SMALL, "--experts", "4", "--top-k", "2"]
-
-
-def test_moe_accumulated_equals_ddp_one_process(tmp_path_factory, tmp_path):
+def test_moe_accumulated_equals_ddp_one_process(runs, tmp_path_factory):
     """--experts with --grad-accum 2: each micro-batch's balance loss is divided by 2 like its
     cross-entropy (build_model's forwards_per_step), so the two halves give the gradient of the
     whole batch and SGD ends where ddp.py ends with the same experts (both at W=1: the scale is
     the accumulation's, which W does not change)."""
-    path = tmp_path / "moe.pt"
-    flags = ["--amp", "off", "--grad-accum", "2", "--optim", "sgd", "--save", path]
-    with ThreadPoolExecutor(2) as pool:  # the reference and the run side by side
-        reference = pool.submit(ddp_reference, tmp_path_factory, MOE, "sgd")
-        run = pool.submit(python, "amp_checkpoint.py", *MOE, *flags)
-        reference = reference.result()
-        ok(run.result())
-    diff = max_diff(reference, path)
+    path = runs["moe"][0]
+    diff = max_diff(ddp_reference(tmp_path_factory, MOE, "sgd"), path)
     print(f"MoE, 2 micro-batches: max |param diff| vs ddp.py = {diff:.2e}")
     assert diff < TOL["sgd"]
 

@@ -5,8 +5,9 @@ waits for the device once per layer; the dense gradients' all-reduces start duri
 all-to-all bytes the Meter counts add up to the formula; the scripts that take an MoE block
 unchanged stay exact.
 
-Launches: 3 ddp.py W=1 references (sgd and adamw for E=4 K=2, sgd for E=8 K=1), expert_parallel.py
-twice at W=2 and once at W=4, 3 other scripts at W=2, and one mp.spawn of 2 processes.
+Launches: 2 plain python processes of ddp.py W=1 references (sgd and adamw for E=4 K=2 in one, sgd
+for E=8 K=1), ONE torchrun at W=2 running expert_parallel.py twice and the 3 other scripts as cases
+of it (tests/script_cases.py), one at W=4, and one mp.spawn of 2 processes.
 """
 
 import gc
@@ -20,7 +21,7 @@ import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import common
-from helpers import SMALL, ddp_reference, max_diff, ok, torchrun
+from helpers import SMALL, ddp_reference, ddp_references, launch_cases, max_diff
 
 CFG = SMALL + ["--experts", "4", "--top-k", "2"]  # E=4, K=2
 CFG8 = SMALL + ["--experts", "8", "--top-k", "1"]  # E=8, K=1
@@ -37,27 +38,80 @@ def sizes(cfg):
 
 @pytest.fixture(scope="module")
 def refs(tmp_path_factory):
-    """ddp.py at W=1: sgd and adamw on CFG, sgd on CFG8 (as "sgd8"); one-process launches, two at
-    a time."""
-    jobs = [(CFG, "sgd"), (CFG, "adamw"), (CFG8, "sgd")]
-    tmp_path_factory.getbasetemp()  # made here, not by two threads at once
-    with ThreadPoolExecutor(2) as pool:
-        paths = list(pool.map(lambda job: ddp_reference(tmp_path_factory, *job), jobs))
-    return dict(zip(("sgd", "adamw", "sgd8"), paths, strict=True))
+    """ddp.py at W=1: sgd and adamw on CFG (one process), sgd on CFG8 (as "sgd8"); cached for the
+    session (test_amp_checkpoint.py's MoE test shares CFG's sgd), made beside the launches by
+    `runs`."""
+    return {
+        **ddp_references(tmp_path_factory, CFG),
+        "sgd8": ddp_reference(tmp_path_factory, CFG8, "sgd"),
+    }
 
 
 # SGD catches a missing 1/W on the expert gradients (AdamW would all but hide it), AdamW the
 # optimizer state
-@pytest.mark.parametrize(
-    "world,cfg,optim",
-    [(2, CFG, "sgd"), (2, CFG, "adamw"), (4, CFG8, "sgd")],
-    ids=["W2-E4-K2-sgd", "W2-E4-K2-adamw", "W4-E8-K1-sgd"],
-)
-def test_equals_one_ddp_process(world, cfg, optim, refs, tmp_path):
-    path = tmp_path / "ep.pt"
-    res = ok(
-        torchrun("expert_parallel.py", world, *cfg, "--optim", optim, "--save", path, timeout=300)
-    )
+EQUAL = {  # test id: (world, cfg, optim) of an expert_parallel.py run
+    "W2-E4-K2-sgd": (2, CFG, "sgd"),
+    "W2-E4-K2-adamw": (2, CFG, "adamw"),
+    "W4-E8-K1-sgd": (4, CFG8, "sgd"),
+}
+OTHERS = {  # test id: flags of another script's run at W=2, sgd on CFG
+    "zero.py": ["--stage", "3"],
+    "pipeline.py": ["--schedule", "1f1b", "--microbatches", "2"],
+    "fsdp.py": [],
+}
+
+
+def needed(request):
+    """The runs this session's selected tests read (all of them in a whole run, one for the single
+    test tests/test_mutants.py asks for): EQUAL and OTHERS ids."""
+    names = set()
+    for item in request.session.items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if item.module is request.module:
+            names.update(params[key] for key in ("case", "script") if key in params)
+    return [name for name in [*EQUAL, *OTHERS] if name in names]
+
+
+def case_of(name, saved):
+    """The [script, flags] case of run `name` (an EQUAL or OTHERS id) and its world size."""
+    if name in EQUAL:
+        world, cfg, optim = EQUAL[name]
+        return world, ["expert_parallel", [*cfg, "--optim", optim, "--save", saved]]
+    flags = [*CFG, *OTHERS[name], "--optim", "sgd", "--save", saved]
+    return 2, [name.removesuffix(".py"), flags]
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    """Each world size's runs as the cases of ONE launch (W=2: the two expert_parallel.py runs and
+    the other scripts; W=4: one), two at a time beside the ddp.py references (which `refs` then
+    finds made): {id: (saved weights, RESULT)}."""
+    folder = tmp_path_factory.mktemp("ep")
+    names = needed(request)
+    launches = {}  # world: ids of its cases, in order
+    cases = {}  # id: [script, flags]
+    for name in names:
+        world, cases[name] = case_of(name, folder / f"{name}.pt")
+        launches.setdefault(world, []).append(name)
+    out = {}
+    with ThreadPoolExecutor(2) as pool:  # two at a time: the launches and the references
+        pending = {}
+        for world, ids in launches.items():
+            pending[world] = pool.submit(launch_cases, world, [cases[name] for name in ids], 400)
+            if world == 2:
+                pool.submit(ddp_references, tmp_path_factory, CFG)
+            if world == 4:
+                pool.submit(ddp_reference, tmp_path_factory, CFG8, "sgd")
+        for world, ids in launches.items():
+            for name, (result, _) in zip(ids, pending[world].result(), strict=True):
+                out[name] = (folder / f"{name}.pt", result)
+    return out
+
+
+@pytest.mark.parametrize("case", EQUAL)
+def test_equals_one_ddp_process(case, runs, refs):
+    world, cfg, optim = EQUAL[case]
+    path, res = runs[case]
     ref = refs[optim if cfg is CFG else optim + "8"]
     diff = max_diff(path, ref)
     print(f"W={world} {optim}: max |Δ| vs ddp.py W=1 = {diff:.2e}")
@@ -226,20 +280,12 @@ def test_dispatch_combine_equals_loop_over_experts():
     mp.spawn(_dispatch_worker, args=(2, common.free_port()), nprocs=2)
 
 
-OTHERS = [
-    ("zero.py", ["--stage", "3"]),
-    ("pipeline.py", ["--schedule", "1f1b", "--microbatches", "2"]),
-    ("fsdp.py", []),
-]
-
-
-@pytest.mark.parametrize("script,extra", OTHERS, ids=[s for s, _ in OTHERS])
-def test_other_scripts_stay_exact_on_moe(script, extra, refs, tmp_path):
+@pytest.mark.parametrize("script", OTHERS)
+def test_other_scripts_stay_exact_on_moe(script, runs, refs):
     """The load-balancing gradient is added inside the MoE layer (scaled for pipeline.py's
     micro-batches): these scripts take the MoE model unchanged and stay exact (SGD).
     amp_checkpoint.py's accumulation is the next test's, in this process."""
-    path = tmp_path / "out.pt"
-    ok(torchrun(script, 2, *CFG, *extra, "--optim", "sgd", "--save", path, timeout=240))
+    path, _ = runs[script]
     assert max_diff(path, refs["sgd"]) <= TOL["sgd"]
 
 

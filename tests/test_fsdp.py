@@ -8,6 +8,11 @@ Meter, computed here from the model's shapes); uneven test shards evaluate exact
 a DCP checkpoint resumes (at another W) to the uninterrupted result, and at its --max-steps trains
 nothing; --offload cpu runs on the CPU; --mixed-precision computes in bf16 and hands fp32 logits to
 the loss.
+
+Launches: one torchrun per world size (tests/script_cases.py; W=2: the EQUAL runs, then
+fsdp_resume.py's first 5 steps; W=3: the offload run, then the resume), one ddp.py process for
+both references, and 3 one-process fsdp_resume.py runs (the finished checkpoint again and two
+refusals, whose exit code and stderr are the test).
 """
 
 import math
@@ -19,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import common
-from helpers import ddp_reference, max_diff, ok, python, torchrun
+from helpers import ddp_references, launch_cases, max_diff, ok, python
 
 # --limit 1025: the W=2 test shards hold 513 and 512 samples, 2 batches of 512 against 1 (padded
 # to 2). --dim 32 (MLP 128, 10 classes, a 1-row position embedding): W=3 divides no dim 0, W=2 not
@@ -126,34 +131,77 @@ EQUAL = {  # test id: (world, optimizer, extra flags) of an fsdp.py launch
 }
 
 
+RESUME = {  # name: (world, fsdp_resume.py flags but --dcp): 5 steps at W=2, then on to 7 at W=3
+    "resume-5": (2, [*steps(5), "--optim", "adamw"]),
+    "resume-7": (3, [*CFG, "--optim", "adamw"]),
+}
+
+
+def needed(request):
+    """The runs this session's selected tests read, EQUAL ids and RESUME names (all of them in a
+    whole run, one for the single test tests/test_mutants.py asks for)."""
+    names = set()
+    for item in request.session.items:
+        if item.module is not request.module:
+            continue
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if "case" in params:
+            names.add(params["case"])
+        if item.originalname == "test_dcp_resume_at_another_world_size":
+            names.update(RESUME)
+    return [name for name in [*EQUAL, *RESUME] if name in names]
+
+
+def case_of(name, folder):
+    """Run `name`'s world size and [script, flags] case: an EQUAL id's fsdp.py run, saving its
+    weights to folder/<name>.pt, or a RESUME name's fsdp_resume.py run on folder/dcp."""
+    saved = folder / f"{name}.pt"
+    if name in EQUAL:
+        world, optim, extra = EQUAL[name]
+        return world, ["fsdp", [*CFG, "--optim", optim, *extra, "--save", saved]]
+    world, flags = RESUME[name]
+    flags = [*flags, "--dcp", folder / "dcp"]
+    if name == "resume-7":
+        flags += ["--save", saved]
+    return world, ["fsdp_resume", flags]
+
+
 @pytest.fixture(scope="module")
 def launches(request, tmp_path_factory):
-    """The EQUAL launches this session's tests read (one for tests/test_mutants.py), two at a
-    time, beside the ddp.py references (which conftest's `refs` then finds made): {id: (saved
-    weights, RESULT)}."""
-    directory = tmp_path_factory.mktemp("fsdp")
-    wanted = []
-    for item in request.session.items:
-        callspec = getattr(item, "callspec", None)
-        if item.module is request.module and callspec is not None and "case" in callspec.params:
-            wanted.append(callspec.params["case"])
+    """The runs this session's tests read, each world size's as the cases of ONE launch (W=2: the
+    EQUAL ones, then the first 5 steps into DCP; W=3: offload, then the resume), beside the ddp.py
+    references (which conftest's `refs` then finds made): {name: (saved weights, RESULT, that
+    case's output)}, and the DCP folder under "dcp"."""
+    folder = tmp_path_factory.mktemp("fsdp")
+    names = needed(request)
+    worlds = {}  # world: names of its cases, in order
+    cases = {}
+    for name in names:
+        world, cases[name] = case_of(name, folder)
+        worlds.setdefault(world, []).append(name)
 
-    def launch(case):
-        world, optim, extra = EQUAL[case]
-        saved = directory / f"{case}.pt"
-        flags = [*CFG, "--optim", optim, *extra, "--save", saved]
-        return saved, ok(torchrun("fsdp.py", world, *flags, timeout=TIMEOUT))
+    def launch(world):
+        argv = [cases[name] for name in worlds[world]]
+        return launch_cases(world, argv, timeout=2 * TIMEOUT * len(argv))
 
+    pending = {}
     with ThreadPoolExecutor(2) as pool:
-        for optim in ("sgd", "adamw"):
-            pool.submit(ddp_reference, tmp_path_factory, CFG, optim)
-        return dict(zip(wanted, pool.map(launch, wanted), strict=True))
+        pool.submit(ddp_references, tmp_path_factory, CFG)
+        for world in sorted(worlds):
+            if world == 3 and "resume-7" in names:
+                pending[2].result()  # the resume at W=3 reads the checkpoint the W=2 launch wrote
+            pending[world] = pool.submit(launch, world)
+    out = {"dcp": folder / "dcp"}
+    for world, names_of_world in worlds.items():
+        for name, (result, output) in zip(names_of_world, pending[world].result(), strict=True):
+            out[name] = (folder / f"{name}.pt", result, output)
+    return out
 
 
 @pytest.mark.parametrize("case", EQUAL)
 def test_equals_ddp_one_process(launches, refs, case):
     world, optim, extra = EQUAL[case]
-    saved, res = launches[case]
+    saved, res, _ = launches[case]
     assert res["steps"] == 7
     diff = max_diff(saved, refs[optim])
     print(f"fsdp W={world} {optim} {' '.join(extra)}: max |Δ| vs ddp.py W=1 = {diff:.2e}")
@@ -163,23 +211,19 @@ def test_equals_ddp_one_process(launches, refs, case):
     assert res["test_acc"] == accuracy(saved)
 
 
-def test_dcp_resume_at_another_world_size(refs, tmp_path):
+def test_dcp_resume_at_another_world_size(launches, refs):
     """fsdp_resume.py: 5 steps at W=2 into DCP, then on to step 7 at W=3: the parameters of 7
     uninterrupted steps (the ddp.py W=1 reference), with the model, AdamW state and lr schedule
     resharded and restored. The same command once more resumes at step 7 = --max-steps and trains
     nothing (not the rest of the epochs); a checkpoint of another model or optimizer is refused."""
-    ckpt = tmp_path / "dcp"
-    first = ok(
-        torchrun("fsdp_resume.py", 2, *steps(5), "--optim", "adamw", "--dcp", ckpt, timeout=TIMEOUT)
-    )
+    ckpt = launches["dcp"]
+    _, first, _ = launches["resume-5"]
     assert first["steps"] == 5 and (ckpt / "step-5" / ".metadata").is_file()
 
-    flags = [*CFG, "--optim", "adamw", "--dcp", ckpt, "--save", tmp_path / "resumed.pt"]
-    r = torchrun("fsdp_resume.py", 3, *flags, timeout=TIMEOUT)
-    resumed = ok(r)
-    assert f"resumed from {ckpt} at step 5" in r.stdout
+    resumed_path, resumed, output = launches["resume-7"]
+    assert f"resumed from {ckpt} at step 5" in output
     assert resumed["steps"] == 7 and resumed["comm_steps"] == 2  # steps 6 and 7 ran here
-    diff = max_diff(tmp_path / "resumed.pt", refs["adamw"])
+    diff = max_diff(resumed_path, refs["adamw"])
     print(f"fsdp DCP W=2 (5 steps) -> W=3 (7): max |Δ| vs ddp.py W=1 = {diff:.2e}")
     assert diff <= TOL["adamw"]
     check_measured(resumed, 3, "adamw")
@@ -209,7 +253,7 @@ def test_dcp_resume_at_another_world_size(refs, tmp_path):
     assert f"resumed from {ckpt} at step 7" in r.stdout and "epoch 1:" not in r.stdout
     assert again["steps"] == 7 and again["samples_per_s"] == 0 and math.isnan(again["loss"])
     # the loaded weights
-    assert again["test_acc"] == resumed["test_acc"] == accuracy(tmp_path / "resumed.pt")
+    assert again["test_acc"] == resumed["test_acc"] == accuracy(resumed_path)
 
 
 def test_mixed_precision_policy(tmp_path):
