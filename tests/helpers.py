@@ -109,11 +109,12 @@ def torchrun(script, nproc, *args, **kw):
     )
 
 
-def launch_cases(world, argv, timeout=400):
+def launch_cases(world, argv, timeout=400, env=None):
     """Run [script, [flag, ...]] cases one after another in ONE torchrun launch of `world` ranks
     (tests/script_cases.py) and return each case's RESULT and its output before it: the launch's
-    start-up (interpreters, torch) paid once, not once per case."""
-    run = torchrun("tests/script_cases.py", world, json.dumps(argv, default=str), timeout=timeout)
+    start-up (interpreters, torch) paid once, not once per case. `env`: for every case."""
+    argv_json = json.dumps(argv, default=str)
+    run = torchrun("tests/script_cases.py", world, argv_json, timeout=timeout, env=env)
     assert run.returncode == 0, run.output
     chunks = run.stdout.split("\nRESULT ")  # chunk i ends with case i's output, i+1 its RESULT
     assert len(chunks) == len(argv) + 1, run.output

@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import amp_checkpoint
 import common
-from helpers import ROOT, SMALL, ddp_reference, ddp_references, max_diff, torchrun
+from helpers import ROOT, SMALL, ddp_reference, ddp_references, launch_cases, max_diff
 
 CFG = [*SMALL, "--batch-size", "48"]  # 48: W = 1, 2, 3 and two micro-batches all divide it
 OFF = [*CFG, "--amp", "off"]
@@ -115,15 +115,9 @@ def launches_wanted(request):
 
 def launch_probed(world, argv, probe):
     """helpers.launch_cases with the PROBE on (tests/faults): it records the first optimizer step
-    of the launch, the first case's, in `probe`/rank<r>.json."""
+    of the launch, the first case's, in `probe`/rank<r>.json. The cases' RESULTs."""
     env = {"PYTHONPATH": str(ROOT / "tests" / "faults"), "PROBE": str(probe)}
-    run = torchrun(
-        "tests/script_cases.py", world, json.dumps(argv, default=str), env=env, timeout=400
-    )
-    assert run.returncode == 0, run.output
-    chunks = run.stdout.split("\nRESULT ")  # chunk i ends with case i's output, i+1 its RESULT
-    assert len(chunks) == len(argv) + 1, run.output
-    return [json.loads(chunk.splitlines()[0]) for chunk in chunks[1:]]
+    return [result for result, _ in launch_cases(world, argv, env=env)]
 
 
 def group(names):
