@@ -7,6 +7,7 @@ process training on the same global batches, and evaluation counts every test sa
 dp.py, one process for every GPU, refuses to be launched as several.
 """
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -17,6 +18,7 @@ from helpers import (
     ROOT,
     SMALL,
     ddp_references,
+    launch_cases,
     max_diff,
     ok,
     python,
@@ -47,25 +49,48 @@ def launch(launcher, script, world, *args, **kw):
     return python(script, "--nproc", world, *args, **kw)
 
 
+def selected(request):
+    """This session's selected tests of this module, as (test function, its parameters): all of
+    them in a full run, one when a single test is asked for (as tests/test_mutants.py does). The
+    fixtures below launch only what these use."""
+    return [
+        (item.originalname, getattr(getattr(item, "callspec", None), "params", {}))
+        for item in request.session.items
+        if item.module is request.module
+    ]
+
+
 def needed(request):
-    """The ddp.py launches this session's selected tests of this module use (all of them in a full
-    run; one when a single test is asked for, as tests/test_mutants.py does)."""
+    """The ddp.py launches of CASES that the selected tests use."""
     cases = set()
-    for item in request.session.items:
-        if item.module is request.module:
-            if "case" in getattr(getattr(item, "callspec", None), "params", {}):
-                cases.add(item.callspec.params["case"])
-            elif item.name == "test_distributed_accuracy_equals_one_process_accuracy":
-                cases.add(("adamw", 4, "spawn"))
+    for name, params in selected(request):
+        if "case" in params:
+            cases.add(params["case"])
+        elif name == "test_distributed_accuracy_equals_one_process_accuracy":
+            cases.add(("adamw", 4, "spawn"))
     return [c for c in CASES if c in cases]
+
+
+def in_one_process(argv, timeout=300):
+    """[script, [flag, ...]] cases one after another in ONE plain `python` process (a world of
+    one, as tests/script_cases.py runs helpers.ddp_references): [(RESULT, that case's output
+    before it), ...] in order."""
+    run = python("tests/script_cases.py", json.dumps(argv, default=str), timeout=timeout)
+    assert run.returncode == 0, run.output
+    chunks = run.stdout.split("\nRESULT ")  # chunk i ends with case i's output, i+1 its RESULT
+    assert len(chunks) == len(argv) + 1, run.output
+    return [(json.loads(chunks[i + 1].splitlines()[0]), chunks[i]) for i in range(len(argv))]
 
 
 @pytest.fixture(scope="module")
 def reference(request, tmp_path_factory):
     """One process, per optimizer: the run every data-parallel run must reproduce."""
-    # adamw: also for the dp.py and load tests
-    optimizers = sorted({optim for optim, _, _ in needed(request)} | {"adamw"})
-    paths = ddp_references(tmp_path_factory, CFG, optimizers)
+    # adamw: also for the load tests; sgd: for dp.py's
+    optimizers = {optim for optim, _, _ in needed(request)} | {"adamw"}
+    names = {name for name, _ in selected(request)}
+    if "test_dp_on_cpu_says_so_and_equals_ddp_one_process" in names:
+        optimizers.add("sgd")
+    paths = ddp_references(tmp_path_factory, CFG, sorted(optimizers))
     return {optim: (path, reference_result(path)) for optim, path in paths.items()}
 
 
@@ -142,34 +167,53 @@ SNAP = [
 ]
 
 
+AFTER_A_CRASH = (
+    "test_snapshot_resume_equals_uninterrupted",
+    "test_rerunning_a_finished_run_trains_nothing_and_exits_0",
+    "test_a_rank_that_cannot_see_the_snapshot_fails_clearly",
+)
+MAX_STEPS = "test_resuming_from_where_max_steps_stopped_skips_the_batches_trained"
+# --max-steps stops in the middle of epoch 0; a constant learning rate, so that the schedule does
+# not depend on --max-steps
+CONSTANT = [*SNAP, "--lr-schedule", "constant", "--warmup", "0"]
+
+
 @pytest.fixture(scope="module")
-def snapshots(tmp_path_factory):
+def snapshots(request, tmp_path_factory):
+    """The ddp_torchrun.py runs of the snapshot tests at W=2, those the selected tests use. The
+    crash has a launch of its own (the fault's variables reach every case of a launch); the runs
+    after it, the uninterrupted one and the --max-steps ones are the cases of one launch, in order
+    (a resume reads the snapshot its case before wrote); the finished run's command again, through
+    the other launcher, is a launch of its own too."""
     d = tmp_path_factory.mktemp("snap")
+    names = {name for name, _ in selected(request)}
     cmd = [*SNAP, "--snapshot", d / "snap.pt", "--save", d / "resumed.pt"]
-    rank_1_exits_in_step_11 = {
-        "PYTHONPATH": FAULTS,
-        "FAULT": "exit",
-        "FAULT_RANK": "1",
-        "FAULT_STEP": "11",
-    }
-
-    def interrupted():
-        crash = torchrun("ddp_torchrun.py", 2, *cmd, env=rank_1_exits_in_step_11)
-        resumed = torchrun("ddp_torchrun.py", 2, *cmd)
+    out = dict(dir=d)
+    argv = []
+    if names & set(AFTER_A_CRASH):
+        rank_1_exits_in_step_11 = {
+            "PYTHONPATH": FAULTS,
+            "FAULT": "exit",
+            "FAULT_RANK": "1",
+            "FAULT_STEP": "11",
+        }
+        out["crash"] = torchrun("ddp_torchrun.py", 2, *cmd, env=rank_1_exits_in_step_11)
+        argv.append(["ddp_torchrun", cmd])  # the same command again: it resumes
+        argv.append(["ddp_torchrun", [*SNAP, "--save", d / "straight.pt"]])
+    if MAX_STEPS in names:
+        snap = ["--snapshot", d / "max-steps.pt"]
+        argv.append(["ddp_torchrun", [*CONSTANT, "--max-steps", 12, "--save", d / "a.pt"]])
+        argv.append(["ddp_torchrun", [*CONSTANT, *snap, "--max-steps", 5]])
+        argv.append(["ddp_torchrun", [*CONSTANT, *snap, "--max-steps", 12, "--save", d / "b.pt"]])
+    results = iter(launch_cases(2, argv, timeout=400) if argv else [])
+    if names & set(AFTER_A_CRASH):
+        out["resumed"] = next(results)
+        out["straight"] = next(results)[0]
         # the same command, through the other launcher
-        again = python("ddp_torchrun.py", "--nproc", "2", *cmd)
-        return crash, resumed, again
-
-    with ThreadPoolExecutor(2) as pool:
-        straight = pool.submit(torchrun, "ddp_torchrun.py", 2, *SNAP, "--save", d / "straight.pt")
-        crash, resumed, again = interrupted()
-        return dict(
-            dir=d,
-            crash=crash,
-            resumed=resumed,
-            again=again,
-            straight=ok(straight.result()),
-        )
+        out["again"] = python("ddp_torchrun.py", "--nproc", "2", *cmd)
+    if MAX_STEPS in names:
+        out["max-steps"] = [next(results) for _ in range(3)]
+    return out
 
 
 def test_snapshot_resume_equals_uninterrupted(snapshots):
@@ -177,13 +221,12 @@ def test_snapshot_resume_equals_uninterrupted(snapshots):
     bit for bit where the uninterrupted one ends, and reports this attempt's communication."""
     d = snapshots["dir"]
     crash = snapshots["crash"]
-    resumed = snapshots["resumed"]
+    res, resumed = snapshots["resumed"]
     assert crash.returncode != 0 and "RESULT" not in crash.stdout, crash.output
     assert "snapshot: step 8 saved" in crash.stdout and "snapshot: step 16" not in crash.stdout, (
         crash.output
     )
-    assert "snapshot: resuming at step 8" in resumed.stdout, resumed.output
-    res = ok(resumed)
+    assert "snapshot: resuming at step 8" in resumed, resumed
     assert res["steps"] == snapshots["straight"]["steps"] == 16
     assert max_diff(d / "resumed.pt", d / "straight.pt") == 0
     assert res["comm"]["all_reduce"] == 4 * res["params"]  # per step of this attempt, not of all 16
@@ -202,33 +245,18 @@ def test_rerunning_a_finished_run_trains_nothing_and_exits_0(snapshots):
     assert max_diff(d / "resumed.pt", d / "straight.pt") == 0
 
 
-def test_resuming_from_where_max_steps_stopped_skips_the_batches_trained(tmp_path):
+def test_resuming_from_where_max_steps_stopped_skips_the_batches_trained(snapshots):
     """--max-steps 5 leaves a snapshot in the middle of epoch 0 (8 steps an epoch); the same
     command with --max-steps 12 resumes there and must take epoch 0's batches 6-8, not 1-8 again:
     it ends bit for bit where 12 steps in one go end (a constant learning rate, so the schedule
     does not depend on --max-steps)."""
-    constant = [*SNAP, "--lr-schedule", "constant", "--warmup", "0"]
-    snap = ["--snapshot", tmp_path / "snap.pt"]
-    with ThreadPoolExecutor(2) as pool:
-        straight = pool.submit(
-            torchrun,
-            "ddp_torchrun.py",
-            2,
-            *constant,
-            "--max-steps",
-            "12",
-            "--save",
-            tmp_path / "a.pt",
-        )
-        first = ok(torchrun("ddp_torchrun.py", 2, *constant, *snap, "--max-steps", "5"))
-        resumed = torchrun(
-            "ddp_torchrun.py", 2, *constant, *snap, "--max-steps", "12", "--save", tmp_path / "b.pt"
-        )
-        ok(straight.result())
+    d = snapshots["dir"]
+    (straight, _), (first, _), (resumed, output) = snapshots["max-steps"]
+    assert straight["steps"] == 12
     assert first["steps"] == 5
-    assert "snapshot: resuming at step 5" in resumed.stdout, resumed.output
-    assert ok(resumed)["steps"] == 12
-    assert max_diff(tmp_path / "a.pt", tmp_path / "b.pt") == 0
+    assert "snapshot: resuming at step 5" in output, output
+    assert resumed["steps"] == 12
+    assert max_diff(d / "a.pt", d / "b.pt") == 0
 
 
 def test_a_rank_that_cannot_see_the_snapshot_fails_clearly(snapshots):
@@ -260,32 +288,51 @@ def test_dp_refuses_to_run_as_several_processes():
     assert "dp: " not in r.stdout, r.output  # run() never began: no data, no model
 
 
-def test_dp_on_cpu_says_so_and_equals_ddp_one_process(reference, tmp_path):
-    r = python("dp.py", *CFG, "--optim", "sgd", "--save", tmp_path / "dp.pt")
-    res = ok(r)
-    assert "no GPUs visible, training on the CPU as a single device" in r.stdout
+LOADERS = ["ddp.py", "dp.py", "ddp_torchrun.py"]
+
+
+def load_flags(script, path, saved):
+    """Load a ddp.py checkpoint, take one SGD step with lr 0, save."""
+    flags = [*CFG, "--load", path, "--optim", "sgd", "--lr", "0", "--max-steps", "1"]
+    flags += ["--save", saved]
+    return [*flags, *(["--nproc", "1"] if script == "ddp.py" else [])]
+
+
+@pytest.fixture(scope="module")
+def one_process(request, reference, tmp_path_factory):
+    """The one-process runs of the tests below, those the selected tests use, as the cases of one
+    plain `python` process (`--nproc 1` runs ddp.py in this process too): {"dp": dp.py training,
+    script: that script loading the AdamW reference}, each (RESULT, output, saved path)."""
+    d = tmp_path_factory.mktemp("one-process")
+    argv = {}
+    saved = {}
+    for name, params in selected(request):
+        if name == "test_dp_on_cpu_says_so_and_equals_ddp_one_process":
+            saved["dp"] = d / "dp.pt"
+            argv["dp"] = ["dp", [*CFG, "--optim", "sgd", "--save", saved["dp"]]]
+        elif name == "test_save_of_one_script_loads_in_another":
+            script = params["script"]
+            saved[script] = d / f"{script}-out.pt"
+            flags = load_flags(script, reference["adamw"][0], saved[script])
+            argv[script] = [script.removesuffix(".py"), flags]
+    results = in_one_process(list(argv.values())) if argv else []
+    return {
+        key: (result, output, saved[key])
+        for key, (result, output) in zip(argv, results, strict=True)
+    }
+
+
+def test_dp_on_cpu_says_so_and_equals_ddp_one_process(reference, one_process):
+    res, output, saved = one_process["dp"]
+    assert "no GPUs visible, training on the CPU as a single device" in output
     assert res["world_size"] == 1 and res["steps"] == 6
-    assert max_diff(reference["sgd"][0], tmp_path / "dp.pt") < TOL["sgd"]
+    assert max_diff(reference["sgd"][0], saved) < TOL["sgd"]
 
 
-@pytest.mark.parametrize("script", ["ddp.py", "dp.py", "ddp_torchrun.py"])
-def test_save_of_one_script_loads_in_another(reference, tmp_path, script):
+@pytest.mark.parametrize("script", LOADERS)
+def test_save_of_one_script_loads_in_another(reference, one_process, script):
     """Load a ddp.py checkpoint, take one SGD step with lr 0, save: the file must be unchanged."""
     path, res = reference["adamw"]
-    r = python(
-        script,
-        *CFG,
-        "--load",
-        path,
-        "--optim",
-        "sgd",
-        "--lr",
-        "0",
-        "--max-steps",
-        "1",
-        "--save",
-        tmp_path / "out.pt",
-        *(["--nproc", "1"] if script == "ddp.py" else []),
-    )
-    assert ok(r)["test_acc"] == res["test_acc"]
-    assert max_diff(path, tmp_path / "out.pt") == 0
+    result, _, saved = one_process[script]
+    assert result["test_acc"] == res["test_acc"]
+    assert max_diff(path, saved) == 0

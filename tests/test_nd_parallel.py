@@ -5,11 +5,12 @@ worked out here from B, T, D and the layout (measured from outside, keyed by pro
 save loads in ddp.py with the same test accuracy; the evaluation sends each message between
 stages as a batch of one.
 
-One launch per layout, shared by the tests of that layout. The quick suite runs two layouts at
-W=4 that between them cover every kind of mesh dimension: HSDP x TP (2,1,2,1) and FSDP x PP
-(1,2,1,2), with SGD (a sum where a mean belongs shows at once). The full tier (`-m full`) adds
-the other layouts with two axes > 1 at W=4, the 3-D (1,2,2,2) and HSDP x TP (2,2,2,1) at W=8,
-and AdamW (sharded optimizer state); the optimizer alternates over the layouts."""
+One launch per world size runs its layouts one after another (tests/script_cases.py), shared by
+the tests of each layout. The quick suite runs two layouts at W=4 that between them cover every
+kind of mesh dimension: HSDP x TP (2,1,2,1) and FSDP x PP (1,2,1,2), with SGD (a sum where a
+mean belongs shows at once). The full tier (`-m full`) adds the other layouts with two axes > 1
+at W=4, the 3-D (1,2,2,2) and HSDP x TP (2,2,2,1) at W=8, and AdamW (sharded optimizer state);
+the optimizer alternates over the layouts."""
 
 import math
 
@@ -19,7 +20,7 @@ import torch.distributed as dist
 
 import common
 import nd_parallel
-from helpers import ddp_reference, max_diff, ok, python, torchrun
+from helpers import ddp_references, launch_cases, max_diff
 
 CFG = [
     "--data",
@@ -77,49 +78,86 @@ def flags(layout, schedule):
     return [*mesh, *pipeline]
 
 
+def selected(request):
+    """This session's selected tests of this module, as (test function, its parameters): all of
+    them in a full run, one when a single test is asked for (as tests/test_mutants.py does). The
+    fixtures below launch only what these use."""
+    return [
+        (item.originalname, getattr(getattr(item, "callspec", None), "params", {}))
+        for item in request.session.items
+        if item.module is request.module
+    ]
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The saved parameters of ddp.py at W=1 on CFG with an optimizer, launched the first time a
-    test asks for that optimizer (the quick suite needs SGD only)."""
+def reference(request, tmp_path_factory):
+    """The saved parameters of ddp.py at W=1 on CFG, {optimizer: path}, for the optimizers the
+    selected tests compare with (the quick suite needs SGD only), made in one process."""
+    optimizers = {
+        params["optim"]
+        for name, params in selected(request)
+        if name == "test_same_parameters_as_ddp_one_process"
+    }
+    return ddp_references(tmp_path_factory, CFG, sorted(optimizers)) if optimizers else {}
 
-    def get(optim):
-        return ddp_reference(tmp_path_factory, CFG, optim)
 
-    return get
+def nd_case(layout, optim, schedule, initial, saved):
+    load = ["--load", initial] if layout in LOADED else []
+    flags_of_case = [*CFG, *flags(layout, schedule), "--optim", optim, *load, "--save", saved]
+    return ["nd_parallel", flags_of_case]
+
+
+def ddp_loads(path, saved):
+    """ddp.py loads `path`, takes one step with lr 0 (nothing moves), saves to `saved`."""
+    lr_0 = ["--optim", "sgd", "--lr", 0, "--max-steps", 1]
+    return ["ddp", [*CFG, "--load", path, *lr_0, "--save", saved]]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, initial):
-    """One launch per layout, shared by the tests below: (RESULT, path of the saved state_dict)."""
-    done = {}
+def launches(request, tmp_path_factory, initial):
+    """One launch per world size runs the layouts the selected tests use, one after another, then
+    ddp.py (at that world size) loading the save of each layout whose test_save_loads_in_ddp is
+    selected. Returns {"trained": {layout: (RESULT, saved path)}, "loaded": {layout: (ddp.py's
+    RESULT, its saved path)}}."""
+    folder = tmp_path_factory.mktemp("nd")
+    wanted = set()
+    loaded = set()
+    for name, params in selected(request):
+        if "layout" in params:
+            wanted.add((params["layout"], params["optim"], params["schedule"]))
+        if name == "test_save_loads_in_ddp":
+            loaded.add(params["layout"])
+    out = dict(trained={}, loaded={})
+    cases = [case for case in QUICK + FULL if case in wanted]
+    for world in sorted({math.prod(layout) for layout, _, _ in cases}):
+        argv = []
+        keys = []
+        for layout, optim, schedule in cases:
+            if math.prod(layout) == world:
+                saved = folder / "R{}S{}T{}P{}.pt".format(*layout)
+                argv.append(nd_case(layout, optim, schedule, initial, saved))
+                keys.append(("trained", layout, saved))
+        for _, layout, path in list(keys):
+            if layout in loaded:
+                saved = path.with_suffix(".ddp.pt")
+                argv.append(ddp_loads(path, saved))
+                keys.append(("loaded", layout, saved))
+        results = launch_cases(world, argv, timeout=300 + 150 * len(argv))
+        for (kind, layout, saved), (result, _) in zip(keys, results, strict=True):
+            out[kind][layout] = (result, saved)
+    return out
 
-    def get(layout, optim, schedule):
-        if layout in done:
-            return done[layout]
-        path = tmp_path_factory.mktemp("nd") / "nd.pt"
-        load = ["--load", initial] if layout in LOADED else []
-        launch = torchrun(
-            "nd_parallel.py",
-            math.prod(layout),
-            *CFG,
-            *flags(layout, schedule),
-            "--optim",
-            optim,
-            *load,
-            "--save",
-            path,
-            timeout=400,
-        )
-        done[layout] = (ok(launch), path)
-        return done[layout]
 
-    return get
+@pytest.fixture(scope="module")
+def runs(launches):
+    """{layout: (RESULT, path of the saved state_dict)}, shared by the tests below."""
+    return launches["trained"]
 
 
 @pytest.mark.parametrize("layout,optim,schedule", CASES)
 def test_same_parameters_as_ddp_one_process(layout, optim, schedule, runs, reference):
-    r, path = runs(layout, optim, schedule)
-    diff = max_diff(reference(optim), path)
+    r, path = runs[layout]
+    diff = max_diff(reference[optim], path)
     print(f"nd_parallel {layout} {optim}: max |Δparam| vs ddp.py W=1 = {diff:.3g}")
     assert r["world_size"] == math.prod(layout) and r["steps"] == 3
     replicas, shards, tp, stages = layout
@@ -160,7 +198,7 @@ def rank0_elements(layout):
 
 @pytest.mark.parametrize("layout,optim,schedule", CASES)
 def test_per_rank_bytes(layout, optim, schedule, runs):
-    r, _ = runs(layout, optim, schedule)
+    r, _ = runs[layout]
     blocks, rest, _ = rank0_elements(layout)
     own = blocks + rest
     assert (r["param_bytes"], r["grad_bytes"]) == (4 * own, 4 * own), r
@@ -177,7 +215,7 @@ def test_traffic_per_mesh_dimension(layout, optim, schedule, runs):
     all-gather per block for forward and one for backward, the rest once. dp_replicate: one
     all-reduce of the shard's grads. pp: m activations out of stage 0 and m gradients back, plus
     a small shape handshake in step 1."""
-    r, _ = runs(layout, optim, schedule)
+    r, _ = runs[layout]
     replicas, shards, tp, stages = layout
     m = M if stages > 1 else 1
     blocks, rest, nblocks = rank0_elements(layout)
@@ -220,29 +258,14 @@ SAVES = [
 
 
 @pytest.mark.parametrize("layout,optim,schedule", SAVES)
-def test_save_loads_in_ddp(layout, optim, schedule, runs, tmp_path):
+def test_save_loads_in_ddp(layout, optim, schedule, runs, launches):
     """The save, assembled on rank 0 from the pipeline's stages (and TP and FSDP pieces: the 3-D
-    layout in the full tier), is the plain common model: ddp.py loads it (lr 0: nothing moves),
-    saves the same tensors, measures the same test accuracy as the stage-to-stage evaluation."""
-    r, path = runs(layout, optim, schedule)
-    d = ok(
-        python(
-            "ddp.py",
-            *CFG,
-            "--load",
-            path,
-            "--optim",
-            "sgd",
-            "--lr",
-            "0",
-            "--max-steps",
-            "1",
-            "--save",
-            tmp_path / "ddp.pt",
-            timeout=120,
-        )
-    )
-    assert max_diff(path, tmp_path / "ddp.pt") == 0
+    layout in the full tier), is the plain common model: ddp.py (at the layout's world size, in
+    its launch) loads it (lr 0: nothing moves), saves the same tensors, measures the same test
+    accuracy as the stage-to-stage evaluation."""
+    r, path = runs[layout]
+    d, saved = launches["loaded"][layout]
+    assert max_diff(path, saved) == 0
     assert d["test_acc"] == r["test_acc"]
 
 
