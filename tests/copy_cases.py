@@ -1,6 +1,6 @@
 """The copy cases: each technique section, imported from its script and nothing else, trains the
-second model (tests/causal_lm.py) in ONE torchrun launch, one case after another in the same
-process group, so that tests/test_copy.py pays once for starting the interpreters and torch.
+second model (tests/causal_lm.py) in ONE launch, one case after another in the same process
+group, so that tests/test_copy.py starts its ranks once.
 
     torchrun --standalone --nproc_per_node=2 tests/copy_cases.py DIR [MODULE ...]
 

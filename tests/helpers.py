@@ -1,12 +1,17 @@
 """Launch the scripts as real processes and read what they report."""
 
+import atexit
 import contextlib
 import hashlib
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,8 +60,8 @@ class Run:
         return f"--- stdout\n{self.stdout}\n--- stderr\n{self.stderr}"
 
 
-def run(args, timeout=180, env=None, cwd=ROOT):
-    """Run a command; a hang becomes a test failure after `timeout` seconds, not a stuck suite."""
+def launch_env():
+    """The environment of every launch: this one's, without a rank's variables."""
     inherited = {
         k: v
         for k, v in os.environ.items()
@@ -64,11 +69,15 @@ def run(args, timeout=180, env=None, cwd=ROOT):
     }
     # One thread a process, as torchrun gives its workers: launches share two cores, and a plain
     # `python X.py` reference then computes like the ranks it is compared with.
-    full_env = {**inherited, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    return {**inherited, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+def run(args, timeout=180, env=None, cwd=ROOT):
+    """Run a command; a hang becomes a test failure after `timeout` seconds, not a stuck suite."""
     p = subprocess.Popen(
         [str(a) for a in args],
         cwd=cwd,
-        env=full_env,
+        env={**launch_env(), **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -109,12 +118,100 @@ def torchrun(script, nproc, *args, **kw):
     )
 
 
+class ForkServer:
+    """The client of tests/fork_server.py: started on first use, stopped when the session ends.
+    `env`: what the server's interpreter starts with, besides launch_env()."""
+
+    def __init__(self, env=None):
+        self.env = env or {}
+        self.process = None
+        self.starting = threading.Lock()  # tests launch from thread pools too
+
+    def start(self):
+        self.folder = Path(tempfile.mkdtemp(prefix="fork-server-"))
+        self.socket = str(self.folder / "socket")
+        self.process = subprocess.Popen(
+            [sys.executable, ROOT / "tests" / "fork_server.py", self.socket],
+            cwd=ROOT,
+            env={**launch_env(), **self.env},
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        ready = self.process.stdout.readline()
+        assert ready == "ready\n", f"the fork server did not start (exit {self.process.wait()})"
+        atexit.register(self.stop)
+
+    def stop(self):
+        if self.process is None:
+            return
+        self.process.kill()
+        self.process.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def launch(self, script, nproc, args, timeout):
+        with self.starting:
+            if self.process is None:
+                self.start()
+        outputs = Path(tempfile.mkdtemp(dir=self.folder))
+        stdout = outputs / "stdout"
+        stderr = outputs / "stderr"
+        stdout.touch()
+        stderr.touch()
+        request = dict(
+            script=str(script),
+            args=[str(a) for a in args],
+            world=nproc,
+            cwd=str(ROOT),
+            stdout=str(stdout),
+            stderr=str(stderr),
+        )
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+            connection.connect(self.socket)
+            connection.sendall((json.dumps(request) + "\n").encode())
+            replies = connection.makefile()
+            group = int(replies.readline())  # the launch's process group
+            connection.settimeout(timeout)
+            try:
+                answer = replies.readline()
+            except TimeoutError:
+                answer = None
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(group, signal.SIGKILL)
+        run = Run(-1, stdout.read_text(), stderr.read_text())
+        shutil.rmtree(outputs)
+        if answer is None:
+            raise subprocess.TimeoutExpired(
+                ["fork_server", script, *args], timeout, run.stdout, run.stderr
+            )
+        if answer:  # else its leader was killed before it could answer: -1
+            run.returncode = json.loads(answer)["returncode"]
+        return run
+
+
+FORK_SERVER = ForkServer()
+
+
+def fork_launch(script, nproc, *args, timeout=180, env=None):
+    """`torchrun --standalone --nproc_per_node=nproc script args` as its ranks see it, each rank
+    forked from tests/fork_server.py, which has imported torch and the scripts once: a launch
+    starts in a fraction of a second instead of ~10 s. For the tests that are not about the
+    launcher (those use torchrun). `env`: read as an interpreter starts (tests/faults' PROBE), so
+    the launch gets a server of its own, started in it."""
+    if env is None:
+        return FORK_SERVER.launch(script, nproc, args, timeout)
+    server = ForkServer(env)
+    try:
+        return server.launch(script, nproc, args, timeout)
+    finally:
+        server.stop()
+
+
 def launch_cases(world, argv, timeout=400, env=None):
-    """Run [script, [flag, ...]] cases one after another in ONE torchrun launch of `world` ranks
-    (tests/script_cases.py) and return each case's RESULT and its output before it: the launch's
-    start-up (interpreters, torch) paid once, not once per case. `env`: for every case."""
+    """Run [script, [flag, ...]] cases one after another in ONE launch of `world` ranks
+    (tests/script_cases.py) and return each case's RESULT and its output before it. The ranks are
+    forked from the fork server (`fork_launch`); `env`: for every case."""
     argv_json = json.dumps(argv, default=str)
-    run = torchrun("tests/script_cases.py", world, argv_json, timeout=timeout, env=env)
+    run = fork_launch("tests/script_cases.py", world, argv_json, timeout=timeout, env=env)
     assert run.returncode == 0, run.output
     chunks = run.stdout.split("\nRESULT ")  # chunk i ends with case i's output, i+1 its RESULT
     assert len(chunks) == len(argv) + 1, run.output
@@ -138,7 +235,7 @@ def ddp_references(tmp_path_factory, cfg, optims=("sgd", "adamw")):
     missing = [optim for optim, path in paths.items() if not path.exists()]
     if missing:
         argv = [["ddp", [*cfg, "--optim", optim, "--save", paths[optim]]] for optim in missing]
-        run = python("tests/script_cases.py", json.dumps(argv, default=str), timeout=180)
+        run = fork_launch("tests/script_cases.py", 1, json.dumps(argv, default=str), timeout=180)
         assert run.returncode == 0, run.output
         results = run.stdout.split("\nRESULT ")[1:]  # case i's RESULT line opens chunk i
         for optim, result in zip(missing, results, strict=True):

@@ -1,7 +1,8 @@
-"""Several runs of the scripts in ONE torchrun launch, one after another, each in a process group of
-its own, so a test module pays for starting the interpreters and torch once per world size, not
-once per case (helpers.launch_cases). argv[1]: a JSON list of [script, [flag, ...]]; each case's
-rank 0 prints its RESULT line, in order. The scripts run unchanged, through their own main()."""
+"""Several runs of the scripts in ONE launch (by torchrun or by tests/fork_server.py), one after
+another, each in a process group of its own, so that a test module starts its ranks once per
+world size, not once per case (helpers.launch_cases). argv[1]: a JSON list of [script, [flag,
+...]]; each case's rank 0 prints its RESULT line, in order. The scripts run unchanged, through
+their own main()."""
 
 import importlib
 import json

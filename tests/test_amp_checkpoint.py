@@ -13,7 +13,7 @@
   by more than round-off; every matmul of every step in bf16) and converges like fp32.
 - Bad input: one clear error, exit 2, before any process group.
 
-Launches: the runs as cases of tests/script_cases.py, 4 torchruns (W=1: accum, then the MoE and
+Launches: the runs as cases of tests/script_cases.py, 4 launches (W=1: accum, then the MoE and
 the two 64-step runs; W=2: ckpt, then clip; W=2: bf16; W=3: both; a PROBE run opens a launch, as
 the PROBE sees a process's first step only), and 2 ddp.py reference processes (CFG's two
 optimizers in one, the MoE model's SGD).

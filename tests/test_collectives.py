@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import ok, torchrun
+from helpers import fork_launch, ok
 
 ROW = re.compile(r"  rank (\d+): (\[[^\]]*\]|-) -> (\[[^\]]*\]|-)$")
 
@@ -141,7 +141,7 @@ CASES = [
 @pytest.mark.parametrize("world,root,n,k,N,avoid", CASES)
 def test_primitives_equal_their_definitions(world, root, n, k, N, avoid):
     avoided = ["--avoid", *avoid] if avoid else []
-    r = torchrun(
+    r = fork_launch(
         "collectives.py",
         world,
         *("--root", root, "--numel", n, "--chunk", k, "--ring-numel", N, "--timeout", 60),

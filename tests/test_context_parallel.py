@@ -10,7 +10,7 @@ import json
 import pytest
 
 import common
-from helpers import SMALL, max_diff, torchrun
+from helpers import SMALL, fork_launch, max_diff
 
 CFG = [*SMALL, "--patch", "2"]  # 196 tokens: 98 or 49 a rank at W=2, 4
 TOL = {"sgd": 1e-6, "adamw": 5e-5}
@@ -51,7 +51,7 @@ def launch(world, argv):
     """helpers.launch_cases, read line by line: the attention driver (tests/cp_attention_check.py,
     the last case of the W=4 launch) prints CHECK lines and no RESULT. Returns (the RESULT of
     each context_parallel case, in order; the driver's CHECKs)."""
-    run = torchrun("tests/script_cases.py", world, json.dumps(argv, default=str), timeout=400)
+    run = fork_launch("tests/script_cases.py", world, json.dumps(argv, default=str), timeout=400)
     assert run.returncode == 0, run.output
     lines = run.stdout.splitlines()
     results = [json.loads(line[len("RESULT ") :]) for line in lines if line.startswith("RESULT ")]

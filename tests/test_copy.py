@@ -2,7 +2,7 @@
 from common/, trains a second model, a small GPT-2-like causal LM with tied embeddings
 (tests/causal_lm.py), at W=2 with gradient accumulation (two backward passes a step), SGD and
 AdamW with two parameter groups, and ends with the parameters of one process training the same
-model on the same batches, its tie intact. One torchrun launch runs every case
+model on the same batches, its tie intact. One launch runs every case
 (tests/copy_cases.py); each test reads its case's result.
 """
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 from causal_lm import ACCUMULATE, STEPS, CausalLM, param_groups
 
-from helpers import torchrun
+from helpers import fork_launch
 
 # round-off, as the ViT tests allow it (AdamW turns it into steps on ~0 gradients)
 TOL = {"sgd": 1e-6, "adamw": 5e-5}
@@ -51,7 +51,7 @@ def needed(request):
 def copies(request, tmp_path_factory):
     """The selected cases in one launch: (the folder of saved state_dicts, the results by case)."""
     folder = tmp_path_factory.mktemp("copy")
-    run = torchrun("tests/copy_cases.py", 2, folder, *needed(request), timeout=300)
+    run = fork_launch("tests/copy_cases.py", 2, folder, *needed(request), timeout=300)
     assert run.returncode == 0, run.output
     with open(folder / "results.json") as f:
         return folder, json.load(f)

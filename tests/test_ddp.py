@@ -18,6 +18,7 @@ from helpers import (
     ROOT,
     SMALL,
     ddp_references,
+    fork_launch,
     launch_cases,
     max_diff,
     ok,
@@ -36,17 +37,21 @@ PSI = sum(
 )
 CASES = [
     ("sgd", 2, "torchrun"),
-    ("sgd", 3, "spawn"),
-    ("adamw", 3, "torchrun"),
-    ("adamw", 4, "spawn"),
+    ("adamw", 2, "spawn"),
+    ("sgd", 3, "forked"),
+    ("adamw", 4, "forked"),
 ]
 FAULTS = str(ROOT / "tests" / "faults")
 
 
 def launch(launcher, script, world, *args, **kw):
+    """Both of the scripts' launchers (torchrun, `--nproc`: mp.spawn) at W=2; the larger worlds
+    forked from the tests' fork server, which starts them in a fraction of the time."""
     if launcher == "torchrun":
         return torchrun(script, world, *args, **kw)
-    return python(script, "--nproc", world, *args, **kw)
+    if launcher == "spawn":
+        return python(script, "--nproc", world, *args, **kw)
+    return fork_launch(script, world, *args, **kw)
 
 
 def selected(request):
@@ -67,15 +72,15 @@ def needed(request):
         if "case" in params:
             cases.add(params["case"])
         elif name == "test_distributed_accuracy_equals_one_process_accuracy":
-            cases.add(("adamw", 4, "spawn"))
+            cases.add(("adamw", 4, "forked"))
     return [c for c in CASES if c in cases]
 
 
 def in_one_process(argv, timeout=300):
-    """[script, [flag, ...]] cases one after another in ONE plain `python` process (a world of
-    one, as tests/script_cases.py runs helpers.ddp_references): [(RESULT, that case's output
+    """[script, [flag, ...]] cases one after another in ONE process (a world of one, forked as
+    helpers.ddp_references runs tests/script_cases.py): [(RESULT, that case's output
     before it), ...] in order."""
-    run = python("tests/script_cases.py", json.dumps(argv, default=str), timeout=timeout)
+    run = fork_launch("tests/script_cases.py", 1, json.dumps(argv, default=str), timeout=timeout)
     assert run.returncode == 0, run.output
     chunks = run.stdout.split("\nRESULT ")  # chunk i ends with case i's output, i+1 its RESULT
     assert len(chunks) == len(argv) + 1, run.output
@@ -134,7 +139,7 @@ def test_ddp_equals_one_process(reference, runs, case):
 def test_distributed_accuracy_equals_one_process_accuracy(runs):
     """The W=4 run's reported accuracy (4 uneven, padded shards) recomputed here, in one process,
     from its saved weights over the whole test set."""
-    path, res = runs["adamw", 4, "spawn"]
+    path, res = runs["adamw", 4, "forked"]
     args = common.parse_args(common.get_parser("t"), CFG)
     model = common.build_model(args)
     model.load_state_dict(torch.load(path, weights_only=True))
@@ -183,8 +188,8 @@ def snapshots(request, tmp_path_factory):
     """The ddp_torchrun.py runs of the snapshot tests at W=2, those the selected tests use. The
     crash has a launch of its own (the fault's variables reach every case of a launch); the runs
     after it, the uninterrupted one and the --max-steps ones are the cases of one launch, in order
-    (a resume reads the snapshot its case before wrote); the finished run's command again, through
-    the other launcher, is a launch of its own too."""
+    (a resume reads the snapshot its case before wrote); the finished run's command again is a
+    launch of its own too."""
     d = tmp_path_factory.mktemp("snap")
     names = {name for name, _ in selected(request)}
     cmd = [*SNAP, "--snapshot", d / "snap.pt", "--save", d / "resumed.pt"]
@@ -197,7 +202,7 @@ def snapshots(request, tmp_path_factory):
             "FAULT_RANK": "1",
             "FAULT_STEP": "11",
         }
-        out["crash"] = torchrun("ddp_torchrun.py", 2, *cmd, env=rank_1_exits_in_step_11)
+        out["crash"] = fork_launch("ddp_torchrun.py", 2, *cmd, env=rank_1_exits_in_step_11)
         argv.append(["ddp_torchrun", cmd])  # the same command again: it resumes
         argv.append(["ddp_torchrun", [*SNAP, "--save", d / "straight.pt"]])
     if MAX_STEPS in names:
@@ -209,8 +214,7 @@ def snapshots(request, tmp_path_factory):
     if names & set(AFTER_A_CRASH):
         out["resumed"] = next(results)
         out["straight"] = next(results)[0]
-        # the same command, through the other launcher
-        out["again"] = python("ddp_torchrun.py", "--nproc", "2", *cmd)
+        out["again"] = fork_launch("ddp_torchrun.py", 2, *cmd)  # the same command, once more
     if MAX_STEPS in names:
         out["max-steps"] = [next(results) for _ in range(3)]
     return out
@@ -301,7 +305,7 @@ def load_flags(script, path, saved):
 @pytest.fixture(scope="module")
 def one_process(request, reference, tmp_path_factory):
     """The one-process runs of the tests below, those the selected tests use, as the cases of one
-    plain `python` process (`--nproc 1` runs ddp.py in this process too): {"dp": dp.py training,
+    process (`--nproc 1` runs ddp.py in this process too): {"dp": dp.py training,
     script: that script loading the AdamW reference}, each (RESULT, output, saved path)."""
     d = tmp_path_factory.mktemp("one-process")
     argv = {}

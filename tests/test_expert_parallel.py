@@ -5,8 +5,8 @@ waits for the device once per layer; the dense gradients' all-reduces start duri
 all-to-all bytes the Meter counts add up to the formula; the scripts that take an MoE block
 unchanged stay exact.
 
-Launches: 2 plain python processes of ddp.py W=1 references (sgd and adamw for E=4 K=2 in one, sgd
-for E=8 K=1), ONE torchrun at W=2 running expert_parallel.py twice and the 3 other scripts as cases
+Launches: 2 processes of ddp.py W=1 references (sgd and adamw for E=4 K=2 in one, sgd
+for E=8 K=1), ONE launch at W=2 running expert_parallel.py twice and the 3 other scripts as cases
 of it (tests/script_cases.py), one at W=4, and one mp.spawn of 2 processes.
 """
 

@@ -9,7 +9,7 @@ a DCP checkpoint resumes (at another W) to the uninterrupted result, and at its 
 nothing; --offload cpu runs on the CPU; --mixed-precision computes in bf16 and hands fp32 logits to
 the loss.
 
-Launches: one torchrun per world size (tests/script_cases.py; W=2: the EQUAL runs, then
+Launches: one per world size (tests/script_cases.py; W=2: the EQUAL runs, then
 fsdp_resume.py's first 5 steps; W=3: the offload run, then the resume), one ddp.py process for
 both references, and 3 one-process fsdp_resume.py runs (the finished checkpoint again and two
 refusals, whose exit code and stderr are the test).
@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import common
-from helpers import ddp_references, launch_cases, max_diff, ok, python
+from helpers import ddp_references, fork_launch, launch_cases, max_diff, ok
 
 # --limit 1025: the W=2 test shards hold 513 and 512 samples, 2 batches of 512 against 1 (padded
 # to 2). --dim 32 (MLP 128, 10 classes, a 1-row position embedding): W=3 divides no dim 0, W=2 not
@@ -238,10 +238,20 @@ def test_dcp_resume_at_another_world_size(launches, refs):
     }
     with ThreadPoolExecutor(2) as pool:
         again = pool.submit(
-            python, "fsdp_resume.py", *CFG, "--optim", "adamw", "--dcp", ckpt, timeout=TIMEOUT
+            fork_launch,
+            "fsdp_resume.py",
+            1,
+            *CFG,
+            "--optim",
+            "adamw",
+            "--dcp",
+            ckpt,
+            timeout=TIMEOUT,
         )
         refusals = {
-            flag: pool.submit(python, "fsdp_resume.py", *CFG, *argv, "--dcp", ckpt, timeout=60)
+            flag: pool.submit(
+                fork_launch, "fsdp_resume.py", 1, *CFG, *argv, "--dcp", ckpt, timeout=60
+            )
             for flag, (argv, _) in refused.items()
         }
         r = again.result()

@@ -48,7 +48,7 @@ def needed(request):
 
 @pytest.fixture(scope="module")
 def loops(request, tmp_path_factory):
-    """Every configuration, one after another in ONE torchrun launch (tests/script_cases.py):
+    """Every configuration, one after another in ONE launch (tests/script_cases.py):
     {name: (RESULT, its output)}. ddp_torchrun snapshots at each epoch's end."""
     snapshot = tmp_path_factory.mktemp("loop") / "snapshot.pt"
     names = needed(request)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import common
-from helpers import ROOT, SMALL, max_diff, ok, python, run, torchrun
+from helpers import ROOT, SMALL, fork_launch, max_diff, ok, python, run, torchrun
 
 FAULTS = str(ROOT / "tests" / "faults")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -140,7 +140,7 @@ def test_sigkilled_worker_is_restarted_and_resumes_from_the_snapshot(tmp_path):
     after = "".join(lines[killed:])
     assert "snapshot: resuming at step 64" in after, out  # killed in epoch 1, restarted
     straight = ok(
-        torchrun("ddp_torchrun.py", 2, *cfg, "--save", tmp_path / "straight.pt", timeout=240)
+        fork_launch("ddp_torchrun.py", 2, *cfg, "--save", tmp_path / "straight.pt", timeout=240)
     )
     assert straight["steps"] == 3 * 2048 // 32
     assert max_diff(tmp_path / "killed.pt", tmp_path / "straight.pt") == 0
@@ -208,5 +208,5 @@ def test_two_nodes_on_one_machine_equal_one_node(tmp_path):
     assert all(p.returncode == 0 for p in nodes), outs
     results = [line for out, _ in outs for line in out.splitlines() if line.startswith("RESULT ")]
     assert len(results) == 1 and '"world_size": 4' in results[0]  # one rank 0 across both nodes
-    ok(torchrun("ddp.py", 4, *args, "--save", tmp_path / "one_node.pt"))
+    ok(fork_launch("ddp.py", 4, *args, "--save", tmp_path / "one_node.pt"))
     assert max_diff(tmp_path / "two_nodes.pt", tmp_path / "one_node.pt") < 1e-6

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from helpers import ROOT, SMALL, ok, torchrun
+from helpers import ROOT, SMALL, fork_launch, ok
 
 SCRIPTS = [
     "ddp_torchrun.py",
@@ -158,7 +158,7 @@ def test_variant_is_its_parent_but_one_thing(script):
 
 
 def test_profile_writes_a_trace_per_rank_with_compute_and_collectives(tmp_path):
-    ok(torchrun("ddp.py", 2, *SMALL, "--profile", tmp_path))
+    ok(fork_launch("ddp.py", 2, *SMALL, "--profile", tmp_path))
     for rank in (0, 1):
         trace = json.loads((tmp_path / f"rank{rank}.json").read_text())
         names = sorted({event.get("name", "") for event in trace["traceEvents"]})
@@ -173,7 +173,7 @@ def test_progress_in_a_log_file_is_plain_lines():
     """Not a terminal (CI, SLURM, `> log`): no carriage-return redraws, a loss line every
     --log-every steps."""
     flags = [flag for flag in SMALL if flag != "--no-progress"]
-    r = torchrun("ddp.py", 2, *flags, "--log-every", "2")
+    r = fork_launch("ddp.py", 2, *flags, "--log-every", "2")
     ok(r)
     assert "\r" not in r.stdout + r.stderr
     logged = re.findall(r"^epoch 0 step (\d+): train loss", r.stdout, re.M)

@@ -393,34 +393,22 @@ if os.environ.get("MUTANT"):
             pipeline.all_reduce_tied = lambda stage: None
 
         _after_import["pipeline"] = _unsummed
-    elif _mutant == "zero-one-group":  # ZeRO drops the parameter groups: one, the first's settings
+    elif _mutant in ("zero-one-group", "zero-offload-one-group"):  # the groups dropped
 
-        def _one_group(zero):
-            parallelize = zero.parallelize
-
-            def parallelize_one_group(model, device, stage, param_groups=None):
-                if param_groups:
-                    params = [param for group in param_groups for param in group["params"]]
-                    param_groups = [{**param_groups[0], "params": params}]
-                return parallelize(model, device, stage, param_groups)
-
-            zero.parallelize = parallelize_one_group
-
-        _after_import["zero"] = _one_group
-    elif _mutant == "zero-offload-one-group":  # zero_offload.py drops the groups, as zero-one-group
-
-        def _offload_one_group(zero_offload):
-            parallelize = zero_offload.parallelize
+        def _one_group(script):
+            parallelize = script.parallelize
 
             def parallelize_one_group(model, device, stage, param_groups=None, *where, **kw):
+                # every parameter in the first group, with the first group's settings
                 if param_groups:
                     params = [param for group in param_groups for param in group["params"]]
                     param_groups = [{**param_groups[0], "params": params}]
                 return parallelize(model, device, stage, param_groups, *where, **kw)
 
-            zero_offload.parallelize = parallelize_one_group
+            script.parallelize = parallelize_one_group
 
-        _after_import["zero_offload"] = _offload_one_group
+        script = "zero" if _mutant == "zero-one-group" else "zero_offload"
+        _after_import[script] = _one_group
     elif _mutant == "tp-sp-accumulation":  # TP+SP sums the partial gradients in .grad, as before
 
         def _sum_in_grad(tensor_parallel):
