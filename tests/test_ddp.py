@@ -7,7 +7,6 @@ process training on the same global batches, and evaluation counts every test sa
 dp.py, one process for every GPU, refuses to be launched as several.
 """
 
-import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -74,17 +73,6 @@ def needed(request):
         elif name == "test_distributed_accuracy_equals_one_process_accuracy":
             cases.add(("adamw", 4, "forked"))
     return [c for c in CASES if c in cases]
-
-
-def in_one_process(argv, timeout=300):
-    """[script, [flag, ...]] cases one after another in ONE process (a world of one, forked as
-    helpers.ddp_references runs tests/script_cases.py): [(RESULT, that case's output
-    before it), ...] in order."""
-    run = fork_launch("tests/script_cases.py", 1, json.dumps(argv, default=str), timeout=timeout)
-    assert run.returncode == 0, run.output
-    chunks = run.stdout.split("\nRESULT ")  # chunk i ends with case i's output, i+1 its RESULT
-    assert len(chunks) == len(argv) + 1, run.output
-    return [(json.loads(chunks[i + 1].splitlines()[0]), chunks[i]) for i in range(len(argv))]
 
 
 @pytest.fixture(scope="module")
@@ -319,7 +307,7 @@ def one_process(request, reference, tmp_path_factory):
             saved[script] = d / f"{script}-out.pt"
             flags = load_flags(script, reference["adamw"][0], saved[script])
             argv[script] = [script.removesuffix(".py"), flags]
-    results = in_one_process(list(argv.values())) if argv else []
+    results = launch_cases(1, list(argv.values())) if argv else []
     return {
         key: (result, output, saved[key])
         for key, (result, output) in zip(argv, results, strict=True)
