@@ -5,6 +5,9 @@ DeepSpeed-Ulysses (Jacobs et al. 2023) all-to-alls the token split into a head s
 attention, and back. Everything else runs on local tokens, so each rank's weight gradients are
 its own tokens' share; DDP's all-reduce adds the shares up (see SumOverRanks).
 
+    torchrun --standalone --nproc_per_node=4 context_parallel.py --patch 2 --method ring
+    python context_parallel.py --nproc 2 --patch 2 --method ulysses   # mp.spawn on a free port
+
 Ring attention, W = 4: rank r keeps its queries Q_r; one K/V block is in hand at a time.
 
     step      0     1     2     3      Each step, in one batch_isend_irecv: send the block in
@@ -49,9 +52,6 @@ Communication per step, per block: ring sends W-1 K/V blocks (2·B·(T/W)·D fp3
 and 2(W-1) backward (K/V again, then the dK/dV partial sums); Ulysses all-to-alls q, k, v and
 the output forward and their gradients backward: 8 all-to-alls of B·T·D/W fp32. Both all-reduce
 the B·D pooled features (the head) and, as DDP, the Ψ gradients.
-
-    torchrun --standalone --nproc_per_node=4 context_parallel.py --patch 2 --method ring
-    python context_parallel.py --nproc 2 --patch 2 --method ulysses   # mp.spawn on a free port
 """
 
 import datetime
@@ -189,8 +189,8 @@ def merge_block(q_scaled, kv_block, masked, out, row_max, row_sum):
 
 
 class RingAttention(torch.autograd.Function):
-    """softmax(q·kᵀ/√d)·v over the whole sequence; q, k, v and the output: [B, H, T/W, d], this
-    rank's tokens (in the order token_positions gives). Forward is the online softmax over the
+    """softmax(q·kᵀ/√d)·v over the whole sequence; q, k, v and the output: [B, H, T/W, d],
+    this rank's tokens (in the order token_positions gives). Forward is the online softmax over the
     ring (the formulas in the module docstring); backward is flash attention's, one K/V block at a
     time, recomputing each block's softmax from the saved log-sum-exp. causal: each block pair
     computes only what visible_part says, in forward and backward alike."""
@@ -292,8 +292,8 @@ class RingAttention(torch.autograd.Function):
 def block_backward(q_scaled, kv_block, grad_out, log_sum_exp, grad_dot_out, masked=False):
     """Flash attention's backward for one K/V block: this rank's queries' share of dQ and the
     block's [dK, dV] from this rank's queries. The block's softmax P = e^(S - lse), as in forward
-    (0 where `masked` hides a future key); dS = P ∘ (dO·Vᵀ - rowsum(dO ∘ O)); dQ = dS·K/√d,
-    dK = dSᵀ·Q/√d, dV = Pᵀ·dO."""
+    (0 where `masked` hides a future key); dS = P ∘ (dO·Vᵀ - rowsum(dO ∘ O));
+    dQ = dS·K/√d, dK = dSᵀ·Q/√d, dV = Pᵀ·dO."""
     scale = q_scaled.shape[-1] ** -0.5
     key, value = kv_block
     scores = q_scaled @ key.mT

@@ -20,13 +20,13 @@ are already DTensors on the tp mesh and shards each TP shard again along its dim
 mesh (a 2-D DTensor); parallelize_module splits whole weights and has no rule for one that FSDP
 has already sharded.
 
-Memory per rank (fp32, AdamW, Ψ parameters): ≈ 16Ψ/(P·T·S) bytes (the norms, the biases of proj
-and fc2, the embedding and the head are not split by T). Per step, per mesh dimension, in bytes
-of the tensors (act: this data-parallel rank's B/(R·S) samples x T tokens x D, fp32):
+Memory per rank (fp32, AdamW, Ψ parameters): ≈ 16Ψ/(P·T·S) bytes (the norms, the biases of
+proj and fc2, the embedding and the head are not split by T). Per step, per mesh dimension, in
+bytes of the tensors (act: this data-parallel rank's B/(R·S) samples x T tokens x D, fp32):
     tp            all-reduce 6·act a block: f (q, k, v, fc1) in backward, g (proj, fc2) forward
-    dp_shard      all-gather ≈ 2·4Ψ/(P·T) (each block for forward and again for backward; with a
-                  pipeline the schedule decides how often), reduce-scatter ≈ 4Ψ/(P·T) (the
-                  stage's gradients; the reduce-scatter's input is the whole S·shard)
+    dp_shard      all-gather ≈ 2·4Ψ/(P·T) (each block for forward and again for backward;
+                  with a pipeline the schedule decides how often), reduce-scatter ≈ 4Ψ/(P·T)
+                  (the stage's gradients; the reduce-scatter's input is the whole S·shard)
     dp_replicate  all-reduce ≈ 4Ψ/(P·T·S) (HSDP: the shard's gradients, across the replicas)
     pp            send act (m activations), receive act (m gradients)
 

@@ -15,15 +15,15 @@ Attention, W = 2 (H heads, D = H·hd). X: the normed x, whole on every rank. Aq_
 rank r's columns of q, k, v (the output features of its H/2 heads); Y_r: those heads' attention
 output; P_r: the matching rows of the output projection P; b: P's bias, whole on every rank.
 
-                   ┌─ rank 0: Y0 = attention(X·Aq0, X·Ak0, X·Av0) ─ Y0·P0 ─┐
-    x ─ norm1 ─ f ─┤                                                       ├─ g ─ + b ─ + x
-                   └─ rank 1: Y1 = attention(X·Aq1, X·Ak1, X·Av1) ─ Y1·P1 ─┘
+                   ┌─ rank 0: Y0 = attn(X·Aq0, X·Ak0, X·Av0) ─ Y0·P0 ─┐
+    x ─ norm1 ─ f ─┤                                                  ├─ g ─ + b + x
+                   └─ rank 1: Y1 = attn(X·Aq1, X·Ak1, X·Av1) ─ Y1·P1 ─┘
 
 MLP, W = 2 (hidden 4D). A_r: rank r's 2D of fc1's 4D columns; B_r: the matching rows of fc2;
 b: fc2's bias, whole on every rank.
 
                    ┌─ rank 0: Y0 = gelu(X·A0) ─ Y0·B0 ─┐
-    x ─ norm2 ─ f ─┤                                   ├─ g ─ + b ─ + x
+    x ─ norm2 ─ f ─┤                                   ├─ g ─ + b + x
                    └─ rank 1: Y1 = gelu(X·A1) ─ Y1·B1 ─┘
 
     f: forward identity,   backward all-reduce   (each rank's X·A_r yields part of dX)

@@ -7,10 +7,10 @@ state (stage 1), also the gradients (stage 2), also the parameters (stage 3).
 
 zero_offload.py is this file plus ZeRO-Offload (optimizer in CPU memory) and ZeRO-Infinity (disk).
 
-The model is cut into units (the embedding, every block, the head). A unit of n parameters gets
-one flat fp32 buffer of N = W·S elements, S = ⌈n/W⌉: its parameters one after another, then zeros;
-the parameters become views into it. Rank r owns the shard flat[r·S:(r+1)·S], and its optimizer
-steps that shard only:
+The model is cut into units (the embedding, every block, the head). A unit of n parameters
+gets one flat fp32 buffer of N = W·S elements, S = ⌈n/W⌉: its parameters one after another,
+then zeros; the parameters become views into it. Rank r owns the shard flat[r·S:(r+1)·S],
+and its optimizer steps that shard only:
 
     a unit's flat buffer:  [ shard 0 | shard 1 | ... | shard W-1 ]
 

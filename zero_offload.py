@@ -5,10 +5,10 @@ state (stage 1), also the gradients (stage 2), also the parameters (stage 3).
     torchrun --standalone --nproc_per_node=4 zero_offload.py --stage 3 --offload cpu
     torchrun --standalone --nproc_per_node=4 zero_offload.py --offload disk --offload-dir DIR
 
-The model is cut into units (the embedding, every block, the head). A unit of n parameters gets
-one flat fp32 buffer of N = W·S elements, S = ⌈n/W⌉: its parameters one after another, then zeros;
-the parameters become views into it. Rank r owns the shard flat[r·S:(r+1)·S], and its optimizer
-steps that shard only:
+The model is cut into units (the embedding, every block, the head). A unit of n parameters
+gets one flat fp32 buffer of N = W·S elements, S = ⌈n/W⌉: its parameters one after another,
+then zeros; the parameters become views into it. Rank r owns the shard flat[r·S:(r+1)·S],
+and its optimizer steps that shard only:
 
     a unit's flat buffer:  [ shard 0 | shard 1 | ... | shard W-1 ]
 

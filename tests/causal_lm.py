@@ -124,8 +124,8 @@ def lm_loss(logits, tokens):
 
 def bigram_batches(steps, batch_size, seed=0):
     """`steps` batches of sequences drawn from one fixed random bigram table: each token picks
-    its successor among 2 of the VOCAB, so the loss of a model that learns the table
-    falls from ln(16) ≈ 2.8 towards ln(2) ≈ 0.7. The same seed gives the same batches anywhere."""
+    its successor among 2 of the VOCAB, so the loss of a model that learns the table falls
+    from ln(16) ≈ 2.8 towards ln(2) ≈ 0.7. The same seed gives the same batches anywhere."""
     generator = torch.Generator().manual_seed(seed)
     successors = torch.randint(VOCAB, (VOCAB, 2), generator=generator)
     batches = []
