@@ -44,8 +44,8 @@ gpus() {   # what torch.cuda.device_count() will say, without a second's import 
     nvidia-smi -L 2>/dev/null | grep -c '^GPU'
   fi
 }
+GPUS=$(gpus)
 if [ -z "${NPROC:-}" ]; then
-  GPUS=$(gpus)
   NPROC=$(( GPUS >= 2 ? (GPUS < 4 ? GPUS : 4) : 2 ))
 fi
 DEPTH=$(( 2 * NPROC > 4 ? 2 * NPROC : 4 ))
@@ -109,6 +109,12 @@ RUNS=(
   "quick|collectives|ranks|collectives.py|"
 )
 
+# The environment for W ranks on this machine: GPUs hidden if there are fewer than W, so that the
+# row runs on the CPU with Gloo (NCCL refuses two ranks on one GPU; the scripts refuse to start so).
+gpus_for() {
+  if (( GPUS > 0 && $1 > GPUS )); then echo "CUDA_VISIBLE_DEVICES="; fi
+}
+
 # W processes of one script on this machine, each given the variables torchrun gives its workers
 # (the scripts read them, as under srun), one thread each (torchrun's OMP_NUM_THREADS=1; the dp row
 # gets it too, or its two threads fight the other jobs on a busy machine). Why not torchrun itself:
@@ -121,8 +127,9 @@ ranks() {
   shift
   port=$(python -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')
   for ((rank = 0; rank < world; rank++)); do
-    OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
-      WORLD_SIZE=$world LOCAL_WORLD_SIZE=$world RANK=$rank LOCAL_RANK=$rank "$@" &
+    env $(gpus_for "$world") OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" \
+      MASTER_ADDR=127.0.0.1 MASTER_PORT="$port" WORLD_SIZE="$world" LOCAL_WORLD_SIZE="$world" \
+      RANK="$rank" LOCAL_RANK="$rank" "$@" &
     pids+=("$!")
   done
   for pid in "${pids[@]}"; do
@@ -143,7 +150,9 @@ for entry in "${RUNS[@]}"; do
   [ "$name" = collectives ] && flags=()   # it trains nothing: none of the training flags apply
   case $launcher in
     python) set -- env OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" python $cmd "${flags[@]}" ;;
-    torchrun) set -- torchrun --standalone --nproc_per_node="$NPROC" $cmd "${flags[@]}" ;;
+    torchrun)
+      set -- env $(gpus_for "$NPROC") torchrun --standalone --nproc_per_node="$NPROC" $cmd \
+        "${flags[@]}" ;;
     ranks) set -- ranks "$NPROC" python $cmd "${flags[@]}" ;;
     ranks:*) set -- ranks "${launcher#ranks:}" python $cmd "${flags[@]}" ;;
   esac

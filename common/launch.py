@@ -242,11 +242,13 @@ def pick_backend(requested):
     else:
         backend = requested
     if backend == "nccl":
-        # One GPU shown to every process is a per-process binding (SLURM, a launcher that sets
-        # CUDA_VISIBLE_DEVICES per rank). Several GPUs, but fewer than local ranks, would put two
-        # ranks on one GPU, which NCCL rejects mid-run ("Duplicate GPU detected").
+        # Fewer GPUs than local ranks would put two ranks on one GPU, which NCCL rejects once
+        # every rank has started ("Duplicate GPU detected", a traceback from each). Except one
+        # GPU that CUDA_VISIBLE_DEVICES shows each process: a per-process binding (SLURM, a
+        # launcher that sets it per rank), a different GPU for each.
+        bound = gpus == 1 and "CUDA_VISIBLE_DEVICES" in os.environ
         check(
-            gpus == 1 or local_world <= gpus,
+            local_world <= gpus or bound,
             f"{local_world} processes on this node but {gpus} GPUs visible: two ranks would share "
             f"a GPU. Use --nproc_per_node={gpus} (or --nproc {gpus}), or --backend gloo",
         )

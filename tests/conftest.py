@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -5,6 +6,11 @@ import pytest
 
 # the scripts and common/ live in the repository root; helpers.py beside this file
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
+
+# The suite tests the CPU path (Gloo), the same on every machine: on a GPU machine its launches
+# of 2-8 ranks would pick NCCL and put two ranks on one GPU, which NCCL refuses. Hidden before
+# torch is imported here; every launch inherits it. (benchmarks/check_cuda.py checks the GPU path.)
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import torch  # noqa: E402
 

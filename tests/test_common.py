@@ -294,12 +294,26 @@ def test_an_error_found_on_one_node_is_said_on_that_node(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "gpus, local_world, refused",
-    [(4, 8, True), (2, 3, True), (4, 4, False), (8, 2, False), (1, 4, False)],
+    "gpus, local_world, visible, refused",
+    [
+        (4, 8, None, True),
+        (2, 3, None, True),
+        (4, 4, None, False),
+        (8, 2, None, False),
+        (1, 4, "3", False),
+        (1, 2, None, True),
+    ],
 )
-def test_backend_refuses_two_ranks_on_one_gpu(monkeypatch, capsys, gpus, local_world, refused):
-    """More local ranks than visible GPUs (but more than one GPU) would put two ranks on one GPU:
-    one message, exit 2. One visible GPU is a launcher's per-process binding: allowed."""
+def test_backend_refuses_two_ranks_on_one_gpu(
+    monkeypatch, capsys, gpus, local_world, visible, refused
+):
+    """More local ranks than visible GPUs would put two ranks on one GPU: one message, exit 2
+    (NCCL's own refusal comes later, from every rank). One GPU that CUDA_VISIBLE_DEVICES shows is a
+    launcher's per-process binding: allowed. One GPU in the node and two ranks: refused."""
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     monkeypatch.setattr(dist, "is_nccl_available", lambda: True)

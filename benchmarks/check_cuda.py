@@ -1,0 +1,183 @@
+"""Every script once on one CUDA GPU (W = 1, NCCL), on run_all.sh's setting: the scripts that are
+exact in fp32 must end with ddp.py's parameters on the same GPU; the mixed-precision ones (AMP
+fp16 and bf16, FSDP's MixedPrecisionPolicy) and asynchronous PipeDream must learn as fp32 does,
+their distance from ddp.py printed next to them. Also ddp.py on the CPU (Gloo), so the table
+shows how far GPU round-off alone moves the parameters. Not a test: CI has no GPU.
+
+    python benchmarks/check_cuda.py                        # MNIST in --data-dir, else synthetic
+    python benchmarks/check_cuda.py --data-dir ../data --logs /tmp/check_cuda
+
+Prints one markdown table and exits 1 if a run failed, ran off the GPU, or an exact script ended
+more than TOLERANCE away from ddp.py. W = 1 checks the CUDA paths (device placement, NCCL,
+pinned copies, autocast, offload), not the split itself: the tests prove that on CPU at W > 1.
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+# run_all.sh's QUICK setting: 48 steps of batch 128 on 4 tokens of 14x14 pixels
+SETTING = [
+    "--patch", "14", "--depth", "4", "--dim", "64", "--heads", "4", "--limit", "6144",
+    "--epochs", "1", "--batch-size", "128", "--lr", "8e-3", "--shift", "0",
+]  # fmt: skip
+MOE = "--experts 4 --top-k 2"
+
+# The tests' bound for AdamW against one process on the CPU. On one GPU the same kernels run in
+# the same order for every exact script, so what is left is the order of a few reductions.
+TOLERANCE = 5e-5
+
+# the script and its flags (also the row's name) | its reference (a command above) | why its
+# parameters may differ from the reference's by more than round-off (None: they must not)
+BF16 = "bf16 matmuls"
+CASES = [
+    ("ddp.py", None, None),
+    ("ddp.py --backend gloo", "ddp.py", "the CPU's kernels: round-off alone, over 48 steps"),
+    ("dp.py", "ddp.py", None),
+    ("ddp_torchrun.py", "ddp.py", None),
+    ("amp_checkpoint.py --amp off --checkpoint", "ddp.py", None),
+    ("amp_checkpoint.py --amp bf16 --checkpoint", "ddp.py", BF16),
+    ("amp_checkpoint.py --amp fp16", "ddp.py", "fp16 matmuls, loss scaling"),
+    ("amp_checkpoint.py --amp bf16 --grad-accum 2", "ddp.py", BF16),
+    ("zero.py --stage 1", "ddp.py", None),
+    ("zero.py --stage 2", "ddp.py", None),
+    ("zero.py --stage 3", "ddp.py", None),
+    ("zero_offload.py --stage 3 --offload cpu", "ddp.py", None),
+    ("zero_offload.py --stage 3 --offload disk", "ddp.py", None),
+    ("fsdp.py", "ddp.py", None),
+    ("fsdp.py --mixed-precision", "ddp.py", "bf16 compute"),
+    ("fsdp_resume.py", "ddp.py", None),
+    ("tensor_parallel.py", "ddp.py", None),
+    ("tensor_parallel.py --sequence-parallel", "ddp.py", None),
+    ("tensor_parallel_zero_r.py --partition-activations", "ddp.py", None),
+    ("context_parallel.py --method ring", "ddp.py", None),
+    ("context_parallel.py --method ulysses", "ddp.py", None),
+    (f"ddp.py {MOE}", None, None),
+    (f"expert_parallel.py {MOE}", f"ddp.py {MOE}", None),
+    ("pipeline.py --schedule 1f1b --microbatches 4", "ddp.py", None),
+    ("pipeline_schedules.py --schedule zb-h1 --microbatches 4", "ddp.py", None),
+    ("pipeline_pipedream.py --microbatches 4", "ddp.py", "asynchronous: a step per micro-batch"),
+    ("nd_parallel.py --dp-shard 1", "ddp.py", None),
+]
+REFERENCES = {reference for _, reference, _ in CASES if reference}
+
+
+def run_case(name, cmd, out_dir, args):
+    """One script at W = 1 with --save; its RESULT, its log's CUDA peak, and wall seconds."""
+    slug = re.sub(r"[^A-Za-z0-9=]+", "_", name).strip("_")
+    saved = os.path.join(out_dir, slug + ".pt")
+    extra = []
+    if cmd[0] == "zero_offload.py" and "disk" in cmd:
+        extra = ["--offload-dir", os.path.join(out_dir, slug + "_offload")]
+        os.makedirs(extra[1], exist_ok=True)
+    if cmd[0] == "fsdp_resume.py":
+        extra = ["--dcp", os.path.join(out_dir, slug + "_dcp")]
+    if cmd[0] == "ddp_torchrun.py":
+        extra = ["--snapshot", os.path.join(out_dir, slug + "_snapshot.pt")]
+    argv = [sys.executable, *cmd, *extra]  # no --nproc: one process, this one
+    argv += ["--no-progress", "--data-dir", args.data_dir, *SETTING, "--save", saved]
+    start = time.perf_counter()
+    p = subprocess.run(
+        argv, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout, check=False
+    )
+    seconds = time.perf_counter() - start
+    with open(os.path.join(out_dir, slug + ".log"), "w") as f:
+        f.write(" ".join(argv) + "\n" + p.stdout + p.stderr)
+    results = [line[7:] for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+    if p.returncode != 0 or not results:
+        tail = (p.stdout + p.stderr).strip().splitlines()[-3:]
+        return None, None, seconds, f"exit {p.returncode}: " + " | ".join(tail)
+    peak = re.search(r"cuda max_memory_allocated: (.+)", p.stdout)
+    return json.loads(results[-1]), peak and peak.group(1).strip(), seconds, saved
+
+
+def max_diff(path_a, path_b):
+    """Largest absolute difference between two saved state_dicts (with the same keys)."""
+    a = torch.load(path_a, weights_only=True, map_location="cpu")
+    b = torch.load(path_b, weights_only=True, map_location="cpu")
+    if a.keys() != b.keys():
+        return float("inf")
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data-dir", default="data")
+    p.add_argument("--logs", default=None, help="keep each run's log and state_dict here")
+    p.add_argument("--timeout", type=float, default=180, help="seconds one run may take")
+    p.add_argument("--only", default=None, help="only the cases whose name matches this regex")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print(
+            "check_cuda.py: no CUDA GPU visible; this checks the scripts' GPU paths",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    out_dir = args.logs or tempfile.mkdtemp(prefix="check_cuda.")
+    os.makedirs(out_dir, exist_ok=True)
+    print(
+        f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
+        f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}; logs in {out_dir}",
+        flush=True,
+    )
+
+    # each row printed as soon as its run ends, so that a run cut short still leaves its rows
+    print(
+        "\n| command (W = 1) | device | backend | final loss | test acc | CUDA peak | s "
+        "| max \\|Δparameter\\| from its reference |"
+    )
+    print("|---|---|---|---|---|---|---|---|", flush=True)
+    saved, failed = {}, []
+    for name, reference, why in CASES:
+        if args.only and not re.search(args.only, name) and name not in REFERENCES:
+            continue
+        try:
+            result, peak, seconds, detail = run_case(name, name.split(), out_dir, args)
+        except subprocess.TimeoutExpired:
+            result, peak, seconds, detail = None, None, args.timeout, "timed out"
+        if result is None:
+            failed.append(f"{name}: {detail}")
+            print(f"| `{name}` | failed | | | | | {seconds:.1f} | |", flush=True)
+            continue
+        saved[name] = detail
+        diff = None
+        if reference in saved:
+            diff = max_diff(detail, saved[reference])
+        expected = ("cuda", "nccl")
+        if "--backend gloo" in name:
+            expected = ("cpu", "gloo")
+        if name.startswith("dp.py"):
+            expected = ("cuda", "none")  # one process driving the GPUs: no process group
+        if (result["device"], result["backend"]) != expected:
+            failed.append(f"{name}: ran on {result['device']} with {result['backend']}")
+        if reference is not None and diff is None:
+            failed.append(f"{name}: no parameters from {reference} to compare with")
+        if why is None and diff is not None and diff > TOLERANCE:
+            failed.append(f"{name}: max |Δparameter| {diff:.1e} from {reference} > {TOLERANCE}")
+        if reference is None:
+            cell = "(the reference)"
+        elif diff is None:
+            cell = "-"
+        else:
+            cell = f"{diff:.1e}" + (f" ({why})" if why else "") + f", from `{reference}`"
+        print(
+            f"| `{name}` | {result['device']} | {result['backend']} | {result['loss']:.4f} "
+            f"| {result['test_acc']:.4f} | {peak or '-'} | {seconds:.1f} | {cell} |",
+            flush=True,
+        )
+    for line in failed:
+        print("failed: " + line)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
