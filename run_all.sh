@@ -20,9 +20,9 @@
 #                     and every row gets the same depth rather than one row a deeper model.
 #   --dim 64 --heads 4   the default width (heads divisible by W for tensor parallelism, Ulysses).
 #   --limit 6144 --epochs 1 --batch-size 128   48 steps of the default global batch; the first
-#                     6,144 test images. A row spends most of its 8-14 s (2 idle cores) starting
-#                     Python and torch, loading data, measuring its first steps and shutting
-#                     down; 1-6 s training: 48 steps instead of 32 cost ~10 s in all, buy 6 points.
+#                     6,144 test images. A row of 2 ranks takes 4-12 s on 2 idle cores: 1-6 s
+#                     training, the rest loading data, measuring its first steps and shutting
+#                     down (torch is imported once, below); 48 steps instead of 32 buy 6 points.
 #   --lr 8e-3         4x the default: best of 2e-3 to 1e-2 for a run this short (5% warm-up,
 #                     then cosine decay). --shift 0: no +-1-pixel augmentation, which slows a
 #                     run that sees each image once (79% against 76% at 64 steps of 64).
@@ -118,13 +118,30 @@ gpus_for() {
 # W processes of one script on this machine, each given the variables torchrun gives its workers
 # (the scripts read them, as under srun), one thread each (torchrun's OMP_NUM_THREADS=1; the dp row
 # gets it too, or its two threads fight the other jobs on a busy machine). Why not torchrun itself:
-# its agent starts a Python of its own and watches the workers, 1-2 s of every row's 10-15 on 2
-# cores, for nothing the table shows. Unlike torchrun it does not stop the other ranks when one
-# fails: they stop at their next collective, or at --timeout. ddp_torchrun.py, whose subject
-# torchrun is, runs under it.
+# its agent starts a Python of its own and watches the workers, for nothing the table shows.
+# Without GPUs they are forked from one Python that imported torch once for the whole run
+# (tests/fork_server.py, the test suite's launcher), instead of each importing it (~5 s of CPU a
+# rank here, half of a row's time on 2 cores); with GPUs each is a Python of its own. A failed
+# rank fails the row; under its own Pythons the other ranks stop at their next collective, or at
+# --timeout. ddp_torchrun.py, whose subject torchrun is, runs under it.
 ranks() {
   local world=$1 port rank pids=() status=0
   shift
+  if [ -n "$FORK_SERVER" ]; then
+    python - "$FORK_SERVER" "$world" "$log" "${@:2}" <<'PY'
+import json, os, socket, sys
+
+path, world, log, script, *args = sys.argv[1:]
+request = dict(script=script, args=args, world=int(world), cwd=os.getcwd(), stdout=log, stderr=log)
+with socket.socket(socket.AF_UNIX) as server:
+    server.connect(path)
+    server.sendall((json.dumps(request) + "\n").encode())
+    replies = server.makefile()
+    replies.readline()  # the launch's process group
+    sys.exit(json.loads(replies.readline() or '{"returncode": 1}')["returncode"] != 0)
+PY
+    return
+  fi
   port=$(python -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')
   for ((rank = 0; rank < world; rank++)); do
     env $(gpus_for "$world") OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" \
@@ -138,9 +155,22 @@ ranks() {
   return "$status"
 }
 
+FORK_SERVER=""
+start=$(date +%s)
+if (( GPUS == 0 )) && [ "$(uname -s)" = Linux ]; then   # it reads /proc; forks need Linux here
+  socket="$LOGS/fork_server.socket"
+  exec {server}< <(OMP_NUM_THREADS=1 exec python tests/fork_server.py "$socket")
+  trap 'kill $! 2> /dev/null' EXIT   # it would leave by itself within a second of us
+  if read -r -t 300 -u "$server" ready && [ "$ready" = ready ]; then
+    FORK_SERVER=$socket
+    echo "ok    $(( $(date +%s) - start ))s  (one Python imports torch for every row's ranks)" >&2
+  else
+    echo "note: tests/fork_server.py did not start; each rank starts its own Python" >&2
+  fi
+fi
+
 failed=()
 : > "$LOGS/results"
-start=$(date +%s)
 for entry in "${RUNS[@]}"; do
   IFS='|' read -r tier name launcher cmd why <<< "$entry"
   [ "$tier" = all ] && [ "$ALL" = 0 ] && continue

@@ -1,5 +1,6 @@
-"""A stand-in for torchrun that starts Python and torch once: the launches of the test suite fork
-their ranks from this server instead of starting W fresh interpreters each.
+"""A stand-in for torchrun that starts Python and torch once: the launches of the test suite (and
+run_all.sh's rows, without GPUs) fork their ranks from this server instead of starting W fresh
+interpreters each.
 
 Most of a small test launch is start-up, not training: on 2 CPU cores a torchrun of ddp.py at W=2
 spends ~17 s of CPU importing torch in the agent and in each rank (DDP's constructor also imports
@@ -20,7 +21,7 @@ agree with itself here and deadlock under torchrun. The tests that are about lau
 restarts, `--nproc`, several nodes, a killed or hanging rank, faults read with the rank at
 start-up) still start real torchrun processes (helpers.torchrun).
 
-    python tests/fork_server.py SOCKET     # serves until its parent (pytest) exits
+    python tests/fork_server.py SOCKET     # serves until its parent (pytest, run_all.sh) exits
 
 Protocol, one launch per connection on the Unix socket SOCKET: the client sends one JSON line
 {"script", "args", "world", "cwd", "stdout", "stderr"}, the last two the paths of files the client
