@@ -109,27 +109,31 @@ RUNS=(
   "quick|collectives|ranks|collectives.py|"
 )
 
-# The environment for W ranks on this machine: GPUs hidden if there are fewer than W, so that the
-# row runs on the CPU with Gloo (NCCL refuses two ranks on one GPU; the scripts refuse to start so).
+# W ranks run on the CPU (Gloo) when this machine has no GPU, or fewer GPUs than W: NCCL refuses
+# two ranks on one GPU, and so do the scripts. gpus_for W prints the variable that hides the GPUs.
+on_cpu() {
+  (( GPUS == 0 || $1 > GPUS ))
+}
 gpus_for() {
-  if (( GPUS > 0 && $1 > GPUS )); then echo "CUDA_VISIBLE_DEVICES="; fi
+  if (( GPUS > 0 )) && on_cpu "$1"; then echo "CUDA_VISIBLE_DEVICES="; fi
 }
 
-# W processes of one script on this machine, each given the variables torchrun gives its workers
-# (the scripts read them, as under srun), one thread each (torchrun's OMP_NUM_THREADS=1; the dp row
-# gets it too, or its two threads fight the other jobs on a busy machine). Why not torchrun itself:
-# its agent starts a Python of its own and watches the workers, for nothing the table shows.
-# Without GPUs they are forked from one Python that imported torch once for the whole run
+# ranks W LOG SCRIPT ARGS...: W ranks of one script, each given the variables torchrun gives its
+# workers (the scripts read them, as under srun), one thread each (torchrun's OMP_NUM_THREADS=1;
+# the dp row gets it too, or its two threads fight the other jobs on a busy machine), their output
+# appended to LOG. Why not torchrun itself: its agent starts a Python of its own and watches the
+# workers, for nothing the table shows. ddp_torchrun.py, whose subject torchrun is, runs under it.
+# On the CPU the ranks are forked from one Python that imported torch once for the whole run
 # (tests/fork_server.py, the test suite's launcher), instead of each importing it (~5 s of CPU a
-# rank here, half of a row's time on 2 cores); with GPUs each is a Python of its own. A failed
-# rank fails the row; under its own Pythons the other ranks stop at their next collective, or at
-# --timeout. ddp_torchrun.py, whose subject torchrun is, runs under it.
+# rank here, half of a row's time on 2 cores); on GPUs each is a Python of its own. A failed rank
+# fails the row: the fork server kills its peers; Pythons of their own stop at their next
+# collective, or at --timeout.
 ranks() {
-  local world=$1 port rank pids=() status=0
-  shift
-  if [ -n "$FORK_SERVER" ]; then
-    python - "$FORK_SERVER" "$world" "$log" "${@:2}" <<'PY'
-import json, os, socket, sys
+  local world=$1 log=$2 port rank pids=() status=0
+  shift 2
+  if [ -n "$FORK_SERVER" ] && on_cpu "$world"; then
+    python - "$FORK_SERVER" "$world" "$log" "$@" <<'PY'
+import json, os, signal, socket, sys
 
 path, world, log, script, *args = sys.argv[1:]
 request = dict(script=script, args=args, world=int(world), cwd=os.getcwd(), stdout=log, stderr=log)
@@ -137,8 +141,14 @@ with socket.socket(socket.AF_UNIX) as server:
     server.connect(path)
     server.sendall((json.dumps(request) + "\n").encode())
     replies = server.makefile()
-    replies.readline()  # the launch's process group
-    sys.exit(json.loads(replies.readline() or '{"returncode": 1}')["returncode"] != 0)
+    group = int(replies.readline())  # the launch's leader and its ranks
+    try:
+        answer = replies.readline()
+    except KeyboardInterrupt:
+        os.killpg(group, signal.SIGKILL)
+        raise
+returncode = json.loads(answer)["returncode"] if answer else 1
+sys.exit(0 if returncode == 0 else 1)
 PY
     return
   fi
@@ -146,7 +156,7 @@ PY
   for ((rank = 0; rank < world; rank++)); do
     env $(gpus_for "$world") OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" \
       MASTER_ADDR=127.0.0.1 MASTER_PORT="$port" WORLD_SIZE="$world" LOCAL_WORLD_SIZE="$world" \
-      RANK="$rank" LOCAL_RANK="$rank" "$@" &
+      RANK="$rank" LOCAL_RANK="$rank" python "$@" >> "$log" 2>&1 &
     pids+=("$!")
   done
   for pid in "${pids[@]}"; do
@@ -155,12 +165,17 @@ PY
   return "$status"
 }
 
+# The fork server, where some row runs on the CPU: without GPUs, or fewer than NPROC. It sees no
+# GPU, and must be one thread when it forks (tests/fork_server.py checks both).
 FORK_SERVER=""
 start=$(date +%s)
-if (( GPUS == 0 )) && [ "$(uname -s)" = Linux ]; then   # it reads /proc; forks need Linux here
+if on_cpu "$NPROC" && [ "$(uname -s)" = Linux ]; then   # it reads /proc; forks need Linux here
   socket="$LOGS/fork_server.socket"
-  exec {server}< <(OMP_NUM_THREADS=1 exec python tests/fork_server.py "$socket")
-  trap 'kill $! 2> /dev/null' EXIT   # it would leave by itself within a second of us
+  exec {server}< <(
+    CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 exec python tests/fork_server.py "$socket"
+  )
+  server_pid=$!
+  trap 'kill "$server_pid" 2> /dev/null' EXIT   # it would leave by itself within a second of us
   if read -r -t 300 -u "$server" ready && [ "$ready" = ready ]; then
     FORK_SERVER=$socket
     echo "ok    $(( $(date +%s) - start ))s  (one Python imports torch for every row's ranks)" >&2
@@ -183,8 +198,8 @@ for entry in "${RUNS[@]}"; do
     torchrun)
       set -- env $(gpus_for "$NPROC") torchrun --standalone --nproc_per_node="$NPROC" $cmd \
         "${flags[@]}" ;;
-    ranks) set -- ranks "$NPROC" python $cmd "${flags[@]}" ;;
-    ranks:*) set -- ranks "${launcher#ranks:}" python $cmd "${flags[@]}" ;;
+    ranks) set -- ranks "$NPROC" "$log" $cmd "${flags[@]}" ;;
+    ranks:*) set -- ranks "${launcher#ranks:}" "$log" $cmd "${flags[@]}" ;;
   esac
   t0=$(date +%s)
   if "$@" > "$log" 2>&1 && grep -q '^RESULT ' "$log"; then

@@ -198,6 +198,15 @@ def launch(run, args):
 
     import torch.multiprocessing as mp
 
+    if "LOCAL_RANK" not in os.environ and (args.nproc or 1) > 1 and args.backend != "gloo":
+        # Every rank gets this process's environment, so one GPU that CUDA_VISIBLE_DEVICES
+        # shows is the same GPU for all of them, not a per-rank binding (pick_backend's case).
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        check(
+            gpus == 0 or gpus >= args.nproc,
+            f"--nproc {args.nproc} but {gpus} GPUs visible: two ranks would share a GPU. "
+            f"Use --nproc {gpus}, or --backend gloo",
+        )
     if "LOCAL_RANK" not in os.environ:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     if "LOCAL_RANK" in os.environ or (args.nproc or 1) == 1:
@@ -228,8 +237,9 @@ def launch(run, args):
 
 def pick_backend(requested):
     """'auto' -> NCCL on cuda:(LOCAL_RANK % visible GPUs) when GPUs are visible (a launcher may
-    show each process only its own GPU), else Gloo on the CPU. Called before the process group
-    exists, so bad input fails before any rendezvous. Returns (backend, device)."""
+    show each process only its own GPU), else Gloo on the CPU. More local ranks than GPUs is
+    refused, in one message. Called before the process group exists, so bad input fails before
+    any rendezvous. Returns (backend, device)."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -7,8 +7,8 @@ import pytest
 # the scripts and common/ live in the repository root; helpers.py beside this file
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
-# The suite tests the CPU path (Gloo), the same on every machine: on a GPU machine its launches
-# of 2-8 ranks would pick NCCL and put two ranks on one GPU, which NCCL refuses. Hidden before
+# The suite tests the CPU path (Gloo), so that every machine runs the same tests: on a machine
+# with GPUs its launches would pick NCCL, or, with fewer GPUs than ranks, be refused. Hidden before
 # torch is imported here; every launch inherits it. (benchmarks/check_cuda.py checks the GPU path.)
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 

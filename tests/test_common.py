@@ -1,5 +1,6 @@
 """common.py in-process: the data path, the sampler's promises, the model, checkpoint files."""
 
+import argparse
 import os
 import struct
 import subprocess
@@ -302,6 +303,7 @@ def test_an_error_found_on_one_node_is_said_on_that_node(tmp_path):
         (8, 2, None, False),
         (1, 4, "3", False),
         (1, 2, None, True),
+        (2, 4, "0,1", True),
     ],
 )
 def test_backend_refuses_two_ranks_on_one_gpu(
@@ -319,7 +321,7 @@ def test_backend_refuses_two_ranks_on_one_gpu(
     monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
     # the refusal is said by the node's local rank 0; an allowed run shows rank 1's device
     monkeypatch.setenv("LOCAL_RANK", "0" if refused else "1")
-    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("RANK", "0" if refused else "1")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
     if refused:
         with pytest.raises(SystemExit) as exit_info:
@@ -330,6 +332,28 @@ def test_backend_refuses_two_ranks_on_one_gpu(
     else:
         backend, device = common.pick_backend("auto")
         assert backend == "nccl" and device == torch.device("cuda", 1 % gpus)
+
+
+def test_nproc_refuses_more_ranks_than_gpus(monkeypatch, capsys):
+    """`--nproc N` starts every rank with this process's environment: one GPU that
+    CUDA_VISIBLE_DEVICES shows is then the same GPU for all of them, not a per-rank binding.
+    Refused before any rank starts, in one message."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    args = argparse.Namespace(nproc=2, backend="auto")
+    started = []
+    with pytest.raises(SystemExit) as exit_info:
+        common.launch(started.append, args)
+    assert exit_info.value.code == 2 and not started
+    err = capsys.readouterr().err
+    assert err.count("error") == 1 and "two ranks would share a GPU" in err, err
+    args.backend = "gloo"  # the CPU: the GPUs do not matter
+    monkeypatch.setattr(torch.multiprocessing, "spawn", lambda *a, **k: started.append(k))
+    common.launch(started.append, args)
+    assert len(started) == 1
 
 
 # --------------------------------------------------------------------------- samplers
