@@ -105,8 +105,11 @@ def run_case(name, cmd, out_dir, args):
     if p.returncode != 0 or not results:
         tail = (p.stdout + p.stderr).strip().splitlines()[-3:]
         return None, None, seconds, f"exit {p.returncode}: " + " | ".join(tail)
-    peak = re.search(r"cuda max_memory_allocated: (.+)", p.stdout)
-    return json.loads(results[-1]), peak and peak.group(1).strip(), seconds, saved
+    peak = None
+    match = re.search(r"cuda max_memory_allocated: (.+)", p.stdout)
+    if match:
+        peak = match.group(1).strip()
+    return json.loads(results[-1]), peak, seconds, saved
 
 
 def max_diff(path_a, path_b):
