@@ -155,7 +155,6 @@ def check_args(args, world):
         f"--grad-accum {args.grad_accum} must be >= 1 and divide the {samples_per_rank} samples "
         "each rank gets per step",
     )
-    common.check(args.clip >= 0, f"--clip must be >= 0 (0: no clipping), got {args.clip}")
     # The load-balancing gradient is added inside backward (expert_parallel.AuxLossScaler), where
     # GradScaler's factor S never multiplies it, yet unscale_ divides it by S: it would shrink.
     common.check(
@@ -345,9 +344,6 @@ def main():
     )
     parser.add_argument(
         "--checkpoint", action="store_true", help="recompute each block's activations in backward"
-    )
-    parser.add_argument(
-        "--clip", type=float, default=0.0, help="clip the gradient norm to this (0: no clipping)"
     )
     parser.add_argument(
         "--grad-accum",

@@ -151,6 +151,8 @@ def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
             # The outputs are gathered on GPU 0: one loss, one backward for all replicas.
             loss = F.cross_entropy(model(x), y)
             loss.backward()
+            if args.clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)

@@ -196,6 +196,8 @@ def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
             y = y.to(device, non_blocking=True)
             loss = F.cross_entropy(model(x), y)
             loss.backward()
+            if args.clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)

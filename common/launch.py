@@ -57,6 +57,12 @@ def get_parser(description):
     )
     g.add_argument("--optim", choices=["adamw", "sgd"], default="adamw")
     g.add_argument(
+        "--clip",
+        type=float,
+        default=0.0,
+        help="clip the global gradient norm to this before each step (0: no clipping)",
+    )
+    g.add_argument(
         "--shift",
         type=int,
         default=1,
@@ -142,6 +148,7 @@ def parse_args(parser, argv=None):
             getattr(args, name) >= 0,
             f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}",
         )
+    check(args.clip >= 0, f"--clip must be >= 0 (0: no clipping), got {args.clip}")
     check(args.timeout > 0, f"--timeout must be positive, got {args.timeout}")
     check(0 <= args.warmup < 1, f"--warmup is a fraction of the steps in [0, 1), got {args.warmup}")
     check(args.dim % args.heads == 0, f"--dim {args.dim} is not divisible by --heads {args.heads}")

@@ -2,12 +2,14 @@
 second model (tests/causal_lm.py) in ONE launch, one case after another in the same process
 group, so that tests/test_copy.py starts its ranks once.
 
-    torchrun --standalone --nproc_per_node=2 tests/copy_cases.py DIR [MODULE ...]
+    torchrun --standalone --nproc_per_node=2 tests/copy_cases.py DIR [--nanogpt] [MODULE ...]
 
-Each module tests/copy_<technique>.py yields its cases (see copy_zero.cases); MODULE names some
-of them (`zero`, `fsdp`, ...) to run only those. Rank 0 first trains the one-process references
-on the same batches, then writes DIR/<case>.pt (the case's full state_dict, as its script's
-`full_state_dict` gives it), DIR/reference-<optim>.pt and DIR/results.json.
+Each module tests/copy_<technique>.py yields its cases on the second model (`cases`, see
+copy_zero.cases) and, with --nanogpt, on the third (`nanogpt_cases`: tests/nanogpt_model.py, the
+model as nanoGPT lays it out and trains it); MODULE names some of them (`zero`, `fsdp`, ...) to
+run only those. Rank 0 first trains the one-process references on the same batches, then writes
+DIR/<case>.pt (the case's full state_dict, as its script's `full_state_dict` gives it),
+DIR/reference-<optim>.pt and DIR/results.json.
 """
 
 import gc
@@ -22,6 +24,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the scripts
 
+import nanogpt_model  # noqa: E402
 from causal_lm import OPTIMS, evaluation_loss, reference, task  # noqa: E402
 
 MODULES = [  # tests/copy_<name>.py
@@ -37,7 +40,8 @@ MODULES = [  # tests/copy_<name>.py
 
 def main():
     folder = Path(sys.argv[1])
-    modules = sys.argv[2:] or MODULES
+    nanogpt = "--nanogpt" in sys.argv[2:]
+    modules = [name for name in sys.argv[2:] if name != "--nanogpt"] or MODULES
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     world = dist.get_world_size()
@@ -45,14 +49,24 @@ def main():
     results = {}
     if rank == 0:
         for optim in OPTIMS:
-            state, results[f"reference-{optim}"] = reference(optim, batches, test_tokens)
+            if nanogpt:
+                state, results[f"reference-{optim}"] = nanogpt_model.reference(optim)
+            else:
+                state, results[f"reference-{optim}"] = reference(optim, batches, test_tokens)
             torch.save(state, folder / f"reference-{optim}.pt")
     for name in modules:
         module = importlib.import_module(f"copy_{name}")
-        for case, reference_name, model, state, proof in module.cases(batches, rank, world, folder):
+        if nanogpt:
+            module_cases = module.nanogpt_cases(rank, world, folder)
+        else:
+            module_cases = module.cases(batches, rank, world, folder)
+        for case, reference_name, model, state, proof in module_cases:
             # a case whose model cannot run a whole forward (a pipeline stage) brings its own
             if "eval_loss" not in proof:
-                proof["eval_loss"] = evaluation_loss(model, test_tokens)
+                if nanogpt:
+                    proof["eval_loss"] = nanogpt_model.evaluation_loss(model)
+                else:
+                    proof["eval_loss"] = evaluation_loss(model, test_tokens)
             if rank == 0:
                 torch.save(state, folder / f"{case}.pt")
                 results[case] = dict(reference=reference_name, **proof)

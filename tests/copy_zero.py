@@ -1,6 +1,7 @@
 """Copy cases for ddp.py, zero.py (stages 1-3) and zero_offload.py (to CPU, to disk): each rank
 trains on its slice of every micro-batch, as data parallelism does. Run by tests/copy_cases.py."""
 
+import nanogpt_model
 import torch
 from causal_lm import OPTIMS, CausalLM, make_optimizer, param_groups, train
 
@@ -58,3 +59,27 @@ def cases(batches, rank, world, folder):
             name = f"zero_offload-{offload}{stage}-{optim}"
             case = run_zero_offload(offload, stage, optim, batches, rank, world, folder)
             yield name, optim, *case
+
+
+# The model as nanoGPT has it (tests/nanogpt_model.py), trained by its own recipe: (x, y) batches,
+# its configure_optimizers, gradient accumulation, clipping before every step.
+
+NANOGPT_CASES = ["ddp-sgd", "ddp-adamw"]
+
+
+def run_nanogpt_ddp(optim, rank, world):
+    """DDP takes nanoGPT as it is: the optimizer over the plain model's parameters (nanoGPT calls
+    configure_optimizers on the unwrapped model), torch's own clip_grad_norm_, since every rank
+    holds every whole gradient after backward."""
+    model = ddp.parallelize(nanogpt_model.model(), CPU)
+    raw_model = model.module
+    optimizer = nanogpt_model.make_optimizer(raw_model, optim)
+    losses, norms = nanogpt_model.train(model, optimizer, nanogpt_model.batches(), rank, world)
+    tied = raw_model.lm_head.weight is raw_model.transformer.wte.weight
+    return raw_model, ddp.full_state_dict(model), dict(tied=tied, losses=losses, norms=norms)
+
+
+def nanogpt_cases(rank, world, folder):
+    """As `cases`, on nanoGPT's model: (case, its reference, model, full state_dict, proof)."""
+    for optim in OPTIMS:
+        yield f"ddp-{optim}", optim, *run_nanogpt_ddp(optim, rank, world)
