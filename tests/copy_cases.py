@@ -9,7 +9,8 @@ copy_zero.cases) and, with --nanogpt, on the third (`nanogpt_cases`: tests/nanog
 model as nanoGPT lays it out and trains it); MODULE names some of them (`zero`, `fsdp`, ...) to
 run only those. Rank 0 first trains the one-process references on the same batches, then writes
 DIR/<case>.pt (the case's full state_dict, as its script's `full_state_dict` gives it),
-DIR/reference-<optim>.pt and DIR/results.json.
+DIR/reference-<optim>.pt (with --nanogpt, also DIR/reference-nobias-<optim>.pt: the model with
+bias=False) and DIR/results.json.
 """
 
 import gc
@@ -49,11 +50,14 @@ def main():
     results = {}
     if rank == 0:
         for optim in OPTIMS:
-            if nanogpt:
-                state, results[f"reference-{optim}"] = nanogpt_model.reference(optim)
-            else:
+            if not nanogpt:
                 state, results[f"reference-{optim}"] = reference(optim, batches, test_tokens)
-            torch.save(state, folder / f"reference-{optim}.pt")
+                torch.save(state, folder / f"reference-{optim}.pt")
+                continue
+            for prefix, config in nanogpt_model.CONFIGS.items():
+                name = f"reference-{prefix}{optim}"  # e.g. reference-nobias-sgd
+                state, results[name] = nanogpt_model.reference(optim, config)
+                torch.save(state, folder / f"{name}.pt")
     for name in modules:
         module = importlib.import_module(f"copy_{name}")
         if nanogpt:

@@ -185,9 +185,12 @@ OPTIMS = ("sgd", "adamw")
 KEY_BIAS = ("transformer.h.{}.attn.c_attn.bias", slice(CONFIG.n_embd, 2 * CONFIG.n_embd))
 
 
-def model():
+CONFIGS = {"": CONFIG, "nobias-": GPTConfig(bias=False)}  # a reference's prefix -> its model
+
+
+def model(config=CONFIG):
     torch.manual_seed(0)  # nanoGPT seeds before building: the same weights in every process
-    return GPT(CONFIG)
+    return GPT(config)
 
 
 def make_optimizer(model, optim):
@@ -253,10 +256,10 @@ def evaluation_loss(model):
     return loss.item()
 
 
-def reference(optim):
+def reference(optim, config=CONFIG):
     """One process on the whole of every micro-batch: (its state_dict, dict(losses, norms,
     eval_loss))."""
-    gpt = model()
+    gpt = model(config)
     optimizer = make_optimizer(gpt, optim)
     losses, norms = train(gpt, optimizer, batches())
     return gpt.state_dict(), dict(losses=losses, norms=norms, eval_loss=evaluation_loss(gpt))
