@@ -55,12 +55,17 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 ### begin: AMP + activation checkpointing
 # Model contract: any nn.Module, built with the same weights on every rank (DDP also broadcasts
-# rank 0's parameters when it wraps), on this rank's device; --checkpoint: `model.blocks`.
-# forward_backward's loss is `loss_fn(model(x), y)`, a classifier's cross-entropy by default: a
-# language model passes its next-token loss as loss_fn, and its tokens as both x and y.
+# rank 0's parameters when it wraps), on this rank's device; `checkpointed`: the modules to
+# recompute in backward (a transformer's blocks: the ViT's `model.blocks`, nanoGPT's
+# `model.transformer.h`). forward_backward's loss is `loss_fn(model, x, y)`, a classifier's
+# cross-entropy by default; nanoGPT passes `lambda model, x, y: model(x, y)[1]`.
 
 
-def parallelize(model, device, checkpointing=False):
+def classifier_loss(model, x, y):
+    return F.cross_entropy(model(x), y)
+
+
+def parallelize(model, device, checkpointed=()):
     """Checkpointing replaces each block's forward by checkpoint(forward): it runs without keeping
     what the block computes inside, and runs again in backward to get it back. Replacing the
     forward, not wrapping the block in a new module, keeps the parameter names (and so the saved
@@ -69,13 +74,12 @@ def parallelize(model, device, checkpointing=False):
     DDP hooks every parameter: as backward produces gradients it all-reduces them in ~25 MB
     buckets, overlapped with the rest of backward, and divides by W. Each rank's loss is the mean
     over its batch/W samples, so every rank then holds the gradient of the global batch's mean."""
-    if checkpointing:
-        for block in model.blocks:
-            # block(x) now calls checkpoint(the block's own forward, x, use_reentrant=False).
-            # use_reentrant=False: the implementation PyTorch recommends, and the one DDP works
-            # with without limits (the reentrant one runs a nested backward that DDP supports
-            # only partly).
-            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    for block in checkpointed:
+        # block(x) now calls checkpoint(the block's own forward, x, use_reentrant=False).
+        # use_reentrant=False: the implementation PyTorch recommends, and the one DDP works
+        # with without limits (the reentrant one runs a nested backward that DDP supports
+        # only partly).
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
     return DDP(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
@@ -88,10 +92,10 @@ def full_state_dict(model):
     return {k: v.detach().cpu() for k, v in model.module.state_dict().items()}
 
 
-def forward_backward(model, x, y, amp, scaler, grad_accum=1, loss_fn=F.cross_entropy):
+def forward_backward(model, x, y, amp, scaler, grad_accum=1, loss_fn=classifier_loss):
     """Forward and backward of the batch (x, y) as grad_accum micro-batches; returns its loss.
 
-    A micro-batch's loss is loss_fn(model(micro_x), micro_y), a mean over its samples, divided by
+    A micro-batch's loss is loss_fn(model, micro_x, micro_y), a mean over its samples, divided by
     grad_accum, so that the gradients the micro-batches add up to are those of the batch's mean
     loss. `amp` ("bf16", "fp16" or "off") sets autocast, which covers the forward only: backward
     runs each op in the dtype its forward used, and cross_entropy autocasts to fp32. The scaler
@@ -106,7 +110,7 @@ def forward_backward(model, x, y, amp, scaler, grad_accum=1, loss_fn=F.cross_ent
         gradient_sync = contextlib.nullcontext() if last else model.no_sync()
         with gradient_sync:
             with torch.autocast(x.device.type, dtype=autocast_dtype, enabled=amp != "off"):
-                loss = loss_fn(model(micro_x), micro_y) / grad_accum
+                loss = loss_fn(model, micro_x, micro_y) / grad_accum
             scaler.scale(loss).backward()
         batch_loss += loss.detach()
     return batch_loss
@@ -115,12 +119,15 @@ def forward_backward(model, x, y, amp, scaler, grad_accum=1, loss_fn=F.cross_ent
 def optimizer_step(model, optimizer, scaler, clip=0.0):
     """Unscale (gradients / S) before clipping, so the clip sees the true norm; scaler.step skips
     the step if a gradient is inf/nan (an fp16 overflow), and update() adapts S. Without fp16 the
-    scaler is disabled: unscale_ and update do nothing, and step is optimizer.step()."""
+    scaler is disabled: unscale_ and update do nothing, and step is optimizer.step(). Returns
+    the gradient norm the clip measured (None without clipping)."""
+    norm = None
     if clip > 0:
         scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     scaler.step(optimizer)
     scaler.update()
+    return norm
 
 
 ### end: AMP + activation checkpointing
@@ -289,7 +296,8 @@ def run(args):
         if args.load:
             model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
         psi = sum(p.numel() for p in model.parameters())
-        model = parallelize(model.to(device), device, args.checkpoint)
+        checkpointed = model.blocks if args.checkpoint else []
+        model = parallelize(model.to(device), device, checkpointed)
         optimizer = common.make_optimizer(model.parameters(), args)
         scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
         common.log(

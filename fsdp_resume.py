@@ -67,15 +67,20 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 
 ### begin: FSDP
-# Model contract: `model.blocks` (a unit each; the rest, embed and head, is the root unit), built
-# with the same weights on every rank, on this rank's device. Build the optimizer after sharding,
-# its parameter groups too: it must hold the shards, not the full parameters that sharding
-# replaces. A weight shared by two modules (an embedding tied to the output head) must be in one
-# unit, here the root: keep both modules out of `model.blocks` (FSDP refuses a split tie).
+# Model contract: `units`, the modules to shard one by one (a transformer's blocks: the ViT's
+# `model.blocks`, nanoGPT's `model.transformer.h`); the rest of the model is the root unit. The
+# same weights on every rank, on this rank's device. Build the optimizer after sharding, its
+# parameter groups too: it must hold the shards, not the full parameters that sharding replaces.
+# A weight shared by two modules (an embedding tied to the output head) must be in one unit,
+# here the root: keep both modules out of `units` (FSDP refuses a split tie). Clipping needs
+# nothing more: torch.nn.utils.clip_grad_norm_ takes the sharded gradients (DTensors) and
+# all-reduces the norm itself.
 
 
-def parallelize(model, device, mixed_precision=False, offload=False, reshard_after_forward=True):
-    """fully_shard each block, then the root. Each call replaces the unit's parameters by DTensor
+def parallelize(
+    model, device, units, mixed_precision=False, offload=False, reshard_after_forward=True
+):
+    """fully_shard each unit, then the root. Each call replaces the unit's parameters by DTensor
     shards and hooks the unit: all-gather before its forward and its backward, free after, and
     reduce-scatter its gradients, divided by W. The root is not resharded after forward: it is
     used last in forward and first in backward, so freeing it would only gather it again."""
@@ -101,9 +106,9 @@ def parallelize(model, device, mixed_precision=False, offload=False, reshard_aft
     else:
         block_policy = MixedPrecisionPolicy()  # everything in the parameters' dtype, fp32
         root_policy = MixedPrecisionPolicy()
-    for block in model.blocks:
+    for unit in units:
         fully_shard(
-            block,
+            unit,
             mesh=mesh,
             reshard_after_forward=reshard_after_forward,
             mp_policy=block_policy,
@@ -375,6 +380,7 @@ def run(args):
         model = parallelize(
             model.to(device),
             device,
+            model.blocks,
             mixed_precision=args.mixed_precision,
             offload=args.offload == "cpu",
             reshard_after_forward=args.reshard,

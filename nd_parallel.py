@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -197,6 +198,31 @@ def train_step(stage, x, y):
     losses = []  # the schedule appends each micro-batch's loss, already divided by m
     stage.schedule.step(target=y, losses=losses)
     return torch.stack(losses).sum().detach()
+
+
+def clip_grad_norm_(stage, max_norm):
+    """torch's clip_grad_norm_ for a stage whose parameters are DTensors on several meshes (TP's,
+    FSDP's, both) or plain tensors, which no one foreach call may mix: each mesh's norm is reduced
+    over its own ranks (get_total_norm on DTensors, then full_tensor), the stages' squares summed
+    over the pipeline, and each mesh's gradients scaled by the one global norm, as torchtitan
+    does. Returns the global norm."""
+    params_by_mesh = {}
+    for param in stage.parameters():
+        if param.grad is not None:
+            mesh = param.device_mesh if isinstance(param, DTensor) else None
+            params_by_mesh.setdefault(mesh, []).append(param)
+    squares = torch.zeros((), device=next(stage.parameters()).device)
+    for params in params_by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([param.grad for param in params])
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()  # the norm over every rank of that mesh
+        squares += norm**2
+    if stage.num_stages > 1:
+        dist.all_reduce(squares, group=stage.pp_group)  # each stage holds other parameters
+    total_norm = squares.sqrt()
+    for params in params_by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
+    return total_norm
 
 
 def send_or_receive(op, tensor, peer, group):
@@ -445,6 +471,8 @@ def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
             x = x.to(device, non_blocking=True)
             y = y.to(device, non_blocking=True)
             loss = train_step(model, x, y)  # forward, loss, backward (micro-batches when pp > 1)
+            if args.clip:
+                clip_grad_norm_(model, args.clip)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)

@@ -3,6 +3,7 @@
 slice of every micro-batch, both micro-batches of a step through one forward_backward with the
 language model's next-token loss as loss_fn. Run by tests/copy_cases.py."""
 
+import nanogpt_model
 import torch
 import torch.nn as nn
 from causal_lm import (
@@ -48,6 +49,10 @@ class EveryStep:
         self.forwards = 0
 
 
+def next_token_loss(model, tokens, targets):
+    return lm_loss(model(tokens), targets)
+
+
 def train(model, optimizer, batches, rank, world, amp):
     """causal_lm.train's steps through the section: this rank's slice of each of the step's
     ACCUMULATE micro-batches, one after the other, which forward_backward cuts apart again."""
@@ -56,14 +61,15 @@ def train(model, optimizer, batches, rank, world, amp):
         micro_batches = step_batch.chunk(ACCUMULATE)
         tokens = torch.cat([micro_batch.chunk(world)[rank] for micro_batch in micro_batches])
         amp_checkpoint.forward_backward(
-            model, tokens, tokens, amp, scaler, ACCUMULATE, loss_fn=lm_loss
+            model, tokens, tokens, amp, scaler, ACCUMULATE, loss_fn=next_token_loss
         )
         amp_checkpoint.optimizer_step(model, optimizer, scaler)
         optimizer.zero_grad(set_to_none=True)
 
 
 def run_amp_checkpoint(optim, amp, batches, rank, world):
-    model = amp_checkpoint.parallelize(CausalLM(), CPU, checkpointing=True)
+    model = CausalLM()
+    model = amp_checkpoint.parallelize(model, CPU, checkpointed=model.blocks)
     optimizer = make_optimizer(param_groups(model.module, optim), optim)
     watch = EveryStep(model.module, optimizer)
     train(model, optimizer, batches, rank, world, amp)
@@ -103,3 +109,43 @@ def cases(batches, rank, world, folder):
         "bf16-sgd",
         *run_amp_checkpoint("sgd", "bf16", batches, rank, world),
     )
+
+
+# The model as nanoGPT has it (tests/nanogpt_model.py), trained by its own recipe: its forward
+# takes (x, y) and returns (logits, loss), which is what loss_fn reads; clipping through
+# optimizer_step (after unscale_, where fp16 needs it).
+
+NANOGPT_CASES = ["amp_checkpoint-sgd", "amp_checkpoint-adamw"]
+
+
+def nanogpt_loss(model, x, y):
+    _, loss = model(x, y)
+    return loss
+
+
+def run_nanogpt_amp_checkpoint(optim, rank, world):
+    """fp32, every block of nanoGPT's `transformer.h` checkpointed: a step's ACCUMULATE
+    micro-batches, this rank's slice of each, through one forward_backward."""
+    model = nanogpt_model.model()
+    model = amp_checkpoint.parallelize(model, CPU, checkpointed=model.transformer.h)
+    raw_model = model.module
+    optimizer = nanogpt_model.make_optimizer(raw_model, optim)
+    scaler = torch.amp.GradScaler(CPU.type, enabled=False)  # fp32 here: a no-op
+    norms = []
+    for micro_batches in nanogpt_model.batches():
+        x = torch.cat([x.chunk(world)[rank] for x, _ in micro_batches])
+        y = torch.cat([y.chunk(world)[rank] for _, y in micro_batches])
+        amp_checkpoint.forward_backward(
+            model, x, y, "off", scaler, nanogpt_model.ACCUMULATE, loss_fn=nanogpt_loss
+        )
+        norm = amp_checkpoint.optimizer_step(model, optimizer, scaler, nanogpt_model.CLIP)
+        norms.append(norm.item())
+        optimizer.zero_grad(set_to_none=True)
+    tied = raw_model.lm_head.weight is raw_model.transformer.wte.weight
+    return raw_model, amp_checkpoint.full_state_dict(model), dict(tied=tied, norms=norms)
+
+
+def nanogpt_cases(rank, world, folder):
+    """As `cases`, on nanoGPT's model, in fp32."""
+    for optim in OPTIMS:
+        yield f"amp_checkpoint-{optim}", optim, *run_nanogpt_amp_checkpoint(optim, rank, world)

@@ -2,6 +2,7 @@
 each block a unit and the rest (embed and head, the tied wte / lm_head with them) the root unit,
 and each rank trains on its slice of every micro-batch. Run by tests/copy_cases.py."""
 
+import nanogpt_model
 import torch
 import torch.distributed as dist
 from causal_lm import OPTIMS, CausalLM, make_optimizer, param_groups, train
@@ -31,7 +32,8 @@ def shard_numels(model):
 
 
 def run_fsdp(optim, batches, rank, world):
-    model = fsdp.parallelize(CausalLM(), CPU)
+    model = CausalLM()
+    model = fsdp.parallelize(model, CPU, model.blocks)
     # after parallelize: the groups must hold the shards that replaced the full parameters
     groups = param_groups(model, optim)
     optimizer = make_optimizer(groups, optim)
@@ -52,3 +54,40 @@ def cases(batches, rank, world, folder):
     """fsdp-sgd, fsdp-adamw: (case, reference, model, full state_dict, proof), as copy_zero's."""
     for optim in OPTIMS:
         yield f"fsdp-{optim}", optim, *run_fsdp(optim, batches, rank, world)
+
+
+# The model as nanoGPT has it (tests/nanogpt_model.py), trained by its own recipe.
+
+NANOGPT_CASES = ["fsdp-sgd", "fsdp-adamw"]
+
+
+def clip_sharded(parameters, max_norm):
+    """torch's clip_grad_norm_ on FSDP's sharded gradients: the norm it returns is a DTensor,
+    already reduced over the shards; full_tensor() reads its value."""
+    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def run_nanogpt_fsdp(optim, rank, world):
+    """Each of nanoGPT's blocks a unit; the root holds wte, wpe, ln_f and lm_head, so the tie
+    stays in one unit. configure_optimizers runs after parallelize, on the shards."""
+    model = nanogpt_model.model()
+    model = fsdp.parallelize(model, CPU, model.transformer.h)
+    optimizer = nanogpt_model.make_optimizer(model, optim)
+    batches = nanogpt_model.batches()
+    losses, norms = nanogpt_model.train(model, optimizer, batches, rank, world, clip_sharded)
+    proof = dict(
+        tied=model.lm_head.weight is model.transformer.wte.weight,
+        losses=losses,
+        norms=norms,
+        blocks_sharded=all(
+            isinstance(param, DTensor) for param in model.transformer.h.parameters()
+        ),
+    )
+    return model, fsdp.full_state_dict(model), proof
+
+
+def nanogpt_cases(rank, world, folder):
+    """As `cases`, on nanoGPT's model."""
+    for optim in OPTIMS:
+        yield f"fsdp-{optim}", optim, *run_nanogpt_fsdp(optim, rank, world)

@@ -275,7 +275,7 @@ def test_mixed_precision_policy(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
         model, _ = model_and_args()
-        model = fsdp.parallelize(model, torch.device("cpu"), mixed_precision=True)
+        model = fsdp.parallelize(model, torch.device("cpu"), model.blocks, mixed_precision=True)
         seen = {}
         model.blocks[0].attn.q.register_forward_hook(
             lambda m, i, o: seen.update(weight=m.weight.dtype)

@@ -345,3 +345,26 @@ def test_evaluation_sends_each_message_as_a_batch_of_one(monkeypatch):
         right = sum(((model(x).argmax(1) == y) & keep).sum().item() for x, y, keep in batches)
     counted = sum(keep.sum().item() for _, _, keep in batches)
     assert accuracy[2] == right / counted
+
+
+CLIP = 0.05  # below every step's gradient norm here: each step is clipped
+
+
+def test_clip_is_one_process_clip(tmp_path, tmp_path_factory):
+    """--clip over a stage whose gradients are DTensors on FSDP's and TP's meshes (1,2,2,1), and
+    over two pipeline stages of TP shards (1,1,2,2), ends where ddp.py --clip at W=1 ends: the one
+    global norm, each mesh's part reduced over its ranks and the stages' summed. Unclipped
+    training ends far from there, so the clip bit."""
+    layouts = [((1, 2, 2, 1), None), ((1, 1, 2, 2), "1f1b")]
+    argv = []
+    for layout, schedule in layouts:
+        saved = tmp_path / "R{}S{}T{}P{}.pt".format(*layout)
+        clip = ["--clip", CLIP, "--optim", "sgd", "--save", saved]
+        argv.append(["nd_parallel", [*CFG, *flags(layout, schedule), *clip]])
+    launch_cases(4, argv)
+    clipped = ddp_references(tmp_path_factory, [*CFG, "--clip", str(CLIP)], ("sgd",))["sgd"]
+    unclipped = ddp_references(tmp_path_factory, CFG, ("sgd",))["sgd"]
+    assert max_diff(clipped, unclipped) > 100 * TOL["sgd"]
+    for layout, _ in layouts:
+        diff = max_diff(tmp_path / "R{}S{}T{}P{}.pt".format(*layout), clipped)
+        assert diff < TOL["sgd"], f"{layout}: max |Δparameter| {diff:.2e} against ddp.py --clip"
