@@ -8,7 +8,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from common.messages import check, env_rank, log
+from common.messages import check, env_rank, fail, log
 from common.model import IMAGE, ViT
 from common.training import load_state_dict_file
 
@@ -197,14 +197,51 @@ def _spawned(local_rank, nproc, run, args):
     run(args)
 
 
+# Launchers that start every rank themselves name the rank's place on its node in their own
+# variables: (the local rank, the number of ranks on this node), SLURM's srun's and Open MPI's.
+LAUNCHER_LOCAL_VARIABLES = (
+    ("SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+    ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+)
+
+
+def adopt_launcher_environment(args):
+    """A rank started by srun or mpirun (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT exported by
+    the user, no LOCAL_RANK): take LOCAL_RANK and LOCAL_WORLD_SIZE from the launcher's variables,
+    which pick this rank's GPU. MASTER_* stay as they are: every rank must meet at one store."""
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    check(
+        not missing,
+        f"RANK and WORLD_SIZE are set but {' and '.join(missing)} not: a launcher other than "
+        "torchrun must export RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for every rank",
+    )
+    check(args.nproc is None, "--nproc starts ranks itself: not with RANK set by a launcher")
+    for local_rank, local_world in LAUNCHER_LOCAL_VARIABLES:
+        if local_rank in os.environ and local_world in os.environ:
+            # SLURM writes e.g. "4(x2)" when several nodes run 4 tasks each: the count comes first
+            ranks_on_node = os.environ[local_world].split("(")[0]
+            os.environ.update(LOCAL_RANK=os.environ[local_rank], LOCAL_WORLD_SIZE=ranks_on_node)
+            return
+    fail(
+        "RANK and WORLD_SIZE are set but not LOCAL_RANK, nor SLURM_LOCALID and "
+        "SLURM_NTASKS_PER_NODE (srun), nor OMPI_COMM_WORLD_LOCAL_RANK and "
+        "OMPI_COMM_WORLD_LOCAL_SIZE (mpirun): export LOCAL_RANK and LOCAL_WORLD_SIZE, which pick "
+        "each rank's GPU, or use torchrun"
+    )
+
+
 def launch(run, args):
-    """Start `run(args)` on every rank. Under torchrun (or SLURM's srun with torchrun's variables)
-    this process is one rank. Otherwise `python X.py --nproc N` spawns N processes on this machine
-    on a free port, and plain `python X.py` is a world of one."""
+    """Start `run(args)` on every rank. Under torchrun, or a launcher that exports RANK,
+    WORLD_SIZE, MASTER_ADDR and MASTER_PORT (SLURM's srun, mpirun), this process is one rank.
+    Otherwise `python X.py --nproc N` spawns N processes on this machine on a free port, and plain
+    `python X.py` is a world of one."""
     import gc
 
     import torch.multiprocessing as mp
 
+    launched = "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if launched and "LOCAL_RANK" not in os.environ:
+        adopt_launcher_environment(args)
     if "LOCAL_RANK" not in os.environ and (args.nproc or 1) > 1 and args.backend != "gloo":
         # Every rank gets this process's environment, so one GPU that CUDA_VISIBLE_DEVICES
         # shows is the same GPU for all of them, not a per-rank binding (pick_backend's case).
@@ -214,7 +251,7 @@ def launch(run, args):
             f"--nproc {args.nproc} but {gpus} GPUs visible: two ranks would share a GPU. "
             f"Use --nproc {gpus}, or --backend gloo",
         )
-    if "LOCAL_RANK" not in os.environ:
+    if "LOCAL_RANK" not in os.environ:  # no launcher: this process starts the world itself
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     if "LOCAL_RANK" in os.environ or (args.nproc or 1) == 1:
         for k, v in (

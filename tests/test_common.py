@@ -562,3 +562,67 @@ def test_meter_reads_what_the_first_forward_saved_for_backward():
             model(torch.randn(4 * (step + 1), 8)).sum().backward()
             opt.step()
     assert meter.mem["act_bytes"] == 4 * (4 * 8 + 4 * 16)
+
+
+# --------------------------------------------------------------------------- other launchers
+
+
+def start_ranks_by_hand(envs, timeout=120):
+    """ddp.py started once per env, as srun or mpirun starts its ranks: no torchrun, every
+    variable set by hand. Returns each process's (exit code, stdout, stderr)."""
+    tiny = [*ARGS, "--dim", "16", "--depth", "1", "--max-steps", "2", "--no-progress"]
+    procs = []
+    for env in envs:
+        variables = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **env}
+        for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+            variables.pop(name, None)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(ROOT / "ddp.py"), *tiny],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=variables,
+                start_new_session=True,
+            )
+        )
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            kill_group(p)
+    return [(p.returncode, *out) for p, out in zip(procs, outs, strict=True)]
+
+
+def test_ranks_started_without_torchrun_meet_at_their_master():
+    """Two "nodes" of one rank each, as srun starts them: RANK, WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT exported by hand, the local rank in SLURM_LOCALID. Both ranks join one world at the
+    exported master and train (before: each made its own store on a random port and waited)."""
+    port = str(common.free_port())
+    envs = [
+        dict(
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            SLURM_LOCALID="0",
+            SLURM_NTASKS_PER_NODE="1",
+        )
+        for rank in range(2)
+    ]
+    (code_0, out_0, err_0), (code_1, _, err_1) = start_ranks_by_hand(envs)
+    assert code_0 == 0 and code_1 == 0, (err_0, err_1)
+    assert '"world_size": 2' in out_0, out_0
+
+
+def test_ranks_without_a_local_rank_are_refused_in_one_message():
+    """RANK and WORLD_SIZE exported with no way to tell the local rank: one message per rank that
+    says what to export, exit 2, no process group (and no hang)."""
+    envs = [dict(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1") for rank in range(2)]
+    for code, _, err in start_ranks_by_hand(envs, timeout=60):
+        assert code == 2, err
+        assert err.count("error") == 1 and "MASTER_PORT" in err, err
+    envs = [{**env, "MASTER_PORT": "29999"} for env in envs]
+    for code, _, err in start_ranks_by_hand(envs, timeout=60):
+        assert code == 2, err
+        assert err.count("error") == 1 and "SLURM_LOCALID" in err, err
