@@ -22,7 +22,8 @@ Communication per step: per MoE layer, 2 all-to-alls of the routed tokens forwar
 combine) and 2 backward (their reverses), each of k·b·T rows of D fp32 on average over ranks,
 for b = batch/W images of T tokens (with even routing, (W-1)/W of the rows leave the rank),
 plus one all-to-all of the E token counts (int64) forward; the Ψ_d dense gradients all-reduced
-(instead of DDP's Ψ), in depth + 2 buckets overlapped with backward.
+(instead of DDP's Ψ), in depth + 2 buckets overlapped with backward; --clip adds one all-reduce
+of a scalar (the experts' squared norm, over the expert group).
 Host syncs: one per MoE layer forward (the token counts, which the uneven all-to-alls need as
 host integers); none in backward.
 
@@ -50,8 +51,10 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 # own (any [N, D] -> [N, D] module, e.g. your MLP): block.mlp = MoE(dim, [MLP(dim) for _ in
 # range(E)], top_k, aux_loss, forwards_per_step), where forwards_per_step is the count of forwards
 # whose losses one optimizer step sums, each divided by it (gradient accumulation, micro-batches).
-# parallelize finds the experts at model.blocks[i].mlp.experts; every other parameter is dense and
-# lives in model.embed, model.blocks or model.head. E divisible by the expert group's size.
+# The MoE takes [B, T, D] and returns one tensor of that shape, as an MLP does; its balance loss
+# needs nothing of the loop. parallelize finds the MoE layers wherever they sit in the model; every
+# other parameter is dense and lives in one of the units hook_optimizer is given in forward order
+# (by default model.embed, model.blocks, model.head). E divisible by the expert group's size.
 
 
 class Experts(nn.ModuleList):
@@ -252,35 +255,45 @@ class ExpertParallel(nn.Module):
         return torch.cat(in_arrival_order)
 
 
+def moe_layers(model):
+    """The model's MoE layers, in forward order, wherever they sit (model.blocks[i].mlp here)."""
+    return [module for module in model.modules() if isinstance(module, MoE)]
+
+
 def parallelize(model, device, group=None):
-    """Keep this rank's experts of every block and drop the others, then move to the device: the
-    other ranks' experts never reach it. group: the expert group, the ranks the E experts are
+    """Keep this rank's experts of every MoE layer and drop the others, then move to the device:
+    the other ranks' experts never reach it. group: the expert group, the ranks the E experts are
     spread over (None: the world); beside data parallelism on another mesh dimension, the
     DeviceMesh's expert dimension, mesh["ep"].get_group()."""
-    for block in model.blocks:
-        block.mlp.experts = ExpertParallel(block.mlp.experts, group)
+    for layer in moe_layers(model):
+        layer.experts = ExpertParallel(layer.experts, group)
     return model.to(device)
 
 
 def expert_params(model):
-    """The parameters of this rank's experts, every block's."""
-    return [p for block in model.blocks for p in block.mlp.experts.parameters()]
+    """The parameters of this rank's experts, every MoE layer's."""
+    return [p for layer in moe_layers(model) for p in layer.experts.parameters()]
 
 
-def dense_buckets(model):
-    """The dense parameters in the order backward finishes them, one bucket per unit: the head,
-    the blocks from last to first (attention, norms, router: not the experts), the embedding. A
+def dense_buckets(model, units=None):
+    """The dense parameters in the order backward finishes them, one bucket per unit (units: the
+    model's modules in forward order; None: model.embed, the blocks, model.head): the head, the
+    blocks from last to first (attention, norms, router: not the experts), the embedding. A
     parameter two units share (an embedding tied to the output head) goes in the bucket of the
-    one nearest the input: its gradient is whole only once backward has reached that unit."""
+    one nearest the input: its gradient is whole only once backward has reached that unit; a unit
+    left with no parameter of its own (an output head holding only the tied weight) has none."""
+    if units is None:
+        units = [model.embed, *model.blocks, model.head]
     placed = {id(p) for p in expert_params(model)}  # each parameter in one bucket at most
     buckets = []
-    for unit in [model.embed, *model.blocks, model.head]:  # forward order
+    for unit in units:
         bucket = [p for p in unit.parameters() if id(p) not in placed]
         placed.update(id(p) for p in bucket)
-        buckets.append(bucket)
+        if bucket:
+            buckets.append(bucket)
     outside = [p for p in model.parameters() if id(p) not in placed]
     if outside:
-        raise ValueError("every dense parameter must live in model.embed, .blocks or .head")
+        raise ValueError("every dense parameter must live in one of the units")
     return buckets[::-1]  # backward's order
 
 
@@ -302,12 +315,12 @@ class GradientAverager:
     the mean over its slice, so what the owner then holds is the sum of W ranks' mean gradients, W
     times the gradient of the global batch's mean: only the scale, 1/W, is missing."""
 
-    def __init__(self, model, data_group=None, replica_group=None):
+    def __init__(self, model, data_group=None, replica_group=None, units=None):
         self.data_group = data_group
         self.replica_group = replica_group
         self.world = dist.get_world_size(data_group)
         copies = 1 if replica_group is None else dist.get_world_size(replica_group)
-        layers = [block.mlp for block in model.blocks]
+        layers = moe_layers(model)
         if self.world != layers[0].experts.world * copies:
             raise ValueError(
                 f"{self.world} data-parallel ranks are not {layers[0].experts.world} ranks of "
@@ -315,10 +328,13 @@ class GradientAverager:
                 "that hold this rank's experts"
             )
         self.backward_passes = layers[0].forwards_per_step  # per optimizer step
-        self.buckets = dense_buckets(model)
+        self.buckets = dense_buckets(model, units)
         self.experts = expert_params(model)
         # missing[i]: the gradients of bucket i that backward has not accumulated yet this step
         self.missing = self.expected()
+        # This step's gradients are averaged already (clip_grad_norm_ waited before the step's
+        # hook): the hook must not average them again.
+        self.averaged = False
         self.in_flight = []  # (flat gradients, all-reduce work) per launched bucket, in order
         for index, bucket in enumerate(self.buckets):
             for param in bucket:
@@ -333,6 +349,7 @@ class GradientAverager:
         index, which a lambda in the loop would not)."""
 
         def grad_ready(param):
+            self.averaged = False  # a new step's gradients are coming in
             self.missing[index] -= 1
             if self.missing[index] < 0:
                 raise RuntimeError(
@@ -363,7 +380,9 @@ class GradientAverager:
 
     def wait(self, optimizer, args, kwargs):
         """The optimizer's step pre-hook (hence its arguments, unused): finish the all-reduces,
-        then scale."""
+        then scale. Once a step: a second call (the hook after clip_grad_norm_) does nothing."""
+        if self.averaged:
+            return
         for index in range(len(self.in_flight), len(self.buckets)):
             self.launch(index)  # a bucket with a parameter that got no gradient this step
         for bucket, (flat, work) in zip(self.buckets, self.in_flight, strict=True):
@@ -381,15 +400,18 @@ class GradientAverager:
         # Ready for the next step's backward.
         self.missing = self.expected()
         self.in_flight = []
+        self.averaged = True
 
 
-def hook_optimizer(model, optimizer, data_group=None, replica_group=None):
+def hook_optimizer(model, optimizer, data_group=None, replica_group=None, units=None):
     """Before each step, every gradient averaged over the data-parallel ranks (GradientAverager:
     data_group, None: the world; replica_group, the ranks holding this rank's experts, None: no
-    other). Beside data parallelism on a DeviceMesh ("dp", "ep"): parallelize's group is
-    mesh["ep"].get_group(), replica_group mesh["dp"].get_group(), data_group the world."""
-    averager = GradientAverager(model, data_group, replica_group)
+    other; units, the modules holding the dense parameters in forward order, None: model.embed,
+    model.blocks, model.head). Beside data parallelism on a DeviceMesh ("dp", "ep"): parallelize's
+    group is mesh["ep"].get_group(), replica_group mesh["dp"].get_group(), data_group the world."""
+    averager = GradientAverager(model, data_group, replica_group, units)
     optimizer.register_step_pre_hook(averager.wait)
+    model.grad_averager = averager  # for clip_grad_norm_, which must average first
 
 
 def full_state_dict(model):
@@ -402,6 +424,30 @@ def full_state_dict(model):
     parts = [None] * dist.get_world_size()
     dist.gather_object(local, parts, dst=0)
     return {k: v for part in parts for k, v in part.items()}
+
+
+### more: gradient clipping over the expert group
+
+
+def clip_grad_norm_(model, max_norm, group=None):
+    """torch.nn.utils.clip_grad_norm_ for a model that hook_optimizer hooked: every gradient
+    scaled by max_norm / (the global norm) where that is below one; returns the global norm, the
+    same on every rank: the one a single process holding every expert computes. The dense
+    gradients, the same on every rank once averaged, count once; the squares of the experts'
+    norms are summed over the expert group (group: parallelize's; None: the world), where each
+    expert lives on one rank. Every rank calls it after the step's last backward, where the loop
+    would call torch's: it first waits for the dense all-reduces and scales (the optimizer's hook
+    then has nothing left to do), as the norm of unaveraged gradients would be each rank's own."""
+    model.grad_averager.wait(None, (), {})
+    experts = expert_params(model)
+    is_expert = {id(p) for p in experts}
+    dense = [p.grad for p in model.parameters() if p.grad is not None and id(p) not in is_expert]
+    expert_grads = [p.grad for p in experts if p.grad is not None]
+    expert_squares = torch.nn.utils.get_total_norm(expert_grads) ** 2
+    dist.all_reduce(expert_squares, group=group)  # a scalar: each rank's experts' part
+    total_norm = (torch.nn.utils.get_total_norm(dense) ** 2 + expert_squares).sqrt()
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, total_norm)
+    return total_norm
 
 
 ### end: Expert parallel
@@ -502,6 +548,8 @@ def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
             y = y.to(device, non_blocking=True)
             loss = F.cross_entropy(model(x), y)
             loss.backward()
+            if args.clip:
+                clip_grad_norm_(model, args.clip)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)

@@ -1,7 +1,8 @@
 """Copy cases for expert_parallel.py: its section's MoE layer (router, experts, balance loss) in
 place of each block's MLP of the second model, E=4 experts of CausalLM's own MLP, top-2, and the
 experts spread over the W=2 ranks (2 on each) while every rank trains on its slice of each
-micro-batch (data parallel over the same ranks). Run by tests/copy_cases.py.
+micro-batch (data parallel over the same ranks); the same on nanoGPT's model (`nanogpt_cases`),
+with the section's clip. Run by tests/copy_cases.py.
 
 The one-process references are this module's own, as its model is (saved by rank 0): the same
 MoE model with every expert in one process, trained by the same loop (DIR/reference-moe-<optim>.pt),
@@ -9,6 +10,9 @@ and with SGD, each step's batch in one forward and one backward (DIR/reference-m
 what the accumulation, the balance loss's 1/forwards_per_step included, must come out as.
 """
 
+import math
+
+import nanogpt_model
 import torch
 import torch.distributed as dist
 from causal_lm import (
@@ -97,3 +101,83 @@ def cases(batches, rank, world, folder):
         model, state, proof = run_expert_parallel(optim, batches, rank, world)
         proof["reference_eval_loss"] = reference_loss
         yield f"expert_parallel-{optim}", f"moe-{optim}", model, state, proof
+
+
+# The model as nanoGPT has it (tests/nanogpt_model.py), trained by its own recipe: (x, y) batches,
+# its configure_optimizers, gradient accumulation, clipping before every step. Every block's mlp
+# is the section's MoE, set from outside as a user would; the class stays as it is.
+
+NANOGPT_CASES = ["expert_parallel-sgd", "expert_parallel-adamw"]
+
+
+def moe_nanogpt():
+    """nanoGPT's GPT with each block's mlp the section's MoE over EXPERTS copies of nanoGPT's own
+    MLP (its Block calls self.mlp(self.ln_2(x)) and adds the one tensor it gets back, which the
+    MoE gives), initialised as GPT initialises its own MLP. The MoE divides its balance loss by
+    the backward passes a step, as nanoGPT's loop divides its loss."""
+    model = nanogpt_model.model()  # seeds the generator: the same experts in every process
+    config = model.config
+    for block in model.transformer.h:
+        experts = [nanogpt_model.MLP(config) for _ in range(EXPERTS)]
+        block.mlp = expert_parallel.MoE(
+            config.n_embd, experts, TOP_K, AUX_LOSS, nanogpt_model.ACCUMULATE
+        )
+        block.mlp.apply(model._init_weights)
+        for name, param in block.mlp.named_parameters():
+            if name.endswith("c_proj.weight"):  # GPT-2's scaled init of the residual projections
+                torch.nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+    return model
+
+
+def nanogpt_units(model):
+    """The modules holding nanoGPT's dense parameters, in forward order: hook_optimizer's buckets.
+    lm_head holds only the tied weight, which wte's bucket already has."""
+    transformer = model.transformer
+    return [transformer.wte, transformer.wpe, *transformer.h, transformer.ln_f, model.lm_head]
+
+
+def nanogpt_reference(optim):
+    """One process, every expert here (the plain layer), nanoGPT's loop with torch's own clip:
+    (its state_dict, dict(eval_loss, norms))."""
+    model = moe_nanogpt()
+    optimizer = nanogpt_model.make_optimizer(model, optim)
+    _, norms = nanogpt_model.train(model, optimizer, nanogpt_model.batches())
+    return model.state_dict(), dict(eval_loss=nanogpt_model.evaluation_loss(model), norms=norms)
+
+
+def run_nanogpt_expert_parallel(optim, rank, world):
+    """The section's two calls, then nanoGPT's configure_optimizers over what this rank holds
+    (its experts' matrices and the routers' in the decay group), and the section's clip in the
+    loop's place for torch's: the loop hands the clip parameters; the section's takes the model."""
+    model = expert_parallel.parallelize(moe_nanogpt(), CPU)
+    optimizer = nanogpt_model.make_optimizer(model, optim)
+    expert_parallel.hook_optimizer(model, optimizer, units=nanogpt_units(model))
+
+    def clip(parameters, max_norm):
+        return expert_parallel.clip_grad_norm_(model, max_norm)
+
+    step_batches = nanogpt_model.batches()
+    losses, norms = nanogpt_model.train(model, optimizer, step_batches, rank, world, clip)
+    # per rank, per block: the global indices of the experts it holds, which only the split gives
+    held = [
+        [int(name) for name, _ in block.mlp.experts.named_children()]
+        for block in model.transformer.h
+    ]
+    experts_held = [None] * world
+    dist.all_gather_object(experts_held, held)
+    tied = model.lm_head.weight is model.transformer.wte.weight
+    proof = dict(tied=tied, losses=losses, norms=norms, experts_held=experts_held)
+    return model, expert_parallel.full_state_dict(model), proof
+
+
+def nanogpt_cases(rank, world, folder):
+    """As `cases`, on nanoGPT's model, against this module's own reference (rank 0 saves
+    DIR/reference-nanogpt-moe-<optim>.pt): (case, its reference, model, full state_dict, proof)."""
+    for optim in OPTIMS:
+        reference_results = None
+        if rank == 0:
+            state, reference_results = nanogpt_reference(optim)
+            torch.save(state, folder / f"reference-nanogpt-moe-{optim}.pt")
+        model, state, proof = run_nanogpt_expert_parallel(optim, rank, world)
+        proof["reference_results"] = reference_results
+        yield f"expert_parallel-{optim}", f"nanogpt-moe-{optim}", model, state, proof

@@ -21,7 +21,7 @@ import torch
 from helpers import fork_launch
 
 # The copy modules (tests/copy_<name>.py) with nanoGPT cases, each listing them in NANOGPT_CASES.
-MODULES = ["zero"]
+MODULES = ["zero", "fsdp", "amp", "expert_parallel"]
 CASES = [
     (module, case)
     for module in MODULES
@@ -96,3 +96,21 @@ def test_equals_one_process(copies, module, case):
     reference = results.get(f"reference-{reference_name}") or results[case]["reference_results"]
     assert results[case]["eval_loss"] == pytest.approx(reference["eval_loss"], abs=1e-4)
     assert results[case]["norms"] == pytest.approx(reference["norms"], rel=1e-5)
+
+
+# expert parallel
+
+
+# `module` as a parameter: `needed` reads it, so that this test alone launches expert_parallel's
+# cases only.
+@pytest.mark.parametrize("module, optim", [("expert_parallel", o) for o in nanogpt_model.OPTIMS])
+def test_expert_parallel_split_the_experts(copies, module, optim):
+    """The section's MoE (E=4 of nanoGPT's MLP, top-2, balance loss) in every block's mlp: each
+    rank held 2 of the 4 experts of every block (the split, which equal parameters alone would not
+    show), and the one-process reference of that model learned and clipped every step."""
+    _, results = copies
+    proof = results[f"{module}-{optim}"]
+    assert proof["experts_held"] == [[[0, 1], [0, 1]], [[2, 3], [2, 3]]]  # [rank][block]
+    reference = proof["reference_results"]
+    assert reference["eval_loss"] < math.log(nanogpt_model.CONFIG.vocab_size) - 0.3
+    assert min(reference["norms"]) > nanogpt_model.CLIP, reference["norms"]

@@ -2,12 +2,13 @@
 with the parameters of one ddp.py process with the same --experts --top-k; the dispatch/combine
 equals a loop over experts (output and gradients, an expert that receives no token included) and
 waits for the device once per layer; the dense gradients' all-reduces start during backward; the
-all-to-all bytes the Meter counts add up to the formula; the scripts that take an MoE block
-unchanged stay exact.
+all-to-all bytes the Meter counts add up to the formula; --clip clips by the global norm; the
+scripts that take an MoE block unchanged stay exact.
 
-Launches: 2 processes of ddp.py W=1 references (sgd and adamw for E=4 K=2 in one, sgd
-for E=8 K=1), ONE launch at W=2 running expert_parallel.py twice and the 3 other scripts as cases
-of it (tests/script_cases.py), one at W=4, and one mp.spawn of 2 processes.
+Launches: 3 processes of ddp.py W=1 references (sgd and adamw for E=4 K=2 in one, sgd with --clip
+in one, sgd for E=8 K=1), ONE launch at W=2 running expert_parallel.py three times (--clip once)
+and the 3 other scripts as cases of it (tests/script_cases.py), one at W=4, and one mp.spawn of 2
+processes.
 """
 
 import gc
@@ -54,6 +55,10 @@ EQUAL = {  # test id: (world, cfg, optim) of an expert_parallel.py run
     "W2-E4-K2-adamw": (2, CFG, "adamw"),
     "W4-E8-K1-sgd": (4, CFG8, "sgd"),
 }
+CLIP = "0.2"  # below every step's gradient norm on CFG (0.45 to 0.85): each step is clipped
+CLIPPED = {  # test id: (world, cfg, optim) of an expert_parallel.py --clip run, in W=2's launch
+    "W2-E4-K2-sgd-clip": (2, [*CFG, "--clip", CLIP], "sgd"),
+}
 OTHERS = {  # test id: flags of another script's run at W=2, sgd on CFG
     "zero.py": ["--stage", "3"],
     "pipeline.py": ["--schedule", "1f1b", "--microbatches", "2"],
@@ -69,13 +74,14 @@ def needed(request):
         params = getattr(getattr(item, "callspec", None), "params", {})
         if item.module is request.module:
             names.update(params[key] for key in ("case", "script") if key in params)
-    return [name for name in [*EQUAL, *OTHERS] if name in names]
+    return [name for name in [*EQUAL, *CLIPPED, *OTHERS] if name in names]
 
 
 def case_of(name, saved):
-    """The [script, flags] case of run `name` (an EQUAL or OTHERS id) and its world size."""
-    if name in EQUAL:
-        world, cfg, optim = EQUAL[name]
+    """The [script, flags] case of run `name` (an EQUAL, CLIPPED or OTHERS id) and its world
+    size."""
+    if name in EQUAL or name in CLIPPED:
+        world, cfg, optim = {**EQUAL, **CLIPPED}[name]
         return world, ["expert_parallel", [*cfg, "--optim", optim, "--save", saved]]
     flags = [*CFG, *OTHERS[name], "--optim", "sgd", "--save", saved]
     return 2, [name.removesuffix(".py"), flags]
@@ -100,6 +106,10 @@ def runs(request, tmp_path_factory):
             pending[world] = pool.submit(launch_cases, world, [cases[name] for name in ids], 400)
             if world == 2:
                 pool.submit(ddp_references, tmp_path_factory, CFG)
+            for name in ids:
+                if name in CLIPPED:  # its ddp.py --clip reference
+                    _, cfg, optim = CLIPPED[name]
+                    pool.submit(ddp_references, tmp_path_factory, cfg, (optim,))
             if world == 4:
                 pool.submit(ddp_reference, tmp_path_factory, CFG8, "sgd")
         for world, ids in launches.items():
@@ -142,6 +152,22 @@ def test_equals_one_ddp_process(case, runs, refs):
     # the load: every (token, slot) of the batch reaches one expert, each step
     for row in res["tokens_per_expert"]:
         assert len(row) == E and abs(sum(row) - K * tokens) < 1e-6
+
+
+@pytest.mark.parametrize("case", CLIPPED)
+def test_clip_equals_one_ddp_process_clip(case, runs, refs, tmp_path_factory):
+    """--clip at a limit below every step's gradient norm: the experts split over W=2 ranks end
+    where ddp.py --clip ends in one process holding every expert, so the norm was the global one
+    (the averaged dense gradients once, the experts' summed over the ranks). Unclipped training
+    ends far from there, so the clip bit."""
+    world, cfg, optim = CLIPPED[case]
+    path, res = runs[case]
+    clipped = ddp_references(tmp_path_factory, cfg, (optim,))[optim]
+    assert max_diff(clipped, refs[optim]) > 100 * TOL[optim]
+    diff = max_diff(path, clipped)
+    print(f"W={world} {optim} --clip {CLIP}: max |Δ| vs ddp.py --clip W=1 = {diff:.2e}")
+    assert diff <= TOL[optim]
+    assert res["steps"] == 6
 
 
 class HostSyncs(TorchDispatchMode):

@@ -111,6 +111,10 @@ MUTANTS = {
         "N-D: FSDP sums under a pipeline",
         "test_nd_parallel.py::test_same_parameters_as_ddp_one_process[R1S2T1P2-sgd]",
     ),
+    "ep-clip-local-experts": (
+        "EP clips by a norm of this rank's experts only",
+        "test_expert_parallel.py::test_clip_equals_one_ddp_process_clip[W2-E4-K2-sgd-clip]",
+    ),
 }
 
 

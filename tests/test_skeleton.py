@@ -32,9 +32,9 @@ SCRIPTS = [
 # more, raise the number in the same commit and say why.
 MAX_DIFF = {
     "ddp_torchrun.py": 147,
-    "amp_checkpoint.py": 156,
-    "fsdp.py": 182,
-    "fsdp_resume.py": 315,
+    "amp_checkpoint.py": 162,  # 156 + the checkpointed modules and loss_fn(model, x, y) arguments
+    "fsdp.py": 188,  # 182 + the units argument and the contract saying clipping needs nothing
+    "fsdp_resume.py": 321,  # 315 + fsdp.py's units argument
     "zero.py": 468,
     "zero_offload.py": 666,
     "tensor_parallel.py": 519,
@@ -43,7 +43,7 @@ MAX_DIFF = {
     "dp.py": 342,
     "context_parallel.py": 556,
     "nd_parallel.py": 474,
-    "expert_parallel.py": 485,
+    "expert_parallel.py": 533,  # 485 + clip_grad_norm_ over the expert group, the model as it is
     "pipeline_schedules.py": 472,
     "pipeline_pipedream.py": 321,
 }

@@ -431,5 +431,25 @@ if os.environ.get("MUTANT"):
             tensor_parallel.PartialGradientSum.hook = sum_when_all_arrived
 
         _after_import["tensor_parallel"] = _sum_in_grad
+    elif _mutant == "ep-clip-local-experts":  # EP's clip: the experts' norms not summed over ranks
+
+        def _local_expert_norms(expert_parallel):
+            clip_grad_norm_ = expert_parallel.clip_grad_norm_
+
+            def clip_by_local_experts(model, max_norm, group=None):
+                # the clip's one scalar all-reduce (the experts' squared norm) skipped: each rank
+                # counts its own experts only
+                all_reduce = dist.all_reduce
+                dist.all_reduce = lambda t, *a, **k: (
+                    None if t.dim() == 0 else all_reduce(t, *a, **k)
+                )
+                try:
+                    return clip_grad_norm_(model, max_norm, group)
+                finally:
+                    dist.all_reduce = all_reduce
+
+            expert_parallel.clip_grad_norm_ = clip_by_local_experts
+
+        _after_import["expert_parallel"] = _local_expert_norms
     else:
         raise SystemExit(f"tests/faults: unknown MUTANT={_mutant}")
