@@ -1,38 +1,27 @@
-"""DDP + AMP + activation checkpointing: ddp.py's DDP (every rank holds the whole model and trains
-on its slice of each global batch; gradients are averaged with an all-reduce during backward)
-with levers that trade precision or compute for memory, and change no communication:
-- `--amp bf16|fp16`: torch.autocast runs matmuls and attention (its softmax too) in 16 bits;
-  parameters, gradients, optimizer state (the "master weights"), LayerNorms and the loss stay
-  fp32. bf16 needs no loss scaling and runs on CPU too; fp16 (CUDA only) uses a GradScaler:
-  loss x S before backward, gradients / S (`unscale_`) before clipping (`--clip`) and the step,
-  a step whose gradients hold an inf or nan skipped.
-- `--checkpoint`: each block runs under checkpoint(..., use_reentrant=False), which keeps only the
-  block's input for backward and recomputes the rest there: about one more forward per step.
+"""DDP + AMP + activation checkpointing: ddp.py's DDP with levers that trade precision or compute
+for memory, and change no communication:
+- `--amp bf16|fp16`: torch.autocast runs matmuls and attention in 16 bits; parameters, gradients,
+  optimizer state (the "master weights"), LayerNorms and the loss stay fp32. fp16 (CUDA only)
+  scales the loss with a GradScaler; bf16 needs no scaling and runs on CPU too.
+- `--checkpoint`: each block keeps only its input for backward and recomputes the rest there.
 - `--grad-accum k`: k micro-batches per step, all but the last under no_sync() (no all-reduce).
 
     rank 0: [ full model ]  batch[0::W] --\
     rank 1: [ full model ]  batch[1::W] ---+-- all-reduce(grads) / W --> same step on every rank
     ...                                 --/
 
-Memory per rank (fp32, AdamW, Ψ parameters): 4Ψ params + 4Ψ grads + 8Ψ optimizer = 16Ψ bytes.
-Activations kept per micro-batch of B samples (T tokens, width D, L blocks; E kept by embed and
-head; e bytes an element: 4, mostly 2 under AMP):
-    plain         >= E + 16·L·B·T·D·e   per block at least: the two LayerNorms' inputs and
-                                        outputs (4), q, k, v (3), attention's output (1), the
-                                        MLP's 4D-wide hidden before and after GELU (8)
-    checkpointed     E + L·B·T·D·4      per block: its fp32 input only
-The report's "activations (1st forward)" row measures what autograd kept; on a GPU its
-max_memory_allocated shows the cut too.
+Memory per rank (fp32, AdamW, Ψ parameters): 4Ψ params + 4Ψ grads + 8Ψ optimizer = 16Ψ bytes;
+activations kept per micro-batch of B samples (T tokens, width D, L blocks, e bytes an element):
+at least 16·L·B·T·D·e plain, L·B·T·D·4 checkpointed, plus what the embedding and head keep.
 Communication per step: one all-reduce of Ψ gradient elements (bucketed, overlapped with
 backward); a ring all-reduce sends 2(W-1)/W · 4Ψ bytes per rank.
+Papers: Micikevicius et al. 2018, "Mixed Precision Training", https://arxiv.org/abs/1710.03740;
+Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost", https://arxiv.org/abs/1604.06174.
+Derivations: docs/techniques.md#amp-and-activation-checkpointing
 
     torchrun --standalone --nproc_per_node=4 amp_checkpoint.py --amp bf16 --checkpoint
     python amp_checkpoint.py --nproc 4 --amp bf16 --checkpoint --grad-accum 2 --clip 1.0
     python amp_checkpoint.py --amp fp16 --checkpoint           # CUDA only
-
-This model has no BatchNorm. A model that does would need
-`model = nn.SyncBatchNorm.convert_sync_batchnorm(model)` before wrapping, or each rank
-normalises with the statistics of its own batch/W samples only.
 """
 
 import contextlib
@@ -75,7 +64,6 @@ def parallelize(model, device, checkpointed=()):
     buckets, overlapped with the rest of backward, and divides by W. Each rank's loss is the mean
     over its batch/W samples, so every rank then holds the gradient of the global batch's mean."""
     for block in checkpointed:
-        # block(x) now calls checkpoint(the block's own forward, x, use_reentrant=False).
         # use_reentrant=False: the implementation PyTorch recommends, and the one DDP works
         # with without limits (the reentrant one runs a nested backward that DDP supports
         # only partly).
@@ -221,7 +209,8 @@ def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
     loss_sum = torch.zeros((), device=device)  # stays on the device until a logging step
     losses_summed = 0
     last_loss = float("nan")
-    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # a no-op unless fp16
+    # Disabled unless fp16, the scaler passes every call through, so one loop serves every --amp.
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
     for epoch in range(step // len(loader), args.epochs):
         if step >= stop:
             break

@@ -1,10 +1,8 @@
-"""Collectives: the communication primitives every other script is built from, each run on small
-tensors with every rank's tensor before -> after printed in rank order and checked against its
-definition; then an all-reduce written out around a ring with send/recv, and a naive one through
-a single root, both checked against dist.all_reduce.
-
-p ranks; each rank's tensor has N elements (for scatter, reduce-scatter and all-to-all: p chunks).
-Bytes each rank sends in the usual bandwidth-optimal algorithm (x4 for fp32):
+"""Collectives: the primitives every other script is built from, each run on small tensors, every
+rank's before -> after printed in rank order and checked against its definition; then all-reduce
+written out around a ring with send/recv, and naively through one root, both checked against
+dist.all_reduce. p ranks; each rank's tensor has N elements (for scatter, reduce-scatter and
+all-to-all: p chunks). Bytes each rank sends in the usual bandwidth-optimal algorithm (x4 fp32):
 
     broadcast(root)  every rank gets the root's x                              ~N
     scatter(root)    rank r gets chunk r of the root's x                       root: (p-1)/p·N
@@ -15,19 +13,15 @@ Bytes each rank sends in the usual bandwidth-optimal algorithm (x4 for fp32):
     reduce-scatter   rank r gets chunk r of x_0 + ... + x_p-1 (ZeRO-2, FSDP)   (p-1)/p·N
     all-to-all       rank r gets chunk r of every rank's x: a transpose (MoE)  (p-1)/p·N
 
-Ring all-reduce: cut x into p chunks (sizes differing by at most one when p does not divide N).
-Reduce-scatter phase: p-1 steps, each rank sends one chunk to its right neighbour and adds the one
-from its left; afterwards rank r holds the full sum of chunk r+1. All-gather phase: p-1 more steps
-pass the finished chunks around. Each rank sends 2(p-1) chunks, 2(p-1)/p·N in all, whatever p
-is: the bandwidth per rank stays flat as the world grows. The naive all-reduce (everyone sends
-to the root, the root adds and sends the sum back) makes the root send and receive (p-1)·N.
+The ring all-reduce (a reduce-scatter, then an all-gather, p-1 steps each) sends 2(p-1)/p·N per
+rank whatever p is; the naive one makes the root send and receive (p-1)·N. Paper: Sergeev and
+Del Balso 2018, "Horovod: fast and easy distributed deep learning in TensorFlow",
+https://arxiv.org/abs/1802.05799. The ring step by step, missing collectives:
+docs/techniques.md#collectives-and-the-ring-all-reduce
 
     torchrun --standalone --nproc_per_node=4 collectives.py
     torchrun --standalone --nproc_per_node=4 collectives.py --numel 7 --ring-numel 10000019 --root 2
     python collectives.py                                           # one process: world size 1
-
-A backend that lacks scatter, reduce-scatter or all-to-all (Gloo in torch 2.11 has no all_to_all)
-gets it built from collectives that exist, and says so; the built versions are always checked too.
 """
 
 import argparse
@@ -52,7 +46,7 @@ UNSUPPORTED = re.compile(
 class Built:
     """A primitive built from other collectives, for backends that lack it."""
 
-    how: str  # from what, in words
+    how: str  # the collectives it is built from, in words
     result: torch.Tensor  # what the built version gave this rank
 
 

@@ -8,14 +8,12 @@ each global batch; gradients are averaged with an all-reduce during backward.
 Memory per rank (fp32, AdamW, Ψ parameters): 4Ψ params + 4Ψ grads + 8Ψ optimizer = 16Ψ bytes.
 Communication per step: one all-reduce of Ψ gradient elements (bucketed, overlapped with
 backward); a ring all-reduce sends 2(W-1)/W · 4Ψ bytes per rank.
+Paper: Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data Parallel Training",
+https://arxiv.org/abs/2006.15704. A model with BatchNorm: docs/techniques.md#ddp
 
     torchrun --standalone --nproc_per_node=4 ddp.py   # torchrun spawns; env vars tell the rank
     python ddp.py --nproc 4                            # the same, through mp.spawn on a free port
     python ddp.py                                      # a world of one process
-
-This model has no BatchNorm. A model that does would need
-`model = nn.SyncBatchNorm.convert_sync_batchnorm(model)` before wrapping, or each rank
-normalises with the statistics of its own batch/W samples only.
 """
 
 import datetime

@@ -13,20 +13,14 @@ Memory (fp32, AdamW, Ψ parameters): GPU 0 holds 4Ψ params + 4Ψ grads + 8Ψ op
 every other GPU a 4Ψ replica (+ its gradients) rebuilt each step.
 Communication per step, all through GPU 0: broadcast Ψ parameters to N-1 GPUs, reduce Ψ
 gradients from them ((N-1) · 4Ψ bytes each way), plus scattering inputs and gathering outputs.
-These are CUDA copies, not c10d collectives: the Meter, which counts collectives, sees none.
-Nor does it see the activations over several GPUs: it watches what autograd saves through
-hooks that belong to one thread, and the replicas run in threads of their own (the report says
-"not measured"). One Python process and GIL for all GPUs is why DistributedDataParallel
-(ddp.py) replaced it.
+Data parallelism: Krizhevsky 2014, "One weird trick for parallelizing convolutional neural
+networks", https://arxiv.org/abs/1404.5997. nn.DataParallel is what DistributedDataParallel
+(ddp.py) replaced: one Python process and GIL for all GPUs. What the Meter sees, and why not
+under torchrun: docs/techniques.md#dataparallel
 
     python dp.py                  # nn.DataParallel over all visible GPUs
     python dp.py --manual         # the same step written out: replicate, scatter, apply, gather
     CUDA_VISIBLE_DEVICES=0,1 python dp.py --epochs 1
-
-Not under torchrun: every process it started would run its own DataParallel training over the
-same GPUs, so dp.py refuses a WORLD_SIZE above 1. Without GPUs it trains on the CPU as one
-device, and says so. There is no process group, so this file's skeleton has no setup(),
-sampler ranks or all-reduces: compare it with ddp.py.
 """
 
 import os

@@ -1,8 +1,7 @@
-"""FSDP: PyTorch's fully sharded data parallel (FSDP2, `fully_shard`), ZeRO-3 as a library. It is
-DDP, except that each rank keeps only its shard of every parameter (a DTensor). Each block, and
-then the root (what is left: embed and head), is a unit: all-gathered before its forward and
-again before its backward, freed after each, its gradients reduce-scattered so that every rank
-receives the averaged gradient of its own shard only.
+"""FSDP: PyTorch's fully sharded data parallel (FSDP2, `fully_shard`), ZeRO-3 as a library: DDP,
+except that each rank keeps only its shard of every parameter (a DTensor). Each block, then the
+root (the rest: embed and head), is a unit: all-gathered before its forward and again before its
+backward, freed after each, its gradients reduce-scattered so that each rank gets its shard's mean.
 
     every parameter's dim 0 in W chunks of c = ceil(dim0 / W) rows, the last chunk zero-padded:
     rank 0: rows [0, c)    rank 1: rows [c, 2c)    ...    rank W-1: rows [(W-1)c, dim0) + padding
@@ -13,18 +12,13 @@ receives the averaged gradient of its own shard only.
 Memory per rank (fp32, AdamW, Ψ parameters): 4Ψ/W params + 4Ψ/W grads + 8Ψ/W optimizer
 = 16Ψ/W bytes (dim 0 padded to a multiple of W), plus the units gathered at the time.
 Communication per step: about 2Ψ all-gathered, Ψ fp32 gradients reduce-scattered; a ring sends
-(W-1)/W of each. Every block is gathered before its forward and again before its backward (only
-once with --no-reshard-after-forward); the root, which stays gathered, only once.
---mixed-precision: bf16 compute and all-gathers; fp32 reduce-scatter, shards and output (the
-loss). fsdp_resume.py adds sharded checkpoints (DCP) to this file.
+(W-1)/W of each. fsdp_resume.py adds sharded checkpoints (DCP) to this file.
+Paper: Zhao et al. 2023, "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel",
+https://arxiv.org/abs/2304.11277. Gathers, --mixed-precision, BatchNorm: docs/techniques.md#fsdp
 
     torchrun --standalone --nproc_per_node=4 fsdp.py
     python fsdp.py --nproc 4 --mixed-precision --offload cpu   # through mp.spawn on a free port
     python fsdp.py                                             # a world of one process
-
-This model has no BatchNorm. A model that does would need
-`model = nn.SyncBatchNorm.convert_sync_batchnorm(model)` before wrapping, or each rank
-normalises with the statistics of its own batch/W samples only.
 """
 
 import datetime

@@ -1,12 +1,11 @@
-"""FSDP with sharded checkpoints: fsdp.py, plus --dcp DIR, which saves the training state as each
-rank's shards with torch.distributed.checkpoint (DCP) and resumes from it, also at another world
-size (DCP reshards on load). fsdp.py's text, below, is unchanged otherwise.
+"""FSDP with sharded checkpoints: fsdp.py's text, plus --dcp DIR, which saves each rank's shards of
+the training state with torch.distributed.checkpoint (DCP) and resumes from the newest complete
+save, at any world size (DCP reshards). How: docs/techniques.md#fsdp-sharded-checkpoints-dcp
 
-FSDP: PyTorch's fully sharded data parallel (FSDP2, `fully_shard`), ZeRO-3 as a library. It is
-DDP, except that each rank keeps only its shard of every parameter (a DTensor). Each block, and
-then the root (what is left: embed and head), is a unit: all-gathered before its forward and
-again before its backward, freed after each, its gradients reduce-scattered so that every rank
-receives the averaged gradient of its own shard only.
+FSDP: PyTorch's fully sharded data parallel (FSDP2, `fully_shard`), ZeRO-3 as a library: DDP,
+except that each rank keeps only its shard of every parameter (a DTensor). Each block, then the
+root (the rest: embed and head), is a unit: all-gathered before its forward and again before its
+backward, freed after each, its gradients reduce-scattered so that each rank gets its shard's mean.
 
     every parameter's dim 0 in W chunks of c = ceil(dim0 / W) rows, the last chunk zero-padded:
     rank 0: rows [0, c)    rank 1: rows [c, 2c)    ...    rank W-1: rows [(W-1)c, dim0) + padding
@@ -17,24 +16,12 @@ receives the averaged gradient of its own shard only.
 Memory per rank (fp32, AdamW, Ψ parameters): 4Ψ/W params + 4Ψ/W grads + 8Ψ/W optimizer
 = 16Ψ/W bytes (dim 0 padded to a multiple of W), plus the units gathered at the time.
 Communication per step: about 2Ψ all-gathered, Ψ fp32 gradients reduce-scattered; a ring sends
-(W-1)/W of each. Every block is gathered before its forward and again before its backward (only
-once with --no-reshard-after-forward); the root, which stays gathered, only once.
---mixed-precision: bf16 compute and all-gathers; fp32 reduce-scatter, shards and output (the
-loss).
-
---dcp DIR: at the end of the run every rank writes its shards of the model and of the optimizer
-state, and the schedule's position, into DIR/step-N (N: the steps trained). A run started with
-the same --dcp resumes from the newest complete one, at any world size: rank 0 decides and checks
-that it fits this model and optimizer, then every rank reads the rows of its own shards. Every
-rank reads and writes DIR: it must be on a file system all nodes share. Resume with the same
-command: the schedule is drawn over --epochs/--max-steps.
+(W-1)/W of each.
+Paper: Zhao et al. 2023, "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel",
+https://arxiv.org/abs/2304.11277. Gathers, --mixed-precision, BatchNorm: docs/techniques.md#fsdp
 
     torchrun --standalone --nproc_per_node=2 fsdp_resume.py --max-steps 100 --dcp ckpt/  # saves
     torchrun --standalone --nproc_per_node=4 fsdp_resume.py --max-steps 200 --dcp ckpt/  # resumes
-
-This model has no BatchNorm. A model that does would need
-`model = nn.SyncBatchNorm.convert_sync_batchnorm(model)` before wrapping, or each rank
-normalises with the statistics of its own batch/W samples only.
 """
 
 import datetime

@@ -1,41 +1,25 @@
-"""N-D parallelism: data, tensor and pipeline parallelism composed on one DeviceMesh, with
-PyTorch's own pieces: init_device_mesh, torch.distributed.pipelining (GPipe, 1F1B),
-parallelize_module (Megatron's tensor parallelism) and fully_shard (FSDP2; HSDP, replicas of FSDP
-groups, when there is a replicate dimension). Exact: the same parameters as one-process ddp.py.
-
-W = P·R·S·T ranks on a mesh (pp, dp_replicate, dp_shard, tp), outermost to innermost: ranks that
-differ only in the innermost dimension are consecutive, so on the same node. tp talks in every
-block, so it is innermost (NVLink); pp sends once per micro-batch, so it is outermost (it may cross
-nodes). Two nodes of 4 GPUs, --pp 2 --dp-shard 2 --tp 2, rank = 4·pp + 2·dp_shard + tp:
+"""N-D parallelism: data, tensor and pipeline parallelism composed on one DeviceMesh
+(init_device_mesh), with PyTorch's own pieces, applied in this order: torch.distributed.pipelining
+(GPipe, 1F1B), parallelize_module (Megatron's tensor parallelism), fully_shard (FSDP2; HSDP when
+there is a replicate dimension). W = P·R·S·T ranks on a mesh (pp, dp_replicate, dp_shard, tp),
+outermost to innermost. Two nodes of 4 GPUs, --pp 2 --dp-shard 2 --tp 2:
 
                           dp_shard 0   dp_shard 1
     node 0, stage 0:        [0  1]       [2  3]       [a b]  a tp group: the blocks' heads split
     node 1, stage 1:        [4  5]       [6  7]       0-2, 1-3, 4-6, 5-7: dp_shard (FSDP) groups
                                                       0-4, 1-5, 2-6, 3-7: pp groups (the pipes)
 
-The data-parallel rank is the (dp_replicate, dp_shard) coordinate: ranks that differ only in tp or
-pp read the same batch/(R·S) samples. The order of application: the pipeline split first (TP and
-FSDP then see only the stage's blocks), then TP, then FSDP. fully_shard accepts parameters that
-are already DTensors on the tp mesh and shards each TP shard again along its dim 0 over the dp
-mesh (a 2-D DTensor); parallelize_module splits whole weights and has no rule for one that FSDP
-has already sharded.
-
-Memory per rank (fp32, AdamW, Ψ parameters): ≈ 16Ψ/(P·T·S) bytes (the norms, the biases of
-proj and fc2, the embedding and the head are not split by T). Per step, per mesh dimension, in
-bytes of the tensors (act: this data-parallel rank's B/(R·S) samples x T tokens x D, fp32):
-    tp            all-reduce 6·act a block: f (q, k, v, fc1) in backward, g (proj, fc2) forward
-    dp_shard      all-gather ≈ 2·4Ψ/(P·T) (each block for forward and again for backward;
-                  with a pipeline the schedule decides how often), reduce-scatter ≈ 4Ψ/(P·T)
-                  (the stage's gradients; the reduce-scatter's input is the whole S·shard)
-    dp_replicate  all-reduce ≈ 4Ψ/(P·T·S) (HSDP: the shard's gradients, across the replicas)
-    pp            send act (m activations), receive act (m gradients)
+Memory per rank (fp32, AdamW, Ψ parameters): ≈ 16Ψ/(P·T·S) bytes. Per step (act: B/(R·S) samples
+x T tokens x D, fp32): tp all-reduces 6·act a block; dp_shard all-gathers ≈ 2·4Ψ/(P·T) and
+reduce-scatters ≈ 4Ψ/(P·T); dp_replicate all-reduces ≈ 4Ψ/(P·T·S); pp sends and receives act.
+Paper: Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
+Using Megatron-LM", https://arxiv.org/abs/2104.04473. Layout and traffic derived:
+docs/techniques.md#n-d-parallelism-mesh-layout-and-traffic
 
     torchrun --standalone --nproc_per_node=4 nd_parallel.py --dp-shard 2 --tp 2      # FSDP x TP
     torchrun --standalone --nproc_per_node=8 nd_parallel.py --pp 2 --dp-shard 2 --tp 2   # 3-D
     python nd_parallel.py --nproc 4 --dp-replicate 2 --dp-shard -1 --pp 2 --schedule gpipe  # S=1
-
-The picture's two nodes: the same command on each, HOST being node 0's address:
-
+    # the picture's two nodes: the same command on each, HOST being node 0's address
     torchrun --nnodes=2 --nproc_per_node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
              nd_parallel.py --pp 2 --dp-shard 2 --tp 2
 """
@@ -110,7 +94,8 @@ class Stage(nn.Module):
         blocks = {str(i): model.blocks[i] for i in range(first_block, end_block)}
         self.blocks = nn.ModuleDict(blocks)
         self.head = model.head if self.is_last else None
-        # (T, D): one sample's activation, what crosses a stage boundary (infer's receive buffer)
+        # One sample's activation, (T, D), is what crosses a stage boundary: infer() sizes its
+        # receive buffer by it.
         self.activation_shape = tuple(model.embed.pos.shape[1:])
 
     def forward(self, x):
@@ -218,7 +203,8 @@ def clip_grad_norm_(stage, max_norm):
             norm = norm.full_tensor()  # the norm over every rank of that mesh
         squares += norm**2
     if stage.num_stages > 1:
-        dist.all_reduce(squares, group=stage.pp_group)  # each stage holds other parameters
+        # The stages hold different parameters: the global norm sums their squares.
+        dist.all_reduce(squares, group=stage.pp_group)
     total_norm = squares.sqrt()
     for params in params_by_mesh.values():
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
@@ -480,7 +466,8 @@ def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
             loss_sum += loss.detach()
             losses_summed += 1
             if step % args.log_every == 0 or step >= stop or i + 1 == len(loader):
-                dist.all_reduce(loss_sum)  # the last stage's losses (its tp ranks': equal): average
+                # Only the last stage's ranks hold a loss (equal on its tp ranks): average those.
+                dist.all_reduce(loss_sum)
                 last_loss = loss_sum.item() / world / losses_summed
                 loss_sum.zero_()
                 losses_summed = 0
