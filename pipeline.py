@@ -31,9 +31,10 @@ Communication per step, T tokens of width D (--dim) a sample: m activations of B
 forward and m gradients back over each of the p-1 stage boundaries: 2(p-1)·m messages, 4·B·T·D
 bytes each way per boundary. A weight the embedding and the head share (a language model's tied
 embedding, Ψ_e) adds an all-reduce of its 4Ψ_e-byte gradient between the first and the last stage,
-after the step's last backward; no other collective in the step: every message a step sends is
-received within it (each schedule ends flushed), so the loop's collectives (the logged loss's
-all-reduce, evaluation's) never meet an open send.
+after the step's last backward, and --clip one of a single number over all stages; no other
+collective in the step: every message a step sends is received within it (each schedule ends
+flushed), so the loop's collectives (the logged loss's all-reduce, evaluation's) never meet an
+open send.
 
     torchrun --standalone --nproc_per_node=2 pipeline.py --schedule 1f1b --microbatches 4
     python pipeline.py --nproc 4 --schedule gpipe --microbatches 8
@@ -42,6 +43,8 @@ all-reduce, evaluation's) never meet an open send.
 
 import datetime
 import os
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -54,35 +57,59 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 
 ### begin: Pipeline
-# Model contract: model.embed (the inputs -> [B, T, D]), model.blocks (a list of [B, T, D] ->
-# [B, T, D]) and model.head (-> what the loss takes), in that order, the same weights built on every
-# rank. A float [B/m, T, D] crosses each stage boundary: (T, D) is parallelize's activation_shape,
-# model.embed.pos's [1, T, D] by default. The loss is train_step's loss_fn(output, targets),
-# cross-entropy by default (a language model: next-token cross-entropy over the positions). A weight
-# model.embed and model.head share (GPT-2's wte.weight, lm_head.weight) gets a copy of its own on
-# the last stage (stage.tied): a weight-decay split puts that copy in its original's group.
+# Model contract: what runs on each stage is the model's own parts, named by the user in a Parts:
+# `blocks`, the dotted name of the model's list of blocks ([B, T, D] -> [B, T, D]), cut into p
+# contiguous stages; `first`, the names of the modules the first stage runs before the blocks, and
+# `embed(stage, inputs) -> [B, T, D]`, how it runs them; `last` and `head(stage, x) -> what the
+# loss takes`, likewise after the blocks on the last stage. A stage holds each module under its
+# name in the model, so `embed` and `head` read as the model's forward does (stage.transformer.wte)
+# and the stage's state_dict has the model's own keys. The defaults are the common ViT's (embed,
+# blocks, head). The same weights are built on every rank. A float [B/m, T, D] crosses each stage
+# boundary: (T, D) is parallelize's activation_shape, model.embed.pos's [1, T, D] by default. The
+# loss is train_step's loss_fn(output, targets), cross-entropy by default. A weight the first and
+# the last modules share (GPT-2's wte.weight, lm_head.weight) gets a copy of its own on the last
+# stage (stage.tied). The optimizer is built on the stage: its named_parameters() are the model's,
+# so a recipe that reads only them (nanoGPT's configure_optimizers, called on the stage) builds
+# the stage's groups, the copy in the group a weight-decay split by shape puts its original in.
+# Clipping: this section's clip_grad_norm_(stage, max_norm), over all stages (a stage's own is not
+# the model's norm).
+
+
+class Parts(NamedTuple):
+    """The model's parts a pipeline runs, by name (see the Model contract)."""
+
+    blocks: str = "blocks"
+    first: tuple = ("embed",)
+    embed: Callable = lambda stage, inputs: stage.embed(inputs)
+    last: tuple = ("head",)
+    head: Callable = lambda stage, x: stage.head(x)
 
 
 class Stage(torch.nn.Module):
-    """Stage `index` of `num_stages` (s of p): blocks s·d/p .. (s+1)·d/p - 1, with the embedding
-    on the first stage and the head on the last. Blocks keep their index in the whole model, so the
-    stage's state_dict has the common model's keys. `tied`: the stage's copy of each weight the
-    embedding and the head share, on the first and the last stage (parallelize's)."""
+    """Stage `index` of `num_stages` (s of p): blocks s·d/p .. (s+1)·d/p - 1, with the first
+    modules on the first stage and the last ones on the last. Each module sits under its name in
+    the whole model, so the stage's state_dict has the model's keys. `tied`: the stage's copy of
+    each weight the first and the last modules share, on the first and the last stage
+    (parallelize's)."""
 
-    def __init__(self, model, index, num_stages, activation_shape=None):
+    def __init__(self, model, index, num_stages, activation_shape=None, parts=None):
         super().__init__()
+        self.parts = parts or Parts()
         self.index = index
         self.num_stages = num_stages
         self.is_first = index == 0
         self.is_last = index == num_stages - 1
-        depth = len(model.blocks)
+        depth = len(model.get_submodule(self.parts.blocks))
         first_block = index * depth // num_stages
         end_block = (index + 1) * depth // num_stages
-        self.embed = model.embed if self.is_first else None
-        self.blocks = torch.nn.ModuleDict(
-            {str(i): model.blocks[i] for i in range(first_block, end_block)}
-        )
-        self.head = model.head if self.is_last else None
+        self.block_names = [f"{self.parts.blocks}.{i}" for i in range(first_block, end_block)]
+        held = list(self.block_names)
+        if self.is_first:
+            held += self.parts.first
+        if self.is_last:
+            held += self.parts.last
+        for name in held:
+            self.hold(model, name)
         # a sample's activation, (T, D): what crosses a stage boundary, received into empty tensors
         if activation_shape is None:
             activation_shape = model.embed.pos.shape[1:]
@@ -90,43 +117,63 @@ class Stage(torch.nn.Module):
         self.tied = []
         self.tied_group = None
 
+    def hold(self, model, name):
+        """Hold the model's module `name` (a dotted path) at the same path in this stage, inside
+        empty modules standing for the ones around it that the stage does not hold whole."""
+        owner = self
+        *path, leaf = name.split(".")
+        for part in path:
+            if part not in dict(owner.named_children()):
+                owner.add_module(part, torch.nn.Module())
+            owner = owner.get_submodule(part)
+        owner.add_module(leaf, model.get_submodule(name))
+
     def forward(self, x):
-        if self.embed is not None:
-            x = self.embed(x)
-        for block in self.blocks.values():
-            x = block(x)
-        if self.head is not None:
-            x = self.head(x)
+        if self.is_first:
+            x = self.parts.embed(self, x)
+        for name in self.block_names:
+            x = self.get_submodule(name)(x)
+        if self.is_last:
+            x = self.parts.head(self, x)
         return x
 
 
-def parallelize(model, device, activation_shape=None):
+def parallelize(model, device, activation_shape=None, parts=None):
     """Keep this rank's stage, on its device; the rest of the model is dropped. activation_shape:
-    (T, D) of one sample's activation between stages (default: model.embed.pos's).
+    (T, D) of one sample's activation between stages (default: model.embed.pos's); parts: what
+    runs where (a Parts; default: the common ViT's).
 
-    A weight tied between the embedding (first stage) and the head (last stage) cannot be one
-    tensor on two ranks. As in Megatron-LM, the last stage gets a copy of its own, equal to the
+    A weight tied between the first modules (first stage) and the last ones (last stage) cannot be
+    one tensor on two ranks. As in Megatron-LM, the last stage gets a copy of its own, equal to the
     first stage's (every rank built the same weights), and the two stages, its "embedding group",
     sum their gradients after each step's backward (all_reduce_tied): both copies take the same
     step, the tied weight's."""
+    parts = parts or Parts()
     num_stages = dist.get_world_size()
-    tied_names = tied_weights(model) if num_stages > 1 else []  # one stage: the tie stays
-    stage = Stage(model, dist.get_rank(), num_stages, activation_shape)
+    tied_names = tied_weights(model, parts) if num_stages > 1 else []  # one stage: the tie stays
+    stage = Stage(model, dist.get_rank(), num_stages, activation_shape, parts)
     if tied_names:
         # every rank takes part in making a group, the ranks outside it too (dist.new_group's rule)
         stage.tied_group = dist.new_group([0, num_stages - 1])
     if stage.is_first:
-        stage.tied = [model.head.get_parameter(name) for name in tied_names]
+        stage.tied = [model.get_parameter(name) for name in tied_names]
     if stage.is_last:
-        stage.tied = [untie(model.head, name) for name in tied_names]
+        stage.tied = [untie(stage, name) for name in tied_names]
     return stage.to(device)
 
 
-def tied_weights(model):
-    """The names, in model.head, of the parameters model.embed holds too (GPT-2's lm_head.weight,
-    which is wte.weight)."""
-    embed_parameters = set(model.embed.parameters())
-    return [name for name, param in model.head.named_parameters() if param in embed_parameters]
+def tied_weights(model, parts):
+    """The names, in the model, of the last modules' parameters that the first modules hold too
+    (GPT-2's lm_head.weight, which is transformer.wte.weight)."""
+    first_parameters = set()
+    for name in parts.first:
+        first_parameters.update(model.get_submodule(name).parameters())
+    tied = []
+    for name in parts.last:
+        for param_name, param in model.get_submodule(name).named_parameters():
+            if param in first_parameters:
+                tied.append(f"{name}.{param_name}")
+    return tied
 
 
 def untie(module, name):
@@ -259,6 +306,32 @@ def full_state_dict(model):
     return {name: tensor for part in parts for name, tensor in part.items()}
 
 
+### more: gradient clipping over the stages
+
+
+def clip_grad_norm_(stage, max_norm, group=None):
+    """torch.nn.utils.clip_grad_norm_ for the whole model, which no rank holds: the sum of squares
+    of the stage's gradients, all-reduced over the pipeline's ranks (`group`, the world when None),
+    is the square of the global norm. A tied weight counts once: after all_reduce_tied both copies
+    hold its whole gradient, and only the first stage's counts. Every stage scales by the same
+    factor, so the copies stay equal. Call it after the step's last train_step; returns the total
+    norm, as one process's clip_grad_norm_ would."""
+    copies = set() if stage.is_first else set(stage.tied)
+    grads = [param.grad for param in stage.parameters() if param.grad is not None]
+    counted = [
+        param.grad for param in stage.parameters() if param.grad is not None and param not in copies
+    ]
+    square = torch.zeros((), device=next(stage.parameters()).device)
+    for grad in counted:
+        square += torch.linalg.vector_norm(grad) ** 2
+    dist.all_reduce(square, group=group)
+    total = square.sqrt()
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's factor, the same everywhere
+    for grad in grads:
+        grad.mul_(scale)
+    return total
+
+
 ### end: Pipeline
 
 
@@ -363,6 +436,8 @@ def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
             x = x.to(device, non_blocking=True)
             y = y.to(device, non_blocking=True)
             loss = train_step(model, x, y, args.schedule, args.microbatches)  # F, loss, B
+            if args.clip:
+                clip_grad_norm_(model, args.clip)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)

@@ -26,6 +26,8 @@ logged loss's all-reduce, at an epoch's end too); the run's last batch drains th
 
 import datetime
 import os
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -38,65 +40,115 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 
 ### begin: Pipeline
-# Model contract: model.embed (images -> [B, T, D], with a parameter pos [1, T, D]), model.blocks
-# (a list of [B, T, D] -> [B, T, D]) and model.head (-> logits), in that order; cross-entropy loss.
-# No weight shared by model.embed and model.head (a tied embedding is refused: see parallelize).
+# Model contract: what runs on each stage is the model's own parts, named by the user in a Parts:
+# `blocks`, the dotted name of the model's list of blocks ([B, T, D] -> [B, T, D]), cut into p
+# contiguous stages; `first`, the names of the modules the first stage runs before the blocks, and
+# `embed(stage, inputs) -> [B, T, D]`, how it runs them; `last` and `head(stage, x) -> logits`,
+# likewise after the blocks on the last stage. A stage holds each module under its name in the
+# model, so `embed` and `head` read as the model's forward does (stage.transformer.wte) and the
+# stage's state_dict has the model's own keys. The defaults are the common ViT's (embed, blocks,
+# head). The same weights are built on every rank. A float [B/m, T, D] crosses each stage
+# boundary: (T, D) is parallelize's activation_shape, model.embed.pos's [1, T, D] by default.
+# Cross-entropy loss. No weight shared by the first and the last modules (a tied embedding is
+# refused: see parallelize). No gradient clipping: each stage steps after each of its backwards,
+# at its own times, so no step has a norm over all stages (check_args refuses --clip).
+
+
+class Parts(NamedTuple):
+    """The model's parts a pipeline runs, by name (see the Model contract)."""
+
+    blocks: str = "blocks"
+    first: tuple = ("embed",)
+    embed: Callable = lambda stage, inputs: stage.embed(inputs)
+    last: tuple = ("head",)
+    head: Callable = lambda stage, x: stage.head(x)
 
 
 class Stage(torch.nn.Module):
-    """Stage `index` of `num_stages` (s of p): blocks s·d/p .. (s+1)·d/p - 1, with the embedding
-    on the first stage and the head on the last. Blocks keep their index in the whole model, so the
-    stage's state_dict has the common model's keys."""
+    """Stage `index` of `num_stages` (s of p): blocks s·d/p .. (s+1)·d/p - 1, with the first
+    modules on the first stage and the last ones on the last. Each module sits under its name in
+    the whole model, so the stage's state_dict has the model's keys. `tied`: the stage's copy of
+    each weight the first and the last modules share, on the first and the last stage
+    (parallelize's)."""
 
-    def __init__(self, model, index, num_stages):
+    def __init__(self, model, index, num_stages, activation_shape=None, parts=None):
         super().__init__()
+        self.parts = parts or Parts()
         self.index = index
         self.num_stages = num_stages
         self.is_first = index == 0
         self.is_last = index == num_stages - 1
-        depth = len(model.blocks)
+        depth = len(model.get_submodule(self.parts.blocks))
         first_block = index * depth // num_stages
         end_block = (index + 1) * depth // num_stages
-        self.embed = model.embed if self.is_first else None
-        self.blocks = torch.nn.ModuleDict(
-            {str(i): model.blocks[i] for i in range(first_block, end_block)}
-        )
-        self.head = model.head if self.is_last else None
+        self.block_names = [f"{self.parts.blocks}.{i}" for i in range(first_block, end_block)]
+        held = list(self.block_names)
+        if self.is_first:
+            held += self.parts.first
+        if self.is_last:
+            held += self.parts.last
+        for name in held:
+            self.hold(model, name)
         # a sample's activation, (T, D): what crosses a stage boundary, received into empty tensors
-        self.activation_shape = tuple(model.embed.pos.shape[1:])
+        if activation_shape is None:
+            activation_shape = model.embed.pos.shape[1:]
+        self.activation_shape = tuple(activation_shape)
         # The stream's state, which outlives a batch (a train_step):
         self.streamed = 0  # micro-batches fed to the stream so far
         self.kept = {}  # micro-batch -> (input, output, stashed weights) until its backward
         self.pending = []  # the last step's closing send, which stage s-1 takes in the next step
 
+    def hold(self, model, name):
+        """Hold the model's module `name` (a dotted path) at the same path in this stage, inside
+        empty modules standing for the ones around it that the stage does not hold whole."""
+        owner = self
+        *path, leaf = name.split(".")
+        for part in path:
+            if part not in dict(owner.named_children()):
+                owner.add_module(part, torch.nn.Module())
+            owner = owner.get_submodule(part)
+        owner.add_module(leaf, model.get_submodule(name))
+
     def forward(self, x):
-        if self.embed is not None:
-            x = self.embed(x)
-        for block in self.blocks.values():
-            x = block(x)
-        if self.head is not None:
-            x = self.head(x)
+        if self.is_first:
+            x = self.parts.embed(self, x)
+        for name in self.block_names:
+            x = self.get_submodule(name)(x)
+        if self.is_last:
+            x = self.parts.head(self, x)
         return x
 
 
-def parallelize(model, device):
-    """Keep this rank's stage, on its device; the rest of the model is dropped. A weight tied
-    between the embedding and the head is refused: pipeline.py gives the last stage a copy and sums
-    the two copies' gradients before each step, but here the first and the last stage step after
-    each micro-batch's backward at different times, each with its own stashed versions."""
-    if dist.get_world_size() > 1 and tied_weights(model):
+def parallelize(model, device, activation_shape=None, parts=None):
+    """Keep this rank's stage, on its device; the rest of the model is dropped. activation_shape:
+    (T, D) of one sample's activation between stages (default: model.embed.pos's); parts: what
+    runs where (a Parts; default: the common ViT's). A weight tied between the first and the last
+    modules is refused: pipeline.py gives the last stage a copy and sums the two copies' gradients
+    before each step, but here the first and the last stage step after each micro-batch's backward
+    at different times, each with its own stashed versions."""
+    parts = parts or Parts()
+    tied_names = tied_weights(model, parts)
+    if dist.get_world_size() > 1 and tied_names:
         raise ValueError(
-            f"model.embed and model.head share {tied_weights(model)}: pipeline_pipedream.py cannot "
+            f"the first and the last modules share {tied_names}: pipeline_pipedream.py cannot "
             "keep a tied weight's two stages in step; untie it, or use pipeline.py"
         )
-    return Stage(model, dist.get_rank(), dist.get_world_size()).to(device)
+    stage = Stage(model, dist.get_rank(), dist.get_world_size(), activation_shape, parts)
+    return stage.to(device)
 
 
-def tied_weights(model):
-    """The names, in model.head, of the parameters model.embed holds too (GPT-2's lm_head.weight,
-    which is wte.weight)."""
-    embed_parameters = set(model.embed.parameters())
-    return [name for name, param in model.head.named_parameters() if param in embed_parameters]
+def tied_weights(model, parts):
+    """The names, in the model, of the last modules' parameters that the first modules hold too
+    (GPT-2's lm_head.weight, which is transformer.wte.weight)."""
+    first_parameters = set()
+    for name in parts.first:
+        first_parameters.update(model.get_submodule(name).parameters())
+    tied = []
+    for name in parts.last:
+        for param_name, param in model.get_submodule(name).named_parameters():
+            if param in first_parameters:
+                tied.append(f"{name}.{param_name}")
+    return tied
 
 
 def schedule(micro_batches, num_stages, index, first, final):
@@ -261,6 +313,11 @@ def check_args(args, world):
     common.check(
         args.batch_size % args.microbatches == 0,
         f"--batch-size {args.batch_size} is not divisible by --microbatches {args.microbatches}",
+    )
+    common.check(
+        not args.clip,
+        "--clip is refused: each stage steps after each of its micro-batches' backwards, at its "
+        "own times, so no step has a gradient norm over all stages (use pipeline.py)",
     )
 
 

@@ -5,11 +5,17 @@ so a CausalLM of 4 blocks, against a one-process reference of its own). Every ra
 batch (the tokens are the first stage's inputs and the last stage's targets). causal_lm.train's
 ACCUMULATE backward passes a step, each on a micro-batch of MICRO_BATCH sequences with its loss
 / ACCUMULATE, are the schedule's m = ACCUMULATE micro-batches, each one's loss / m; or, in the
-`calls` case, ACCUMULATE train_steps of one micro-batch before the optimizer's step. Run by
-tests/copy_cases.py."""
+`calls` case, ACCUMULATE train_steps of one micro-batch before the optimizer's step.
 
+nanoGPT (tests/nanogpt_model.py, `nanogpt_cases`): the model as it is, its parts named in a
+pipeline.Parts (GPT_PARTS), its loss, its configure_optimizers run on the stage, its (x, y)
+micro-batches as the schedule's, and the section's clip_grad_norm_ over the stages where nanoGPT
+clips: 1F1B with SGD and AdamW, zb-h1 with SGD. Run by tests/copy_cases.py."""
+
+import nanogpt_model
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from causal_lm import (
     ACCUMULATE,
     CONTEXT,
@@ -68,6 +74,18 @@ def eval_loss(technique, stage, tokens):
     return loss.item()
 
 
+def held_by_rank(stage):
+    """What each rank's stage holds, gathered on every rank: {what: [per rank]}. The technique ran:
+    the blocks cut over the ranks, the position embedding on the first stage only, a tied copy on
+    each end."""
+    blocks = len(list(stage.get_submodule(stage.parts.blocks).children()))
+    wpe = any("wpe." in key for key in stage.state_dict())
+    held = dict(blocks=blocks, wpe=wpe, copies=len(stage.tied))
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, held)
+    return {key: [rank_held[key] for rank_held in gathered] for key in held}
+
+
 def run_pipeline(optim, batches, micro_batches, schedule="1f1b", depth=2):
     model = CausalLM(depth=depth)
     shape = (CONTEXT, model.embed.wte.embedding_dim)
@@ -82,10 +100,7 @@ def run_pipeline(optim, batches, micro_batches, schedule="1f1b", depth=2):
     train(technique, schedule, stage, optimizer, batches, micro_batches)
     state = technique.full_state_dict(stage)
     # the technique ran: what each rank's stage holds
-    held = dict(blocks=len(stage.blocks), wpe=stage.embed is not None, copies=len(stage.tied))
-    held_by_rank = [None] * dist.get_world_size()
-    dist.all_gather_object(held_by_rank, held)
-    proof = {key: [rank_held[key] for rank_held in held_by_rank] for key in held}
+    proof = held_by_rank(stage)
     # copy_cases evaluates with model(tokens), which a stage cannot run: the case brings its own,
     # on the held-out sequences copy_cases uses
     _, test_tokens = task()
@@ -117,3 +132,106 @@ def cases(batches, rank, world, folder):
     stage, state, proof = run_pipeline("sgd", batches, ACCUMULATE, "interleaved", depth=4)
     proof["reference_eval_loss"] = reference_loss
     yield "pipeline_schedules-interleaved-sgd", "depth4-sgd", stage, state, proof
+
+
+# The model as nanoGPT has it (tests/nanogpt_model.py), trained by its own recipe: (x, y) batches,
+# ignore_index=-1, configure_optimizers' groups, clipping. The stages run the model's own modules
+# under their own names; what GPT.forward does around its blocks is written out here, as a user
+# would write it, and the model class is not touched.
+
+NANOGPT_CASES = ["pipeline-sgd", "pipeline-adamw", "pipeline_schedules-zb-h1-sgd"]
+
+
+def gpt_embed(gpt, idx):
+    """GPT.forward up to the blocks: token and position embeddings, dropout."""
+    pos = torch.arange(0, idx.size(1), dtype=torch.long, device=idx.device)
+    return gpt.transformer.drop(gpt.transformer.wte(idx) + gpt.transformer.wpe(pos))
+
+
+def gpt_head(gpt, x):
+    """GPT.forward after the blocks: the final norm and the (tied) head, at every position."""
+    return gpt.lm_head(gpt.transformer.ln_f(x))
+
+
+GPT_PARTS = pipeline.Parts(
+    blocks="transformer.h",
+    first=("transformer.wte", "transformer.wpe", "transformer.drop"),
+    embed=gpt_embed,
+    last=("transformer.ln_f", "lm_head"),
+    head=gpt_head,
+)
+
+
+def gpt_loss(logits, targets):
+    """GPT.forward's loss: cross-entropy over every position, targets of -1 ignored."""
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+
+
+def make_stage_optimizer(stage, optim):
+    """nanogpt_model.make_optimizer on a stage. configure_optimizers reads only the parameters'
+    names and shapes, which the stage keeps, so it runs on the stage as it is: the last stage's
+    copy of wte.weight (2-D, as lm_head.weight) decays, as the tied weight does in one process."""
+    if optim == "sgd":
+        return torch.optim.SGD(stage.parameters(), lr=0.1, momentum=0.9)
+    return nanogpt_model.GPT.configure_optimizers(stage, 0.1, 1e-2, (0.9, 0.95), "cpu")
+
+
+def train_gpt(technique, schedule, stage, optimizer, step_batches):
+    """nanogpt_model.train through the pipeline: a step's ACCUMULATE (x, y) micro-batches are the
+    schedule's m micro-batches (each loss / m, as the recipe's / ACCUMULATE), every stage feeds the
+    same x and y (the first stage reads x, the last y), then the clip over the stages. Returns
+    (the micro-batches' losses, from the last stage, on every rank; the norms the clip returned)."""
+    losses = []
+    norms = []
+
+    def loss_fn(logits, targets):
+        loss = gpt_loss(logits, targets)
+        losses.append(loss.item())
+        return loss
+
+    for micro_batches in step_batches:
+        x = torch.cat([x for x, _ in micro_batches])
+        y = torch.cat([y for _, y in micro_batches])
+        technique.train_step(stage, x, y, schedule, len(micro_batches), loss_fn=loss_fn)
+        norms.append(float(technique.clip_grad_norm_(stage, nanogpt_model.CLIP)))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    last_stage_losses = [None]
+    if stage.is_last:
+        last_stage_losses = [losses]
+    dist.broadcast_object_list(last_stage_losses, src=dist.get_world_size() - 1)
+    return last_stage_losses[0], norms
+
+
+def run_nanogpt_pipeline(optim, schedule="1f1b"):
+    gpt = nanogpt_model.model()
+    config = nanogpt_model.CONFIG
+    shape = (config.block_size, config.n_embd)
+    if schedule == "1f1b":
+        technique = pipeline
+        stage = pipeline.parallelize(gpt, CPU, activation_shape=shape, parts=GPT_PARTS)
+    else:
+        technique = pipeline_schedules
+        stage = pipeline_schedules.parallelize(gpt, CPU, 1, shape, parts=GPT_PARTS)
+    optimizer = make_stage_optimizer(stage, optim)
+    losses, norms = train_gpt(technique, schedule, stage, optimizer, nanogpt_model.batches())
+    state = technique.full_state_dict(stage)
+    proof = held_by_rank(stage)
+    proof.update(losses=losses, norms=norms, eval_loss=None)
+    if state is not None:  # rank 0, which writes the results
+        # the tie, as a pipeline keeps it: the last stage's copy equal to the first stage's weight
+        proof["tied"] = torch.equal(state["transformer.wte.weight"], state["lm_head.weight"])
+        # a stage cannot run the whole forward: one process evaluates the saved state, which
+        # loads into the model class as it is (its keys are the model's)
+        evaluated = nanogpt_model.model()
+        evaluated.load_state_dict(state)
+        proof["eval_loss"] = nanogpt_model.evaluation_loss(evaluated)
+    return stage, state, proof
+
+
+def nanogpt_cases(rank, world, folder):
+    """Yield (case name, its reference, the stage, the full state_dict, the proof), as
+    copy_zero.nanogpt_cases does."""
+    for optim in OPTIMS:
+        yield f"pipeline-{optim}", optim, *run_nanogpt_pipeline(optim)
+    yield "pipeline_schedules-zb-h1-sgd", "sgd", *run_nanogpt_pipeline("sgd", "zb-h1")

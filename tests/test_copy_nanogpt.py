@@ -14,6 +14,9 @@ import importlib
 import json
 import math
 
+import copy_context_parallel
+import copy_pipeline
+import copy_tensor_parallel
 import nanogpt_model
 import pytest
 import torch
@@ -21,7 +24,15 @@ import torch
 from helpers import fork_launch
 
 # The copy modules (tests/copy_<name>.py) with nanoGPT cases, each listing them in NANOGPT_CASES.
-MODULES = ["zero", "fsdp", "amp", "expert_parallel"]
+MODULES = [
+    "zero",
+    "fsdp",
+    "amp",
+    "expert_parallel",
+    "pipeline",
+    "context_parallel",
+    "tensor_parallel",
+]
 CASES = [
     (module, case)
     for module in MODULES
@@ -114,3 +125,79 @@ def test_expert_parallel_split_the_experts(copies, module, optim):
     reference = proof["reference_results"]
     assert reference["eval_loss"] < math.log(nanogpt_model.CONFIG.vocab_size) - 0.3
     assert min(reference["norms"]) > nanogpt_model.CLIP, reference["norms"]
+
+
+# pipeline
+
+
+@pytest.mark.parametrize("module, case", [("pipeline", c) for c in copy_pipeline.NANOGPT_CASES])
+def test_pipeline_split_the_model(copies, module, case):
+    """Two stages of the model as it is: one of nanoGPT's two blocks each, wte and wpe on the
+    first stage only, and a copy of the tied weight on each end (transformer.wte.weight on the
+    first, lm_head.weight on the last), which equal parameters alone would not show."""
+    _, results = copies
+    proof = results[case]
+    assert proof["blocks"] == [1, 1]
+    assert proof["wpe"] == [True, False]
+    assert proof["copies"] == [1, 1]
+
+
+# context parallel
+
+
+@pytest.mark.parametrize(
+    "module, case", [("context_parallel", c) for c in copy_context_parallel.NANOGPT_CASES]
+)
+def test_context_parallel_split_the_sequence(copies, module, case):
+    """Each rank embedded and attended with its 8 of the 16 tokens at their own positions (rank 0
+    holds 0-7, or with the zig-zag split chunks 0 and 3 of 4: 0-3 and 12-15), through the
+    section's GPT2Attention in the model's block, and every rank's loss, with the ignored first
+    target on rank 0 only, is one process's mean over the whole micro-batch."""
+    _, results = copies
+    proof = results[case]
+    contiguous = [list(range(0, 8)), list(range(8, 16))]
+    zigzag = [[*range(0, 4), *range(12, 16)], list(range(4, 12))]
+    expected = zigzag if "zigzag" in case else contiguous
+    assert [seen["positions"] for seen in proof["by_rank"]] == expected
+    assert [seen["attention_tokens"] for seen in proof["by_rank"]] == [8, 8]
+    assert [seen["attention"] for seen in proof["by_rank"]] == ["GPT2Attention"] * 2
+    reference_losses = results[f"reference-{case.split('-')[-1]}"]["losses"]
+    for seen in proof["by_rank"]:
+        assert seen["losses"] == pytest.approx(reference_losses, abs=1e-5)
+
+
+@pytest.mark.parametrize("module", ["context_parallel"])
+def test_context_parallel_errors_are_said_on_every_rank(copies, module):
+    """An input that goes wrong on one rank raises the same ValueError on both: -100 targets to
+    a loss that ignores -1 (all on rank 0, which holds each sequence's start), a rank feeding
+    shorter sequences, and 10 tokens that the zig-zag split cannot cut into 2W = 4 chunks."""
+    _, results = copies
+    errors = results[copy_context_parallel.NANOGPT_CASES[0]]["errors"]
+    expected = {
+        "targets": "not ignore_index=-1, on rank(s) [0]",
+        "shapes": "the ranks feed batches of different shapes",
+        "zigzag": "10 tokens do not split into 4 equal chunks",
+    }
+    for kind, text in expected.items():
+        first, second = errors[kind]
+        assert first == second and text in first, (kind, errors[kind])
+
+
+# tensor parallel
+
+
+@pytest.mark.parametrize(
+    "module, case", [("tensor_parallel", c) for c in copy_tensor_parallel.NANOGPT_CASES]
+)
+def test_tensor_parallel_split_the_heads(copies, module, case):
+    """Each rank's c_attn held 3D/W = 48 of its 96 rows: whole heads, the same two of q, k and v
+    (rank 0 heads 0-1, rank 1 heads 2-3), with or without biases; under sequence parallelism
+    block 0's ln_1 ran on T/W = 8 of the 16 tokens, else on all 16; and the replicated parameters
+    (embeddings, norms, row biases) ended equal on both ranks, which they do only if both clipped
+    by the same global norm."""
+    _, results = copies
+    proof = results[case]
+    assert proof["c_attn_rows"] == [48, 48]
+    assert proof["heads"] == [[[0, 1]] * 3, [[2, 3]] * 3]
+    assert proof["ln_1_tokens"] == ([8, 8] if "-sp-" in case else [16, 16])
+    assert proof["replicated_apart"] == [0.0, 0.0]

@@ -107,6 +107,11 @@ MUTANTS = {
         "pipeline: the tied copies' gradients not summed",
         "test_copy.py::test_pipeline_equals_one_process[pipeline-sgd]",
     ),
+    "pipeline-clip-local-norm": (
+        "pipeline: each stage clips by its own norm",
+        "test_copy_nanogpt.py::test_equals_one_process[pipeline-pipeline-sgd]",
+        "test_pipeline.py::test_clip_equals_one_ddp_process_clip[p2-1f1b-m4-sgd]",
+    ),
     "nd-fsdp-sum": (
         "N-D: FSDP sums under a pipeline",
         "test_nd_parallel.py::test_same_parameters_as_ddp_one_process[R1S2T1P2-sgd]",
@@ -114,6 +119,29 @@ MUTANTS = {
     "ep-clip-local-experts": (
         "EP clips by a norm of this rank's experts only",
         "test_expert_parallel.py::test_clip_equals_one_ddp_process_clip[W2-E4-K2-sgd-clip]",
+    ),
+    "ep-shared-communicator": (
+        "EP all-reduces the dense gradients on the all-to-alls' group",
+        "test_expert_parallel.py::test_dispatch_combine_equals_loop_over_experts",
+    ),
+    "ep-buckets-start-when-complete": (
+        "EP starts a bucket where its gradients complete, which depends on the rank",
+        "test_expert_parallel.py::test_dispatch_combine_equals_loop_over_experts",
+    ),
+    "cp-loss-rank-mean": (
+        "CP averages each rank's mean loss (rank 0 has a target fewer)",
+        "test_copy_nanogpt.py::test_equals_one_process"
+        "[context_parallel-context_parallel-ring-contiguous-sgd]",
+    ),
+    "cp-positions-from-zero": (
+        "CP embeds every rank's tokens at positions 0..T/W-1",
+        "test_copy_nanogpt.py::test_context_parallel_split_the_sequence"
+        "[context_parallel-context_parallel-ring-zigzag-sgd]",
+    ),
+    "cp-targets-checked-alone": (
+        "CP: a bad target raises on its rank alone",
+        "test_copy_nanogpt.py::test_context_parallel_errors_are_said_on_every_rank"
+        "[context_parallel]",
     ),
 }
 

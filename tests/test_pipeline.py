@@ -2,8 +2,10 @@
 one-process ddp.py run, with SGD and AdamW, at p=2 and at p=3 (4 blocks do not split 3 ways); the
 order in which each stage's forwards and backwards ran (recorded from outside the technique by
 common.record_pipeline_order) is the schedule, and its bubble and peak in flight are the script's
-formula; each stage's parameter, gradient, optimizer and point-to-point bytes, measured by the
-Meter, are what this test works out from the model; the saved state_dict loads in ddp.py.
+formula; with --clip (p=2 and p=3, a limit that clips) the parameters are ddp.py --clip's at
+W=1, so the norm was the one over all stages; each stage's parameter, gradient, optimizer and
+point-to-point bytes, measured by the Meter, are what this test works out from the model; the
+saved state_dict loads in ddp.py.
 
 NCCL's rule, in-process: every communication each rank's training loop, evaluation and save issue,
 collectives included, recorded in order and replayed (`loop_calls` and `replay`, which the other
@@ -21,7 +23,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import common
 import pipeline
-from helpers import SMALL, launch_cases, max_diff
+from helpers import SMALL, ddp_references, launch_cases, max_diff
 
 DEPTH = 4
 CFG = [*SMALL, "--depth", str(DEPTH)]  # the same config as test_tensor_parallel.py: shared refs
@@ -45,6 +47,8 @@ CASES = [
 ]
 IDS = [f"p{p}-{s}-m{m}-{o}" for p, s, m, o in CASES]
 LOADED = (3, "gpipe", 4, "sgd")  # this case starts from --load of the initial weights
+CLIP = "0.05"  # below every step's gradient norm on CFG: each step is clipped
+CLIPPED = [(2, "1f1b", 4, "sgd"), (3, "gpipe", 4, "sgd")]  # also run with --clip, in the launches
 
 # the docstring's picture: a slot per forward, two per backward
 TIMELINE_1F1B_2x4 = """\
@@ -103,6 +107,13 @@ def runs(tmp_path_factory, initial):
             if case == LOADED:
                 flags += ["--load", initial]
             argv.append(["pipeline", flags])
+        clipped = [case for case in CLIPPED if case[0] == world]
+        for case in clipped:
+            _, schedule, m, optim = case
+            flags = [*CFG, "--schedule", schedule, "--microbatches", m, "--optim", optim]
+            argv.append(
+                ["pipeline", [*flags, "--clip", CLIP, "--save", folder / f"clip-p{world}.pt"]]
+            )
         if world == 2:
             round_trip = ["--optim", "sgd", "--lr", 0, "--max-steps", 1]
             round_trip += ["--load", saved[CASES[0]], "--save", folder / "ddp.pt"]
@@ -110,6 +121,8 @@ def runs(tmp_path_factory, initial):
         results = launch_cases(world, argv)
         for case, (result, output) in zip(cases, results, strict=False):
             out[case] = (result, saved[case], output)
+        for case, (result, output) in zip(clipped, results[len(cases) :], strict=False):
+            out["clip", case] = (result, folder / f"clip-p{world}.pt", output)
     return out, (saved[CASES[0]], folder / "ddp.pt")
 
 
@@ -120,6 +133,21 @@ def test_same_parameters_as_ddp_one_process(case, runs, refs):
     diff = max_diff(refs[optim], path)
     print(f"pipeline p={p} {schedule} m={m} {optim}: max |Δparam| vs ddp.py W=1 = {diff:.3g}")
     assert (result["world_size"], result["steps"]) == (p, 6)
+    assert diff < TOL[optim]
+
+
+@pytest.mark.parametrize("case", CLIPPED, ids=[f"p{p}-{s}-m{m}-{o}" for p, s, m, o in CLIPPED])
+def test_clip_equals_one_ddp_process_clip(case, runs, refs, tmp_path_factory):
+    """--clip at a limit below every step's gradient norm: the stages end where ddp.py --clip
+    ends in one process, so the norm was the global one (each stage's squares summed over the
+    stages). Unclipped training ends far from there, so the clip bit."""
+    _, schedule, m, optim = case
+    result, path, _ = runs[0]["clip", case]
+    clipped = ddp_references(tmp_path_factory, [*CFG, "--clip", CLIP], (optim,))[optim]
+    assert max_diff(clipped, refs[optim]) > 100 * TOL[optim]
+    diff = max_diff(path, clipped)
+    print(f"pipeline p={case[0]} {schedule} --clip {CLIP}: max |Δ| vs ddp.py --clip W=1 {diff:.2e}")
+    assert result["steps"] == 6
     assert diff < TOL[optim]
 
 

@@ -11,6 +11,8 @@ NCCL's rule: every communication the loop issues, collectives included, replayed
 backward's gradient is sent at the end of its step (the code before the fix of issue 25)."""
 
 import functools
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -29,7 +31,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import common
 import pipeline_pipedream
-from helpers import SMALL, launch_cases, max_diff
+from helpers import ROOT, SMALL, launch_cases, max_diff
 
 P = 3
 M = 4
@@ -195,5 +197,21 @@ def test_a_weight_tied_across_stages_is_refused(monkeypatch):
     be kept in step by PipeDream's per-micro-batch steps: parallelize says so before it splits
     the model, instead of training two copies that drift apart (pipeline.py sums them)."""
     monkeypatch.setattr(pipeline_pipedream.dist, "get_world_size", lambda group=None: 2)
-    with pytest.raises(ValueError, match="share \\['lm_head.weight'\\].*use pipeline.py"):
+    with pytest.raises(ValueError, match="share \\['head.lm_head.weight'\\].*use pipeline.py"):
         pipeline_pipedream.parallelize(CausalLM(), torch.device("cpu"))
+
+
+def test_clip_is_refused_before_any_process_group():
+    """--clip has no meaning here (each stage steps after each of its backwards, at its own times:
+    no step has a norm over all stages), so the script refuses it in one message before it starts
+    any process: a clip by each stage's own norm would train silently unlike one process."""
+    run = subprocess.run(
+        [sys.executable, "pipeline_pipedream.py", "--nproc", "2", "--clip", "0.5"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert run.stderr.count("--clip is refused") == 1, run.stderr
+    assert "init_process_group" not in run.stderr and "rank 1" not in run.stderr

@@ -393,6 +393,17 @@ if os.environ.get("MUTANT"):
             pipeline.all_reduce_tied = lambda stage: None
 
         _after_import["pipeline"] = _unsummed
+    elif _mutant == "pipeline-clip-local-norm":  # pipeline: each stage clips by its own norm
+
+        def _local_norm(pipeline):
+            import torch
+
+            def clip_by_stage_norm(stage, max_norm, group=None):
+                return torch.nn.utils.clip_grad_norm_(stage.parameters(), max_norm)
+
+            pipeline.clip_grad_norm_ = clip_by_stage_norm
+
+        _after_import["pipeline"] = _local_norm
     elif _mutant in ("zero-one-group", "zero-offload-one-group"):  # the groups dropped
 
         def _one_group(script):
@@ -451,5 +462,80 @@ if os.environ.get("MUTANT"):
             expert_parallel.clip_grad_norm_ = clip_by_local_experts
 
         _after_import["expert_parallel"] = _local_expert_norms
+    elif _mutant == "ep-shared-communicator":  # EP: the dense all-reduces on the all-to-alls' group
+
+        def _shared_group(expert_parallel):
+            expert_parallel.own_group = lambda data_group=None: data_group or dist.group.WORLD
+
+        _after_import["expert_parallel"] = _shared_group
+    elif _mutant == "ep-buckets-start-when-complete":  # EP: where a bucket starts depends on rank
+
+        def _start_when_complete(expert_parallel):
+            averager = expert_parallel.GradientAverager
+            wait = averager.wait
+
+            def grad_ready_hook(self, index):
+                def grad_ready(param):  # the old rule: the next bucket starts once all arrived
+                    self.averaged = False
+                    self.arrived = getattr(self, "arrived", set()) | {id(param)}
+                    while len(self.in_flight) < len(self.buckets) and all(
+                        id(p) in self.arrived for p in self.buckets[len(self.in_flight)]
+                    ):
+                        self.launch(len(self.in_flight))
+
+                return grad_ready
+
+            def wait_and_forget(self, *args):
+                self.arrived = set()
+                return wait(self, *args)
+
+            averager.output_hook = lambda self, m: lambda *args: None
+            averager.grad_ready_hook = grad_ready_hook
+            averager.wait = wait_and_forget
+
+        _after_import["expert_parallel"] = _start_when_complete
+    elif _mutant == "cp-loss-rank-mean":  # context parallelism: the mean of each rank's mean
+
+        def _rank_mean(context_parallel):
+            causal_lm_loss = context_parallel.causal_lm_loss
+
+            def mean_of_rank_means(logits, targets, group=None, ignore_index=-100):
+                causal_lm_loss(logits, targets, group, ignore_index)  # its checks, not its mean
+                group = group or dist.group.WORLD
+                loss = torch.nn.functional.cross_entropy(
+                    logits.flatten(0, -2), targets.flatten(), ignore_index=ignore_index
+                )
+                return context_parallel.SumOverRanks.apply(loss / dist.get_world_size(group), group)
+
+            context_parallel.causal_lm_loss = mean_of_rank_means
+
+        _after_import["context_parallel"] = _rank_mean
+    elif _mutant == "cp-positions-from-zero":  # context parallelism: every rank at 0..T/W-1
+
+        def _from_zero(context_parallel):
+            split_batch = context_parallel.split_batch
+
+            def split_at_zero(x, y, group=None, zigzag=False):
+                x, y, positions = split_batch(x, y, group, zigzag)
+                return x, y, torch.arange(positions.numel(), device=positions.device)
+
+            context_parallel.split_batch = split_at_zero
+
+        _after_import["context_parallel"] = _from_zero
+    elif _mutant == "cp-targets-checked-alone":  # context parallelism: a bad target raises alone
+
+        def _alone(context_parallel):
+            causal_lm_loss = context_parallel.causal_lm_loss
+
+            def loss_raising_alone(logits, targets, group=None, ignore_index=-100):
+                # cross_entropy on this rank's targets first: it raises on their rank only
+                torch.nn.functional.cross_entropy(
+                    logits.flatten(0, -2), targets.flatten(), ignore_index=ignore_index
+                )
+                return causal_lm_loss(logits, targets, group, ignore_index)
+
+            context_parallel.causal_lm_loss = loss_raising_alone
+
+        _after_import["context_parallel"] = _alone
     else:
         raise SystemExit(f"tests/faults: unknown MUTANT={_mutant}")
