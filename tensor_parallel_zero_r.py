@@ -56,6 +56,7 @@ Communication per step, counted in [B, T, D] fp32 activations (B: the whole batc
     SP: 4·depth reduce-scatters; 4·depth + 2 all-gathers (+2: the tokens gathered for the head,
     the embedding's gradient gathered backward); one all-reduce of the 6·D·depth norm and
     row-bias gradients (norm1, norm2 weights and biases; proj, fc2 biases).
+    --clip adds one all-reduce of a scalar (the split parameters' squared norm).
     The recompute adds attention's g per block (SP: its f and g and the MLP's f); Pa adds one
     all-gather of x per block.
 Activations kept for backward with --checkpoint: E + L·B·T·D·4 bytes (E: what the embedding,
@@ -92,6 +93,11 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 # (scaled-dot-product, no dropout; its RowParallelLinear is the output projection):
 #   {"attn.c_attn": QKVParallelLinear, "attn.c_proj": RowParallelLinear,
 #    "mlp.c_fc": ColumnParallelLinear, "mlp.c_proj": RowParallelLinear}
+# Under other names give the modules themselves: `blocks` (nanoGPT: transformer.h), and for
+# --sequence-parallel the module whose output the first block takes, `embed` (nanoGPT's forward
+# adds wte's and wpe's outputs inline, so transformer.drop), and the module that takes the last
+# block's output, `head` (transformer.ln_f). Linears and norms with bias=False need nothing.
+# Clipping: the section's clip_grad_norm_(model, max_norm), not torch's (see its `### more`).
 
 # The tensor-parallel group is every rank: the collectives below run on the default group.
 
@@ -266,11 +272,13 @@ class RowParallelLinear(nn.Module):
     def __init__(self, linear, g):
         super().__init__()
         self.weight = nn.Parameter(shard_of(linear.weight, dim=1))
-        self.bias = nn.Parameter(linear.bias.detach().clone())
+        bias = linear.bias  # None with bias=False
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
         self.g = g
 
     def forward(self, y):
-        return self.g(F.linear(y, self.weight)) + self.bias
+        z = self.g(F.linear(y, self.weight))
+        return z if self.bias is None else z + self.bias
 
 
 # The split of the common ViT's block: q, k, v and fc1 by output features, proj and fc2 by input.
@@ -395,12 +403,12 @@ class PartialGradientSum:
             param.grad += grad.view_as(param)
 
 
-def token_sharded_params(model):
+def token_sharded_params(blocks):
     """Under --sequence-parallel, the parameters that see only this rank's T/W tokens: every block
     parameter left whole (the norms, the row-parallel biases added after g's reduce-scatter). The
     embedding and the head see all T tokens, a tied one too: their gradients are whole."""
     params = []
-    for block in model.blocks:
+    for block in blocks:
         for module in block.modules():
             split = getattr(module, "shard_dims", {})  # only the parallel linears have them
             for name, param in module.named_parameters(recurse=False):
@@ -430,11 +438,15 @@ def parallelize(
     causal=False,
     checkpointing=False,
     partition=False,
+    blocks=None,
+    embed=None,
+    head=None,
 ):
     """Split every block's linears in place as `plan` says; the embedding and the head stay
     replicated (every rank sees the whole batch, so their gradients are the same everywhere).
-    `heads` (H) and `causal`: for a QKVParallelLinear's attention. `device` is unused: the model
-    is already on it (the argument keeps every script's call the same)."""
+    `heads` (H) and `causal`: for a QKVParallelLinear's attention. `blocks`, `embed`, `head`:
+    model.blocks, model.embed, model.head unless given. `device` is unused: the model is already
+    on it (the argument keeps every script's call the same)."""
     if QKVParallelLinear in plan.values() and (heads is None or heads % dist.get_world_size()):
         raise ValueError(f"heads={heads}: a fused q, k, v needs H divisible by the W ranks")
     if sequence_parallel:
@@ -443,14 +455,15 @@ def parallelize(
     else:
         f = CopyToTensorParallel.apply
         g = ReduceFromTensorParallel.apply
-    for block in model.blocks:
+    blocks = model.blocks if blocks is None else blocks
+    for block in blocks:
         split_block(block, plan, f, g, heads, causal)
         if checkpointing or partition:  # Pa checkpoints too
             block.forward = CheckpointedForward(block.forward, sequence_parallel, partition)
     if sequence_parallel:  # the blocks run on this rank's T/W tokens, the embedding and head on all
-        model.embed.register_forward_hook(enter_sequence_parallel)
-        model.head.register_forward_pre_hook(leave_sequence_parallel)
-        params = token_sharded_params(model)
+        (model.embed if embed is None else embed).register_forward_hook(enter_sequence_parallel)
+        (model.head if head is None else head).register_forward_pre_hook(leave_sequence_parallel)
+        params = token_sharded_params(blocks)
         partial_sum = PartialGradientSum(params)
         for param in params:
             param.register_hook(functools.partial(partial_sum.hold, param))
@@ -481,6 +494,41 @@ def full_state_dict(model):
         return None
     # model.state_dict()'s keys in its order: the plain model's file, as ddp.py saves it
     return {key: state[key] for key in model.state_dict()}
+
+
+### more: gradient clipping over the shards
+# torch's clip_grad_norm_(model.parameters()) would clip each rank by the norm of its own shards:
+# a different factor on every rank, the replicated weights drifting apart.
+
+
+def clip_grad_norm_(model, max_norm, group=None):
+    """torch.nn.utils.clip_grad_norm_ for a model parallelize split, called where the loop calls
+    torch's: the global gradient norm, the split parameters' squares summed over the
+    tensor-parallel `group` (None: every rank), the replicated ones' (embedding, norms, row
+    biases, head; a tied weight once) counted once, since every rank holds the same whole
+    gradient of them (under --sequence-parallel PartialGradientSum summed the norms' and row
+    biases' partial ones in backward). Every rank gets the same norm and scales every gradient by
+    the same factor, so the replicated weights stay equal. Returns the norm, as one process's
+    clip_grad_norm_ would."""
+    split = set()  # the ids of the parallel linears' shards: only those modules have shard_dims
+    for module in model.modules():
+        shard_dims = getattr(module, "shard_dims", {})
+        for name, param in module.named_parameters(recurse=False):
+            if name in shard_dims:
+                split.add(id(param))
+    params = [param for param in model.parameters() if param.grad is not None]  # a tied one once
+    squares = [torch.linalg.vector_norm(param.grad) ** 2 for param in params]
+    split_squares = torch.zeros((), device=params[0].grad.device)
+    replicated_squares = torch.zeros((), device=params[0].grad.device)
+    for param, square in zip(params, squares, strict=True):
+        if id(param) in split:
+            split_squares += square
+        else:
+            replicated_squares += square
+    dist.all_reduce(split_squares, group=group)  # one scalar, every rank issuing it
+    total = (split_squares + replicated_squares).sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)  # torch's factor, on every rank
+    return total
 
 
 ### end: Tensor parallel
@@ -617,6 +665,8 @@ def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
             y = y.to(device, non_blocking=True)
             loss = F.cross_entropy(model(x), y)
             loss.backward()
+            if args.clip:
+                clip_grad_norm_(model, args.clip)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)

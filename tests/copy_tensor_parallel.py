@@ -1,12 +1,15 @@
 """Copy cases for tensor_parallel.py, with and without sequence parallelism: every rank feeds the
 whole micro-batch, as tensor parallelism does, and holds half of every block's heads and MLP
 columns. The change a GPT-2-like model needs is the plan below: its layers' names, q, k and v
-fused in c_attn, the head count and the causal mask. Run by tests/copy_cases.py."""
+fused in c_attn, the head count and the causal mask; nanoGPT's model also names its blocks and,
+under sequence parallelism, where its tokens enter and leave them. Run by tests/copy_cases.py."""
 
+import nanogpt_model
 import torch
 import torch.distributed as dist
 from causal_lm import OPTIMS, CausalLM, make_optimizer, param_groups, train
 
+import tensor_parallel
 from tensor_parallel import (
     ColumnParallelLinear,
     QKVParallelLinear,
@@ -71,3 +74,89 @@ def cases(batches, rank, world, folder):
         for optim in OPTIMS:
             name = f"tensor_parallel-{'sp' if sequence_parallel else 'tp'}-{optim}"
             yield name, optim, *run_tensor_parallel(sequence_parallel, optim, batches)
+
+
+# The model as nanoGPT has it (tests/nanogpt_model.py), trained by its own recipe: (x, y) batches,
+# its configure_optimizers, gradient accumulation, clipping before every step.
+
+NANOGPT_CASES = [
+    f"tensor_parallel-{split}-{prefix}{optim}"
+    for split in ("tp", "sp")
+    for prefix in nanogpt_model.CONFIGS
+    for optim in nanogpt_model.OPTIMS
+]
+
+
+def replicated_apart(model):
+    """The largest |Δ| between this rank's and rank 0's replicated parameters (everything outside
+    the parallel linears): 0 when every rank stepped them alike."""
+    split = {
+        id(param)
+        for module in model.modules()
+        for name, param in module.named_parameters(recurse=False)
+        if name in getattr(module, "shard_dims", {})
+    }
+    apart = 0.0
+    for param in model.parameters():
+        if id(param) not in split:
+            first = param.detach().clone()
+            dist.broadcast(first, src=0)
+            apart = max(apart, (param.detach() - first).abs().max().item())
+    return apart
+
+
+def run_nanogpt_tensor_parallel(sequence_parallel, prefix, optim):
+    """nanoGPT's model as it is: its plan is GPT2_PLAN (the same layer names), its blocks are
+    transformer.h, and under sequence parallelism the tokens are split after transformer.drop
+    (the forward adds wte's and wpe's outputs inline) and gathered before transformer.ln_f. The
+    optimizer is the model's own (configure_optimizers on the split model: the shards are still
+    matrices and vectors); the clip is the section's, over the shards."""
+    gpt = nanogpt_model.model(nanogpt_model.CONFIGS[prefix])
+    whole = gpt.transformer.h[0].attn.c_attn.weight.detach().clone()
+    model = tensor_parallel.parallelize(
+        gpt,
+        CPU,
+        sequence_parallel,
+        GPT2_PLAN,
+        heads=gpt.config.n_head,
+        causal=True,
+        blocks=gpt.transformer.h,
+        embed=gpt.transformer.drop,
+        head=gpt.transformer.ln_f,
+    )
+    seen = {}  # the tokens block 0's first norm runs on: T/W under sequence parallelism
+
+    def note_tokens(module, inputs):
+        seen["tokens"] = inputs[0].shape[1]
+
+    model.transformer.h[0].ln_1.register_forward_pre_hook(note_tokens)
+    c_attn = model.transformer.h[0].attn.c_attn.weight.detach()
+    mine = dict(c_attn_rows=c_attn.shape[0], heads=heads_held(c_attn, whole))
+    optimizer = nanogpt_model.make_optimizer(model, optim)
+
+    def clip(parameters, max_norm):  # where nanoGPT clips model.parameters()
+        return tensor_parallel.clip_grad_norm_(model, max_norm)
+
+    # rank=0, world=1: every rank feeds the whole micro-batch
+    losses, norms = nanogpt_model.train(model, optimizer, nanogpt_model.batches(), clip=clip)
+    mine["ln_1_tokens"] = seen["tokens"]
+    mine["replicated_apart"] = replicated_apart(model)
+    every_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, mine)
+    proof = {key: [rank[key] for rank in every_rank] for key in mine}
+    proof.update(
+        tied=model.lm_head.weight is model.transformer.wte.weight, losses=losses, norms=norms
+    )
+    return model, tensor_parallel.full_state_dict(model), proof
+
+
+def nanogpt_cases(rank, world, folder):
+    """As `cases`, on nanoGPT's model, with and without biases: (case, its reference, model, full
+    state_dict, proof: per rank, c_attn's rows and heads, the tokens ln_1 saw, how far its
+    replicated parameters ended from rank 0's)."""
+    for sequence_parallel in (False, True):
+        for prefix in nanogpt_model.CONFIGS:
+            for optim in nanogpt_model.OPTIMS:
+                name = f"tensor_parallel-{'sp' if sequence_parallel else 'tp'}-{prefix}{optim}"
+                case = run_nanogpt_tensor_parallel(sequence_parallel, prefix, optim)
+                yield name, f"{prefix}{optim}", *case

@@ -112,6 +112,11 @@ MUTANTS = {
         "test_copy_nanogpt.py::test_equals_one_process[pipeline-pipeline-sgd]",
         "test_pipeline.py::test_clip_equals_one_ddp_process_clip[p2-1f1b-m4-sgd]",
     ),
+    "tp-clip-local-norm": (
+        "TP: each rank clips by the norm of its own shards",
+        "test_copy_nanogpt.py::test_equals_one_process[tensor_parallel-tensor_parallel-tp-sgd]",
+        "test_tensor_parallel.py::test_clip_equals_one_ddp_process_clip[W2-sp-sgd-clip]",
+    ),
     "nd-fsdp-sum": (
         "N-D: FSDP sums under a pipeline",
         "test_nd_parallel.py::test_same_parameters_as_ddp_one_process[R1S2T1P2-sgd]",
@@ -140,8 +145,7 @@ MUTANTS = {
     ),
     "cp-targets-checked-alone": (
         "CP: a bad target raises on its rank alone",
-        "test_copy_nanogpt.py::test_context_parallel_errors_are_said_on_every_rank"
-        "[context_parallel]",
+        "test_context_parallel.py::test_errors_are_said_on_every_rank",
     ),
 }
 

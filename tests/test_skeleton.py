@@ -37,11 +37,11 @@ MAX_DIFF = {
     "fsdp_resume.py": 321,  # 315 + fsdp.py's units argument
     "zero.py": 468,
     "zero_offload.py": 666,
-    "tensor_parallel.py": 519,
-    "tensor_parallel_zero_r.py": 617,
+    "tensor_parallel.py": 574,  # 519 + clip_grad_norm_ over the shards, the user's blocks, no bias
+    "tensor_parallel_zero_r.py": 665,  # 617 + tensor_parallel.py's clip, blocks and bias=None
     "pipeline.py": 446,  # 375 + the user's parts by name (Parts, Stage.hold), clip_grad_norm_
     "dp.py": 342,
-    "context_parallel.py": 635,  # 556 + (x, y) split_batch, errors said on every rank, GPT2Attention
+    "context_parallel.py": 635,  # 556 + (x, y) split_batch, errors on every rank, GPT2Attention
     "nd_parallel.py": 487,  # 474 + clip_grad_norm_ over each mesh (--clip), - a 25-line docstring
     "expert_parallel.py": 587,  # 533 + the averager's own group, buckets started alike on all ranks
     "pipeline_schedules.py": 540,  # 472 + pipeline.py's Parts and clip_grad_norm_
@@ -72,6 +72,7 @@ VARIANTS = {
             "class ColumnParallelLinear",
             "class RowParallelLinear",
             "def full_state_dict(",
+            "def clip_grad_norm_(",
             "def train(",
             "def evaluate(",
             "def setup(",

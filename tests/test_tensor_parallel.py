@@ -1,5 +1,6 @@
 """tensor_parallel.py: Megatron TP, with and without sequence parallelism (SP), ends with the same
-parameters as the one-process ddp.py run (SGD and AdamW, W=2, and W=3 with 6 heads); the
+parameters as the one-process ddp.py run (SGD and AdamW, W=2, and W=3 with 6 heads), and with
+--clip (W=2, SP) the parameters of ddp.py --clip in one process; the
 collectives the Meter measures from outside equal what this test works out from B, T, D and
 depth; each rank holds Ψr + Ψs/W parameters, counted here off the model; the dense file it saves
 loads in ddp.py with the same test accuracy; bad sizes are refused before any process group.
@@ -8,7 +9,7 @@ ZeRO-R's --checkpoint and --partition-activations are tested in test_tensor_para
 import pytest
 
 import common
-from helpers import SMALL, ddp_references, launch_cases, max_diff, python
+from helpers import SMALL, ddp_reference, ddp_references, launch_cases, max_diff, python
 
 DEPTH = 4
 CFG = [*SMALL, "--depth", str(DEPTH)]  # the same config as test_pipeline.py: shared references
@@ -28,6 +29,8 @@ CASES = [
 ]
 DENSE = (3, False, "adamw")  # the case whose save ddp.py loads
 IDS = [f"W{world}-{'sp' if sp else 'tp'}-{optim}" for world, sp, optim in CASES]
+CLIP = "0.05"  # below every step's gradient norm on CFG (test_pipeline.py's): each step clips
+CLIPPED = {"W2-sp-sgd-clip": (2, True, "sgd")}  # --clip runs, in the W=2 launch
 
 
 def cfg_of(world):
@@ -50,6 +53,16 @@ def loads_dense_save(request):
     return any(item.name == "test_dense_save_loads_in_ddp" for item in selected_tests(request))
 
 
+def clipped_needed(request):
+    """The CLIPPED cases the selected tests read."""
+    names = set()
+    for item in selected_tests(request):
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if "clipped" in params:
+            names.add(params["clipped"])
+    return [name for name in CLIPPED if name in names]
+
+
 def needed(request):
     """The cases the selected tests read, in CASES' order."""
     cases = set()
@@ -68,10 +81,12 @@ def launched(request, tmp_path_factory, initial):
     state_dict; the W=2 SP SGD run starts from --load of the initial weights (TP slices a plain
     state_dict). When test_dense_save_loads_in_ddp is selected, the W=2 launch (after the W=3 one:
     ddp.py refuses B=32 at W=3) ends with ddp.py loading DENSE's save with lr 0 and saving it
-    again. Returns ({case: (RESULT, saved path)}, ddp.py's (RESULT, saved path) or None)."""
+    again; the selected CLIPPED runs go before it. Returns ({case: (RESULT, saved path)}, ddp.py's
+    (RESULT, saved path) or None); a CLIPPED run's key is its name."""
     folder = tmp_path_factory.mktemp("tp")
     saved = {case: folder / f"{i}.pt" for i, case in enumerate(CASES)}
     cases = needed(request)
+    clipped = clipped_needed(request)
     out = {}
     loaded = None
     for world in (3, 2):
@@ -85,6 +100,11 @@ def launched(request, tmp_path_factory, initial):
             if case == (2, True, "sgd"):
                 flags += ["--load", initial]
             argv.append(["tensor_parallel", flags])
+        in_world_clipped = [name for name in clipped if CLIPPED[name][0] == world]
+        for name in in_world_clipped:
+            _, sp, optim = CLIPPED[name]
+            flags = [*cfg_of(world), "--optim", optim, "--clip", CLIP, "--save", folder / name]
+            argv.append(["tensor_parallel", [*flags, *(["--sequence-parallel"] if sp else [])]])
         if world == 2 and loads_dense_save(request):
             round_trip = ["--optim", "sgd", "--lr", 0, "--max-steps", 1]
             round_trip += ["--load", saved[DENSE], "--save", folder / "ddp.pt"]
@@ -94,6 +114,9 @@ def launched(request, tmp_path_factory, initial):
         results = launch_cases(world, argv)
         for case, (result, _) in zip(in_world, results, strict=False):
             out[case] = (result, saved[case])
+        clipped_results = results[len(in_world) : len(in_world) + len(in_world_clipped)]
+        for name, (result, _) in zip(in_world_clipped, clipped_results, strict=True):
+            out[name] = (result, folder / name)
         if world == 2 and loads_dense_save(request):
             loaded = (results[-1][0], folder / "ddp.pt")
     return out, loaded
@@ -120,6 +143,22 @@ def test_same_parameters_as_ddp_one_process(world, sp, optim, runs, refs, refs3)
     print(f"tensor_parallel W={world} sp={sp} {optim}: max |Δparam| vs ddp.py W=1 = {diff:.3g}")
     assert result["world_size"] == world
     assert result["steps"] == 6
+    assert diff < TOL[optim]
+
+
+@pytest.mark.parametrize("clipped", CLIPPED)
+def test_clip_equals_one_ddp_process_clip(clipped, runs, refs, tmp_path_factory):
+    """--clip at a limit below every step's gradient norm: the split model ends where ddp.py
+    --clip ends in one process, so every rank clipped by the global norm (the shards' squares
+    summed over the ranks, the replicated parameters' once, the norms' partial gradients summed
+    first under SP). Unclipped training ends far from there, so the clip bit."""
+    world, _, optim = CLIPPED[clipped]
+    result, path = runs[clipped]
+    reference = ddp_reference(tmp_path_factory, [*cfg_of(world), "--clip", CLIP], optim)
+    assert max_diff(reference, refs[optim]) > 100 * TOL[optim]
+    diff = max_diff(path, reference)
+    print(f"tensor_parallel {clipped} --clip {CLIP}: max |Δ| vs ddp.py --clip W=1 = {diff:.2e}")
+    assert (result["world_size"], result["steps"]) == (world, 6)
     assert diff < TOL[optim]
 
 

@@ -404,6 +404,17 @@ if os.environ.get("MUTANT"):
             pipeline.clip_grad_norm_ = clip_by_stage_norm
 
         _after_import["pipeline"] = _local_norm
+    elif _mutant == "tp-clip-local-norm":  # TP: each rank clips by the norm of its own shards
+
+        def _tp_local_norm(tensor_parallel):
+            import torch
+
+            def clip_by_own_shards(model, max_norm, group=None):
+                return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+            tensor_parallel.clip_grad_norm_ = clip_by_own_shards
+
+        _after_import["tensor_parallel"] = _tp_local_norm
     elif _mutant in ("zero-one-group", "zero-offload-one-group"):  # the groups dropped
 
         def _one_group(script):
