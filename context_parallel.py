@@ -71,17 +71,19 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 
 ### begin: Context parallel
-# Model contract: `model.blocks`, each `attn` with q, k, v, proj (nn.Linear) and head_dim; for
-# another attention (GPT-2's fused c_attn...), pass parallelize `attention=` a module built as
-# attention(block.attn, method, group, causal, zigzag) that keeps the model's projections and
-# calls `context_attention` where the model called F.scaled_dot_product_attention. The same
-# weights on every rank; every rank feeds the same batch.
+# Model contract: the blocks (`blocks=`, `model.blocks` by default), each `attn` with q, k, v,
+# proj (nn.Linear) and head_dim; for another attention, pass parallelize `attention=` a module
+# built as attention(block.attn, method, group, causal, zigzag) that keeps the model's projections
+# and calls `context_attention` where the model called F.scaled_dot_product_attention (GPT-2's
+# fused c_attn, as nanoGPT's CausalSelfAttention has it: GPT2Attention, below). The same weights
+# on every rank; every rank feeds the same batch.
 # causal=False (the ViT): `model.embed` (proj on patch² pixels, pos [1, T, D], patch), `model.head`
 # (fc applied to norm(x).mean(1)); parallelize splits the patches and sums the pooled mean.
-# causal=True (a decoder LM, an output per token): your embedding must embed this rank's tokens
-# at their own positions: `split_tokens(batch, group, zigzag)` gives both from the [B, T] batch
-# (tests/copy_context_parallel.py's LocalTokenEmbed); the loss is
-# `causal_lm_loss(logits, split_labels(batch, group, zigzag), group)`, for the whole sequence.
+# causal=True (a decoder LM, an output per token): split each (x, y) batch with
+# `split_batch(x, y, group, zigzag)`, embed this rank's x at the positions it returns (not
+# 0..T/W: tests/copy_context_parallel.py's RankGPT), and take the loss over the whole sequence:
+# `causal_lm_loss(logits, y, group, ignore_index)`. Tokens that are their own targets make their
+# y with `next_token_targets(tokens, ignore_index)` first.
 
 
 def token_positions(tokens, rank, world, zigzag=False):
@@ -105,12 +107,42 @@ def split_tokens(batch, group=None, zigzag=False):
     return batch[:, positions], positions
 
 
-def split_labels(batch, group=None, zigzag=False, ignore_index=-100):
-    """This rank's next-token labels, [B, T/W]: shifted on the whole sequence before the split
-    (a rank's last token's successor may live on another rank); the last position has none."""
-    labels = torch.full_like(batch, ignore_index)
-    labels[:, :-1] = batch[:, 1:]
-    return split_tokens(labels, group, zigzag)[0]
+def next_token_targets(tokens, ignore_index=-100):
+    """The y of a batch of tokens that are their own targets, [B, T]: y[:, t] = tokens[:, t + 1],
+    shifted on the whole sequence before any split (a rank's last token's successor may live on
+    another rank); the last position has none."""
+    targets = torch.full_like(tokens, ignore_index)
+    targets[:, :-1] = tokens[:, 1:]
+    return targets
+
+
+def check_same_shapes(x, y, group):
+    """Raise the same ValueError on every rank unless every rank holds [B, T] inputs and targets
+    of one shape. One all-reduce of the shapes, before the ring: a rank raising alone would leave
+    the others waiting in the ring until the backend gives up ("Connection closed by peer")."""
+    sizes = [x.dim(), y.dim(), x.shape[0], x.shape[-1], y.shape[0], y.shape[-1]]
+    local = torch.tensor(sizes, device=x.device)
+    bounds = torch.cat([local, -local])  # the maxima, and minus the minima
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
+    largest = bounds[:6].tolist()
+    smallest = (-bounds[6:]).tolist()
+    if largest != smallest:
+        raise ValueError(
+            f"the ranks feed batches of different shapes: (x.dim, y.dim, x [B, T], y [B, T]) "
+            f"from {smallest} to {largest}; every rank must feed the same [B, T] x and y"
+        )
+    if sizes[:2] != [2, 2] or sizes[2:4] != sizes[4:]:
+        raise ValueError(f"x {list(x.shape)} and y {list(y.shape)}: both must be [B, T]")
+
+
+def split_batch(x, y, group=None, zigzag=False):
+    """(x, y), [B, T] each, y[:, t] the target of x[:, t] (nanoGPT's y: x shifted by one) ->
+    this rank's x and y, [B, T/W] each, split alike, and their positions [T/W] in the sequence:
+    embed x at these positions. Every rank checks the shapes the same way (check_same_shapes)."""
+    group = group or dist.group.WORLD
+    check_same_shapes(x, y, group)
+    x, positions = split_tokens(x, group, zigzag)
+    return x, y[:, positions], positions
 
 
 def visible_part(query_rank, key_rank, tokens, causal, zigzag):
@@ -438,15 +470,33 @@ class SumOverRanks(torch.autograd.Function):
         return grad * ctx.world, None
 
 
-def causal_lm_loss(logits, labels, group=None, ignore_index=-100):
-    """The cross-entropy averaged over every rank's labels (split_labels), the same value on
-    every rank: one process's mean over the whole sequence. One all-reduce of [sum, count]."""
+def causal_lm_loss(logits, targets, group=None, ignore_index=-100):
+    """The cross-entropy averaged over every rank's valid targets (split_batch's y), the same
+    value on every rank: one process's mean over the whole sequence, however unevenly the
+    ignored targets fall on the ranks. One all-reduce of [sum, count, bad targets per rank]."""
     group = group or dist.group.WORLD
+    rank = dist.get_rank(group)
+    world = dist.get_world_size(group)
+    vocab = logits.shape[-1]
+    valid = targets != ignore_index
+    out_of_range = valid & ((targets < 0) | (targets >= vocab))
+    # A target out of range (-100 to a model that ignores -1) would raise in cross_entropy on its
+    # rank alone, and the others would wait in the all-reduce: each rank counts its bad targets in
+    # that all-reduce instead, and every rank raises the same error.
+    bad = torch.zeros(world, device=logits.device)
+    bad[rank] = out_of_range.sum()
+    safe_targets = targets.masked_fill(out_of_range, ignore_index)
     loss_sum = F.cross_entropy(
-        logits.flatten(0, -2), labels.flatten(), ignore_index=ignore_index, reduction="sum"
+        logits.flatten(0, -2), safe_targets.flatten(), ignore_index=ignore_index, reduction="sum"
     )
-    count = (labels != ignore_index).sum().to(loss_sum.dtype)
-    total = SumOverRanks.apply(torch.stack([loss_sum, count]), group)
+    count = (valid & ~out_of_range).sum().to(loss_sum.dtype)
+    total = SumOverRanks.apply(torch.cat([torch.stack([loss_sum, count]), bad]), group)
+    bad_ranks = total[2:].nonzero().flatten().tolist()  # a host sync: the error must be known
+    if bad_ranks:
+        raise ValueError(
+            f"targets outside [0, {vocab}) that are not ignore_index={ignore_index}, on rank(s) "
+            f"{bad_ranks} of the group: pass the ignore_index your targets use"
+        )
     return total[0] / total[1]
 
 
@@ -458,13 +508,15 @@ def parallelize(
     causal=False,
     zigzag=False,
     attention=ContextParallelAttention,
+    blocks=None,
 ):
     """Every rank keeps the whole model and runs it on its T/W tokens of every sample: a
-    contiguous run, or (zigzag) chunks r and 2W-1-r of 2W, which balances causal attention."""
+    contiguous run, or (zigzag) chunks r and 2W-1-r of 2W, which balances causal attention.
+    blocks: the modules whose `attn` attends over the sequence (model.blocks when None)."""
     group = group or dist.group.WORLD
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
-    for block in model.blocks:
+    for block in model.blocks if blocks is None else blocks:
         block.attn = attention(block.attn, method, group, causal, zigzag)
     if not causal:  # the ViT: split the patches here, sum the pooled mean over ranks
         tokens = model.embed.pos.shape[1]
@@ -491,6 +543,35 @@ def parallelize(
 def full_state_dict(model):
     """The plain state_dict of the model: every rank holds it whole."""
     return {k: v.detach().cpu() for k, v in model.module.state_dict().items()}
+
+
+### more: GPT-2's fused attention (nanoGPT's CausalSelfAttention) as it is
+
+
+class GPT2Attention(nn.Module):
+    """GPT-2's attention with context_attention where it calls SDPA: the same fused c_attn (q, k,
+    v side by side) and c_proj modules and n_head, so the state_dict keys are the model's
+    (transformer.h.0.attn.c_attn.weight...). Pass parallelize `attention=GPT2Attention`."""
+
+    def __init__(self, attn, method, group, causal, zigzag):
+        super().__init__()
+        if getattr(attn, "dropout", 0):
+            raise ValueError("attention dropout: the ring and Ulysses attend without it")
+        self.c_attn = attn.c_attn
+        self.c_proj = attn.c_proj
+        self.resid_dropout = attn.resid_dropout
+        self.n_head = attn.n_head
+        self.method = method
+        self.group = group
+        self.causal = causal
+        self.zigzag = zigzag
+
+    def forward(self, x):  # x: [B, T/W, D], this rank's tokens
+        B, local_tokens, D = x.shape
+        shape = (B, local_tokens, self.n_head, D // self.n_head)
+        q, k, v = (t.view(shape).transpose(1, 2) for t in self.c_attn(x).split(D, dim=2))
+        y = context_attention(q, k, v, self.method, self.group, self.causal, self.zigzag)
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, local_tokens, D)))
 
 
 ### end: Context parallel

@@ -1,11 +1,15 @@
-"""Copy cases for context_parallel.py on the causal LM: every rank feeds the whole micro-batch and
+"""Copy cases for context_parallel.py on the causal LMs: every rank feeds the whole micro-batch and
 keeps its T/W tokens (a contiguous run, or the zig-zag chunks r and 2W-1-r), the ring or Ulysses
-attends causally over all T, and the loss is the mean over every rank's tokens. What CausalLM
-needs changed, as the section's model contract says: an embedding that keeps this rank's tokens
-at their positions (LocalTokenEmbed) and an attention built on the fused c_attn
-(FusedQKVAttention). Run by tests/copy_cases.py."""
+attends causally over all T, and the loss is the mean over every rank's valid targets. What
+CausalLM needs changed, as the section's model contract says: an embedding that keeps this rank's
+tokens at their positions (LocalTokenEmbed) and an attention built on the fused c_attn
+(FusedQKVAttention). nanoGPT's GPT, unchanged: its (x, y) batches split alike (split_batch), its
+forward written out on this rank's part (RankGPT) and the section's GPT2Attention in its blocks.
+Run by tests/copy_cases.py."""
 
+import nanogpt_model
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from causal_lm import CausalLM, make_optimizer, param_groups, train
 
@@ -72,8 +76,9 @@ def run_context_parallel(method, zigzag, optim, batches):
     ]
 
     def loss_fn(logits, batch):
-        labels = cp.split_labels(batch, zigzag=zigzag)
-        return cp.causal_lm_loss(logits, labels)
+        # CausalLM's tokens are their own targets: shifted on the whole sequence, then split.
+        targets = cp.next_token_targets(batch)
+        return cp.causal_lm_loss(logits, cp.split_tokens(targets, zigzag=zigzag)[0])
 
     # Every rank feeds the whole micro-batch (rank 0 of 1): its embedding keeps its tokens.
     losses = train(model, optimizer, batches, loss_fn=loss_fn)
@@ -103,3 +108,93 @@ def cases(batches, rank, world, folder):
         split = "zigzag" if zigzag else "contiguous"
         name = f"context_parallel-{method}-{split}-{optim}"
         yield name, optim, *run_context_parallel(method, zigzag, optim, batches)
+
+
+# The model as nanoGPT has it (tests/nanogpt_model.py), trained by its own recipe: (x, y) batches
+# with ignore_index=-1, its configure_optimizers, gradient accumulation, torch's clip_grad_norm_
+# (DDP over the ranks leaves every whole gradient on every rank). Its forward embeds positions
+# arange(0, t), wrong on every rank but the first, so RankGPT calls its parts.
+
+NANOGPT_RUNS = [  # (method, zigzag, reference: a nanogpt_model.CONFIGS prefix and the optimizer)
+    ("ring", False, "sgd"),
+    ("ring", True, "sgd"),
+    ("ulysses", False, "sgd"),
+    ("ulysses", True, "sgd"),
+    ("ring", True, "adamw"),
+    ("ulysses", False, "adamw"),
+    ("ring", True, "nobias-sgd"),  # GPT2Attention and the model without a bias anywhere
+]
+NANOGPT_CASES = [
+    f"context_parallel-{method}-{'zigzag' if zigzag else 'contiguous'}-{reference}"
+    for method, zigzag, reference in NANOGPT_RUNS
+]
+
+
+class RankGPT(nn.Module):
+    """GPT.forward(idx, targets) -> (logits, loss) on this rank's part of the sequence: the (x, y)
+    batch split alike, x embedded at its own positions, the loss the mean over every rank's valid
+    targets. It holds the model's own transformer and lm_head, so the state_dict keys are the
+    model's and the tie stays one Parameter."""
+
+    def __init__(self, gpt, zigzag):
+        super().__init__()
+        self.transformer = gpt.transformer
+        self.lm_head = gpt.lm_head
+        self.zigzag = zigzag
+
+    def forward(self, idx, targets):
+        idx, targets, positions = cp.split_batch(idx, targets, zigzag=self.zigzag)
+        parts = self.transformer
+        x = parts.drop(parts.wte(idx) + parts.wpe(positions))
+        for block in parts.h:
+            x = block(x)
+        logits = self.lm_head(parts.ln_f(x))
+        return logits, cp.causal_lm_loss(logits, targets, ignore_index=-1)
+
+
+def run_nanogpt(method, zigzag, reference):
+    prefix, _, optim = reference.rpartition("-")
+    config = nanogpt_model.CONFIGS[prefix + "-" if prefix else ""]
+    gpt = nanogpt_model.model(config)
+    optimizer = nanogpt_model.make_optimizer(gpt, optim)  # its groups, on the model as it is
+    model = cp.parallelize(
+        RankGPT(gpt, zigzag),
+        CPU,
+        method,
+        causal=True,
+        zigzag=zigzag,
+        attention=cp.GPT2Attention,
+        blocks=gpt.transformer.h,
+    )
+    seen = {}  # what this rank's model saw: the proof that the sequence was split
+
+    def record_positions(wpe, inputs, output):
+        seen.setdefault("positions", inputs[0].tolist())
+
+    def record_attention_tokens(attn, inputs, output):
+        seen.setdefault("attention_tokens", inputs[0].shape[1])
+
+    hooks = [
+        gpt.transformer.wpe.register_forward_hook(record_positions),
+        gpt.transformer.h[0].attn.register_forward_hook(record_attention_tokens),
+    ]
+    # Every rank feeds every whole micro-batch (rank 0 of 1): RankGPT keeps its part.
+    losses, norms = nanogpt_model.train(model, optimizer, nanogpt_model.batches())
+    for hook in hooks:
+        hook.remove()
+    seen["losses"] = losses
+    seen["attention"] = type(gpt.transformer.h[0].attn).__name__
+    by_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(by_rank, seen)
+    tied = model.module.lm_head.weight is model.module.transformer.wte.weight
+    state = cp.full_state_dict(model)
+    evaluated = nanogpt_model.GPT(config)  # one process's forward, with these weights
+    evaluated.load_state_dict(state)
+    proof = dict(tied=tied, losses=losses, norms=norms, by_rank=by_rank)
+    return evaluated, state, proof
+
+
+def nanogpt_cases(rank, world, folder):
+    """As `cases`, on nanoGPT's model: (case, its reference, model, full state_dict, proof)."""
+    for case, (method, zigzag, reference) in zip(NANOGPT_CASES, NANOGPT_RUNS, strict=True):
+        yield case, reference, *run_nanogpt(method, zigzag, reference)

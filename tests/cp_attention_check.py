@@ -2,7 +2,9 @@
 and 4 ranks, RingAttention and the Ulysses all-to-alls give F.scaled_dot_product_attention's output
 and gradients on random q, k, v (odd head dims), without a mask and causal (is_causal=True) with
 the contiguous and the zig-zag token split, and the ring sends what the docstring says, each
-step's sends and receives in one batch. Prints one `CHECK {json}` line per case from rank 0."""
+step's sends and receives in one batch. Prints one `CHECK {json}` line per case from rank 0.
+With --errors (its own launch, at W=2): the inputs that go wrong on one rank only, each rank
+printing an `ERRORS {json}` line of the ValueErrors it raised (anything else ends the launch)."""
 
 import json
 import os
@@ -106,9 +108,51 @@ def case(world, head_dim, group, rank):
     return results
 
 
+def raised(check):
+    """The message of the ValueError check() raises on this rank, None if none."""
+    try:
+        check()
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def errors(rank):
+    """What each rank raises on (x, y) batches that go wrong on one rank only: every rank must
+    raise the same ValueError, or the others would wait in a collective for the one that left."""
+    torch.manual_seed(0)  # the same batch on every rank, as context parallelism wants
+    vocab = 16
+    x = torch.randint(vocab, (2, 16))
+    y = x.roll(-1, dims=1)
+    y[:, -1] = -100  # the user's "no target", on rank 1 only, where the loss below ignores -1
+    logits = torch.zeros(2, 8, vocab)  # this rank's 8 of the 16 tokens, as a forward gives them
+
+    def targets_out_of_range():
+        _, targets, _ = cp.split_batch(x, y)
+        cp.causal_lm_loss(logits, targets, ignore_index=-1)
+
+    def shapes_differ():  # rank 1 cuts its sequences short
+        tokens = 16 - 4 * rank
+        cp.split_batch(x[:, :tokens], y[:, :tokens])
+
+    def zigzag_chunks():  # 10 tokens do not cut into 2W = 4 chunks
+        cp.split_batch(x[:, :10], y[:, :10], zigzag=True)
+
+    return dict(
+        rank=rank,
+        targets=raised(targets_out_of_range),
+        shapes=raised(shapes_differ),
+        zigzag=raised(zigzag_chunks),
+    )
+
+
 def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if "--errors" in sys.argv[1:]:
+        print("ERRORS " + json.dumps(errors(rank)), flush=True)
+        dist.destroy_process_group()
+        return
     for w in (w for w in (2, 3, 4) if w <= world):
         group = dist.new_group(list(range(w)))
         for head_dim in (5, 7):

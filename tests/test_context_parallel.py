@@ -3,14 +3,17 @@ parameters of the one-process ddp.py run (ring and Ulysses at W=2 with SGD and a
 the collectives the Meter measures from outside and the attention activations it measures per rank
 equal what this test works out from B, T, D, H and depth; the ring's autograd Function and the
 Ulysses all-to-alls give F.scaled_dot_product_attention's output and gradients at W=2, 3, 4, also
-causal with the contiguous and the zig-zag split (a driver, the last case of the W=4 launch)."""
+causal with the contiguous and the zig-zag split (a driver, the last case of the W=4 launch);
+--clip (torch's clip_grad_norm_: DDP leaves every whole gradient on every rank) ends where ddp.py
+--clip ends in one process; inputs that go wrong on one rank raise the same error on every rank
+(the driver with --errors, a W=2 launch of its own)."""
 
 import json
 
 import pytest
 
 import common
-from helpers import SMALL, fork_launch, max_diff
+from helpers import SMALL, ddp_references, fork_launch, max_diff
 
 CFG = [*SMALL, "--patch", "2"]  # 196 tokens: 98 or 49 a rank at W=2, 4
 TOL = {"sgd": 1e-6, "adamw": 5e-5}
@@ -22,6 +25,8 @@ WINDOW = 3  # optimizer steps the Meter counts collectives in
 # near it to test on every CPU.
 CASES = [("ring", 2, "sgd"), ("ring", 4, "adamw"), ("ulysses", 2, "sgd"), ("ulysses", 4, "adamw")]
 IDS = [f"{m}-W{w}-{o}" for m, w, o in CASES]
+CLIP = "0.01"  # far below every step's gradient norm: each step is clipped
+CLIPPED = ("ring", 2, "sgd")  # run once more with --clip, in W=2's launch
 
 
 def selected_tests(request):
@@ -38,6 +43,13 @@ def needed(request):
         if "method" in params:
             cases.add((params["method"], params["world"], params["optim"]))
     return [case for case in CASES if case in cases]
+
+
+def checks_clip(request):
+    """Whether test_clip_equals_one_ddp_process_clip is selected: it reads the --clip run."""
+    return any(
+        item.name == "test_clip_equals_one_ddp_process_clip" for item in selected_tests(request)
+    )
 
 
 def checks_attention(request):
@@ -63,6 +75,7 @@ def launch(world, argv):
 def launched(request, tmp_path_factory):
     """One launch per world size runs the cases the selected tests read, each shared by the three
     tests that read it; the W=4 launch ends with the attention driver when its test is selected.
+    The W=2 launch ends with the --clip run when its test is selected, saved as "clip".
     Returns ({case: (RESULT, path of the saved state_dict)}, the driver's CHECKs)."""
     folder = tmp_path_factory.mktemp("cp")
     saved = {case: folder / f"{i}.pt" for i, case in enumerate(CASES)}
@@ -76,11 +89,18 @@ def launched(request, tmp_path_factory):
             method, _, optim = case
             flags = [*CFG, "--method", method, "--optim", optim, "--save", saved[case]]
             argv.append(["context_parallel", flags])
+        clip = world == 2 and checks_clip(request)
+        if clip:
+            method, _, optim = CLIPPED
+            flags = [*CFG, "--method", method, "--optim", optim, "--clip", CLIP]
+            argv.append(["context_parallel", [*flags, "--save", folder / "clip.pt"]])
         if world == 4 and checks_attention(request):
             argv.append(["cp_attention_check", []])
         if not argv:
             continue
         results, checks_here = launch(world, argv)
+        if clip:
+            out["clip"] = (results.pop(), folder / "clip.pt")
         for case, result in zip(in_world, results, strict=True):
             out[case] = (result, saved[case])
         checks += checks_here
@@ -192,3 +212,40 @@ def test_attention_function_equals_sdpa(checks):
         for method in ulysses:
             assert c[method]["fwd_calls"] == dict(all_to_all=4), c
             assert c[method]["bwd_calls"] == dict(all_to_all=4), c
+
+
+def test_clip_equals_one_ddp_process_clip(runs, refs, tmp_path_factory):
+    """--clip at a limit below every step's gradient norm: the ring at W=2 ends where ddp.py --clip
+    ends in one process, so each rank clipped by the global norm of the whole gradients. Unclipped
+    training ends far from there, so the clip bit."""
+    method, world, optim = CLIPPED
+    result, path = runs["clip"]
+    clipped = ddp_references(tmp_path_factory, [*CFG, "--clip", CLIP], (optim,))[optim]
+    assert max_diff(clipped, refs[optim]) > 100 * TOL[optim]
+    diff = max_diff(path, clipped)
+    print(f"context_parallel --method {method} W={world} --clip {CLIP}: max |Δ| = {diff:.2e}")
+    assert result["world_size"] == world and result["steps"] == 6
+    assert diff < TOL[optim]
+
+
+def test_errors_are_said_on_every_rank():
+    """Inputs that go wrong on one rank raise the same ValueError on both ranks of a W=2 launch
+    (tests/cp_attention_check.py --errors), where rank 0 used to see only Gloo's "Connection
+    closed by peer": targets of -100 to a loss that ignores -1 (on rank 1, which holds the
+    sequences' ends), rank 1 feeding shorter sequences, and 10 tokens that the zig-zag split
+    cannot cut into 2W = 4 chunks."""
+    run = fork_launch("tests/cp_attention_check.py", 2, "--errors", timeout=60)
+    assert run.returncode == 0, run.output
+    lines = [line for line in run.stdout.splitlines() if line.startswith("ERRORS ")]
+    by_rank = sorted(
+        (json.loads(line[len("ERRORS ") :]) for line in lines), key=lambda e: e["rank"]
+    )
+    assert [errors["rank"] for errors in by_rank] == [0, 1], run.output
+    expected = {
+        "targets": "not ignore_index=-1, on rank(s) [1]",
+        "shapes": "the ranks feed batches of different shapes",
+        "zigzag": "10 tokens do not split into 4 equal chunks",
+    }
+    for kind, text in expected.items():
+        first, second = (errors[kind] for errors in by_rank)
+        assert first == second and text in first, (kind, first, second)

@@ -17,6 +17,7 @@ import math
 import copy_context_parallel
 import copy_pipeline
 import copy_tensor_parallel
+import copy_zero
 import nanogpt_model
 import pytest
 import torch
@@ -184,3 +185,25 @@ def test_tensor_parallel_split_the_heads(copies, module, case):
     assert proof["heads"] == [[[0, 1]] * 3, [[2, 3]] * 3]
     assert proof["ln_1_tokens"] == ([8, 8] if "-sp-" in case else [16, 16])
     assert proof["replicated_apart"] == [0.0, 0.0]
+
+
+# zero
+
+
+@pytest.mark.parametrize(
+    "module, case", [("zero", c) for c in copy_zero.NANOGPT_CASES if c.startswith("zero")]
+)
+def test_zero_sharded_the_units(copies, module, case):
+    """Rank 0's model.parameters() were its shards: half of each of nanoGPT's units, each padded
+    to an even count (wte holding the tied weight once), and nothing in lm_head, which holds only
+    the tied weight; at stage 3 no unit stayed whole after the step, at stages 1-2 all five did."""
+    _, results = copies
+    proof = results[case]
+    model = nanogpt_model.model()
+    transformer = model.transformer
+    units = [transformer.wte, transformer.wpe, *transformer.h, transformer.ln_f]
+    sizes = [sum(param.numel() for param in unit.parameters()) for unit in units]
+    assert sum(sizes) == sum(param.numel() for param in model.parameters())  # lm_head: tied only
+    assert proof["held"] == sum(-(-size // 2) for size in sizes)
+    assert proof["lm_head_held"] == 0
+    assert proof["whole_units"] == (0 if "3-" in case else len(units))
