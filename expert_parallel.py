@@ -22,8 +22,9 @@ Communication per step: per MoE layer, 2 all-to-alls of the routed tokens forwar
 combine) and 2 backward (their reverses), each of k·b·T rows of D fp32 on average over ranks,
 for b = batch/W images of T tokens (with even routing, (W-1)/W of the rows leave the rank),
 plus one all-to-all of the E token counts (int64) forward; the Ψ_d dense gradients all-reduced
-(instead of DDP's Ψ), in depth + 2 buckets overlapped with backward; --clip adds one all-reduce
-of a scalar (the experts' squared norm, over the expert group).
+(instead of DDP's Ψ), in depth + 2 buckets started during backward on a process group of their
+own (on the all-to-alls' NCCL communicator each would hold up the next layer's all-to-all);
+--clip adds one all-reduce of a scalar (the experts' squared norm, over the expert group).
 Host syncs: one per MoE layer forward (the token counts, which the uneven all-to-alls need as
 host integers); none in backward.
 
@@ -34,6 +35,7 @@ host integers); none in backward.
 
 import datetime
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -44,6 +46,10 @@ from torch.utils.data import DataLoader, DistributedSampler
 import common
 
 SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
+# common.model builds the ViT's MoE blocks from the module expert_parallel: run as the script
+# (__main__, or __mp_main__ in a spawned rank), this file is that module, or the blocks' MoE
+# would be another class than the one parallelize looks for (a no-op when imported by name).
+sys.modules["expert_parallel"] = sys.modules[__name__]
 
 
 ### begin: Expert parallel
@@ -54,7 +60,9 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 # The MoE takes [B, T, D] and returns one tensor of that shape, as an MLP does; its balance loss
 # needs nothing of the loop. parallelize finds the MoE layers wherever they sit in the model; every
 # other parameter is dense and lives in one of the units hook_optimizer is given in forward order
-# (by default model.embed, model.blocks, model.head). E divisible by the expert group's size.
+# (by default model.embed, model.blocks, model.head), used in that unit's forward only. E divisible
+# by the expert group's size. hook_optimizer makes a process group (dist.new_group) for the dense
+# all-reduces: every rank of the world calls it, in the same order as its other new groups.
 
 
 class Experts(nn.ModuleList):
@@ -278,23 +286,41 @@ def expert_params(model):
 def dense_buckets(model, units=None):
     """The dense parameters in the order backward finishes them, one bucket per unit (units: the
     model's modules in forward order; None: model.embed, the blocks, model.head): the head, the
-    blocks from last to first (attention, norms, router: not the experts), the embedding. A
-    parameter two units share (an embedding tied to the output head) goes in the bucket of the
-    one nearest the input: its gradient is whole only once backward has reached that unit; a unit
-    left with no parameter of its own (an output head holding only the tied weight) has none."""
+    blocks from last to first (attention, norms, router: not the experts), the embedding, each as
+    (the unit's place in forward order, its parameters). A parameter two units share (an embedding
+    tied to the output head) goes in the bucket of the one nearest the input: its gradient is
+    whole only once backward has reached that unit; a unit left with no parameter of its own (an
+    output head holding only the tied weight) has none."""
     if units is None:
         units = [model.embed, *model.blocks, model.head]
     placed = {id(p) for p in expert_params(model)}  # each parameter in one bucket at most
     buckets = []
-    for unit in units:
+    for place, unit in enumerate(units):
         bucket = [p for p in unit.parameters() if id(p) not in placed]
         placed.update(id(p) for p in bucket)
         if bucket:
-            buckets.append(bucket)
+            buckets.append((place, bucket))
     outside = [p for p in model.parameters() if id(p) not in placed]
     if outside:
         raise ValueError("every dense parameter must live in one of the units")
     return buckets[::-1]  # backward's order
+
+
+def own_group(data_group=None):
+    """A process group over data_group's ranks (None: the world) for the averager alone. Every rank
+    of the world makes every data group's copy, in the same order, as new_group requires; each
+    keeps its own."""
+    mine = dist.get_process_group_ranks(data_group or dist.group.WORLD)
+    every = [mine]
+    if data_group is not None:  # the other ranks' data groups, which this rank must make too
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+    made = None
+    for ranks in sorted({tuple(ranks) for ranks in every}):
+        group = dist.new_group(list(ranks))
+        if list(ranks) == mine:
+            made = group
+    return made
 
 
 class GradientAverager:
@@ -305,10 +331,17 @@ class GradientAverager:
     the ranks that hold the same experts as this one, one in each copy of the expert group (None:
     one copy, the expert group is every data-parallel rank).
 
-    The dense gradients: all-reduced over data_group like DDP's, bucket by bucket, each as soon as
-    the step's last backward has finished it, so that a block's all-reduce travels while backward
-    runs the blocks before it. The MoE's forwards_per_step backward passes (gradient accumulation)
-    add up in .grad first: a bucket launches when all of its gradients have arrived that many times.
+    The dense gradients: all-reduced like DDP's, bucket by bucket during backward, on a process
+    group of the averager's own (own_group): one NCCL communicator runs its operations in turn, so
+    on the all-to-alls' group each bucket would hold up the next MoE layer's backward all-to-all;
+    on its own it can travel while backward runs the blocks before it (not measured on GPUs here).
+    A bucket starts where every rank starts it, whatever gradients it got (NCCL wants the same
+    order on every rank, across communicators too; a parameter used on some ranks only must not
+    move it): when backward reaches the output of the nearest MoE layer before its unit, in the
+    step's last backward pass, else at the step; a parameter with no gradient by then sends zeros.
+    By then backward has finished the unit (autograd runs the nodes made later in forward first,
+    accumulating gradients first of all); a gradient that comes later is an error.
+
     The expert gradients need no all-reduce within the expert group: the all-to-alls already
     brought every token routed to an expert, from every rank of the group, to its one owner; with
     several copies, one all-reduce over replica_group adds the other copies'. Each rank's loss is
@@ -316,7 +349,7 @@ class GradientAverager:
     times the gradient of the global batch's mean: only the scale, 1/W, is missing."""
 
     def __init__(self, model, data_group=None, replica_group=None, units=None):
-        self.data_group = data_group
+        self.group = own_group(data_group)
         self.replica_group = replica_group
         self.world = dist.get_world_size(data_group)
         copies = 1 if replica_group is None else dist.get_world_size(replica_group)
@@ -328,21 +361,54 @@ class GradientAverager:
                 "that hold this rank's experts"
             )
         self.backward_passes = layers[0].forwards_per_step  # per optimizer step
-        self.buckets = dense_buckets(model, units)
+        places = dense_buckets(model, units)
+        self.buckets = [bucket for _, bucket in places]
         self.experts = expert_params(model)
-        # missing[i]: the gradients of bucket i that backward has not accumulated yet this step
-        self.missing = self.expected()
+        units = units if units is not None else [model.embed, *model.blocks, model.head]
+        # place[m]: the unit (its place in forward order) holding MoE layer m
+        place = [
+            next(i for i, unit in enumerate(units) if any(mod is layer for mod in unit.modules()))
+            for layer in layers
+        ]
+        # starts[m]: the buckets that start when backward reaches layer m's output: those of
+        # the units after m's and before the next MoE layer's (the rest start in wait)
+        self.starts = [[] for _ in layers]
+        for index, (unit, _) in enumerate(places):
+            before = [m for m in range(len(layers)) if place[m] < unit]
+            if before:
+                self.starts[before[-1]].append(index)
+        self.passes = [0] * len(layers)  # backward passes that reached each layer this step
         # This step's gradients are averaged already (clip_grad_norm_ waited before the step's
         # hook): the hook must not average them again.
         self.averaged = False
         self.in_flight = []  # (flat gradients, all-reduce work) per launched bucket, in order
+        for m, layer in enumerate(layers):
+            layer.register_forward_hook(self.output_hook(m))
         for index, bucket in enumerate(self.buckets):
             for param in bucket:
                 param.register_post_accumulate_grad_hook(self.grad_ready_hook(index))
 
-    def expected(self):
-        """Gradients each bucket gets in a step: one per parameter per backward pass."""
-        return [len(bucket) * self.backward_passes for bucket in self.buckets]
+    def output_hook(self, m):
+        """A forward hook for MoE layer m: its output's gradient hook is where backward reaches
+        the layer, the same point on every rank (the layer's all-to-alls follow)."""
+
+        def reached(grad):
+            self.averaged = False  # a new step's gradients are coming in
+            self.passes[m] += 1
+            if self.passes[m] > self.backward_passes:
+                raise RuntimeError(
+                    f"more than {self.backward_passes} backward passes before an optimizer step: "
+                    "build the MoE layers with forwards_per_step = the backward passes per step"
+                )
+            if self.passes[m] == self.backward_passes:  # the step's last backward pass
+                for index in self.starts[m]:
+                    self.launch(index)
+
+        def forward_hook(layer, args, output):
+            if output.requires_grad:
+                output.register_hook(reached)
+
+        return forward_hook
 
     def grad_ready_hook(self, index):
         """The hook for bucket `index`'s parameters (a function per bucket: each keeps its own
@@ -350,41 +416,32 @@ class GradientAverager:
 
         def grad_ready(param):
             self.averaged = False  # a new step's gradients are coming in
-            self.missing[index] -= 1
-            if self.missing[index] < 0:
+            if index < len(self.in_flight):
                 raise RuntimeError(
-                    f"more than {self.backward_passes} backward passes before an optimizer step: "
-                    "build the MoE layers with forwards_per_step = the backward passes per step"
+                    "a dense gradient came after its bucket's all-reduce started: each parameter "
+                    "must be used in the forward of its own unit, and the units be in forward order"
                 )
-            self.launch_ready_buckets()
 
         return grad_ready
 
-    def launch_ready_buckets(self):
-        # In bucket order, whatever order the gradients come in: every rank must issue the same
-        # all-reduces in the same order. Buckets launch in order, so the next one to launch is
-        # the count of those in flight.
-        while len(self.in_flight) < len(self.buckets):
-            next_bucket = len(self.in_flight)
-            if self.missing[next_bucket] > 0:
-                return
-            self.launch(next_bucket)
-
     def launch(self, index):
+        # Buckets start in backward's order on every rank: the next one is the count in flight.
+        assert index == len(self.in_flight), (index, len(self.in_flight))
         bucket = self.buckets[index]
         # A parameter that got no gradient sends zeros: the bucket has the same size everywhere.
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
         flat = torch.cat([grad.reshape(-1) for grad in grads])
-        work = dist.all_reduce(flat, group=self.data_group, async_op=True)
+        work = dist.all_reduce(flat, group=self.group, async_op=True)
         self.in_flight.append((flat, work))
 
     def wait(self, optimizer, args, kwargs):
-        """The optimizer's step pre-hook (hence its arguments, unused): finish the all-reduces,
-        then scale. Once a step: a second call (the hook after clip_grad_norm_) does nothing."""
+        """The optimizer's step pre-hook (hence its arguments, unused): start the buckets left (the
+        units before the first MoE layer), finish the all-reduces, then scale. Once a step: a
+        second call (the hook after clip_grad_norm_) does nothing."""
         if self.averaged:
             return
         for index in range(len(self.in_flight), len(self.buckets)):
-            self.launch(index)  # a bucket with a parameter that got no gradient this step
+            self.launch(index)
         for bucket, (flat, work) in zip(self.buckets, self.in_flight, strict=True):
             work.wait()
             flat.div_(self.world)
@@ -398,7 +455,7 @@ class GradientAverager:
         for grad in expert_grads:
             grad.div_(self.world)
         # Ready for the next step's backward.
-        self.missing = self.expected()
+        self.passes = [0] * len(self.passes)
         self.in_flight = []
         self.averaged = True
 
@@ -408,7 +465,9 @@ def hook_optimizer(model, optimizer, data_group=None, replica_group=None, units=
     data_group, None: the world; replica_group, the ranks holding this rank's experts, None: no
     other; units, the modules holding the dense parameters in forward order, None: model.embed,
     model.blocks, model.head). Beside data parallelism on a DeviceMesh ("dp", "ep"): parallelize's
-    group is mesh["ep"].get_group(), replica_group mesh["dp"].get_group(), data_group the world."""
+    group is mesh["ep"].get_group(), replica_group mesh["dp"].get_group(), data_group the world.
+    The dense all-reduces run on a new group over data_group's ranks: every rank of the world
+    calls hook_optimizer, in the same order."""
     averager = GradientAverager(model, data_group, replica_group, units)
     optimizer.register_step_pre_hook(averager.wait)
     model.grad_averager = averager  # for clip_grad_norm_, which must average first

@@ -1,9 +1,10 @@
 """expert_parallel.py and its section's mixture-of-experts layer: experts spread over W ranks end
 with the parameters of one ddp.py process with the same --experts --top-k; the dispatch/combine
 equals a loop over experts (output and gradients, an expert that receives no token included) and
-waits for the device once per layer; the dense gradients' all-reduces start during backward; the
-all-to-all bytes the Meter counts add up to the formula; --clip clips by the global norm; the
-scripts that take an MoE block unchanged stay exact.
+waits for the device once per layer; the dense gradients' all-reduces start during backward, on
+a process group of their own, placed alike among the all-to-alls on every rank even where a
+parameter gets a gradient on one rank only; the all-to-all bytes the Meter counts add up to the
+formula; --clip clips by the global norm; the scripts that take an MoE block unchanged stay exact.
 
 Launches: 3 processes of ddp.py W=1 references (sgd and adamw for E=4 K=2 in one, sgd with --clip
 in one, sgd for E=8 K=1), ONE launch at W=2 running expert_parallel.py three times (--clip once)
@@ -11,6 +12,7 @@ and the 3 other scripts as cases of it (tests/script_cases.py), one at W=4, and 
 processes.
 """
 
+import datetime
 import gc
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +24,8 @@ import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import common
-from helpers import SMALL, ddp_reference, ddp_references, launch_cases, max_diff
+from common.meter import _group_name
+from helpers import SMALL, ddp_reference, ddp_references, fork_launch, launch_cases, max_diff, ok
 
 CFG = SMALL + ["--experts", "4", "--top-k", "2"]  # E=4, K=2
 CFG8 = SMALL + ["--experts", "8", "--top-k", "1"]  # E=8, K=1
@@ -219,7 +222,9 @@ def _dispatch_worker(rank, world, port):
     import expert_parallel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # A collective issued out of order on one rank fails in a minute, not Gloo's half hour.
+    timeout = datetime.timedelta(seconds=60)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
     try:
         E, K, N, D = 4, 2, 37 + 5 * rank, 8
         torch.manual_seed(0)  # the same experts on every rank
@@ -259,6 +264,9 @@ def _dispatch_worker(rank, world, port):
         dist.all_reduce(want)
         assert got == want.view(world, -1)[rank].tolist()  # rows each owned expert receives
         _check_overlap(expert_parallel)
+        _check_same_order_everywhere(expert_parallel)
+        _check_late_gradient_is_an_error(expert_parallel)
+        _check_own_group_of_subgroups(expert_parallel)
     finally:
         # Free the models' hook cycles (they hold the group's work) while the group is up, not
         # in the interpreter's exit, where Gloo's threads can abort it (seen once: SIGABRT).
@@ -267,20 +275,24 @@ def _dispatch_worker(rank, world, port):
 
 
 class _Collectives(TorchDispatchMode):
+    """Records the c10d ops this rank issues, in order: (op, the name of its process group)."""
+
     def __init__(self):
         super().__init__()
         self.order = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d":
-            self.order.append(func._opname)
+            self.order.append((func._opname, _group_name(args)))
         return func(*args, **(kwargs or {}))
 
 
 def _check_overlap(expert_parallel):
-    """The dense gradients go in L + 2 all-reduces issued during backward, interleaved with the
-    MoE layers' all-to-alls; once waited for (the optimizer's pre-step hook; no optimizer here, it
-    would import torch._dynamo for seconds), every gradient is the average over ranks."""
+    """The dense gradients go in L + 2 all-reduces, the first ones issued during backward,
+    interleaved with the MoE layers' all-to-alls, on a process group of their own (on the
+    all-to-alls' NCCL communicator each would run in turn with them: no overlap); once waited for
+    (the optimizer's pre-step hook; no optimizer here, it would import torch._dynamo for seconds),
+    every gradient is the average over ranks."""
     args = common.parse_args(common.get_parser("t"), CFG)
     model = expert_parallel.parallelize(common.build_model(args), torch.device("cpu"))
     averager = expert_parallel.GradientAverager(model)
@@ -289,12 +301,18 @@ def _check_overlap(expert_parallel):
     loss = torch.nn.functional.cross_entropy(model(x), y)
     with _Collectives() as seen:
         loss.backward()
-    all_reduces = [i for i, name in enumerate(seen.order) if name == "allreduce_"]
-    all_to_alls = [i for i, name in enumerate(seen.order) if name.startswith("alltoall")]
+        local = {n: p.grad.clone() for n, p in model.named_parameters()}
+        averager.wait(None, (), {})
+    ops = [op for op, _ in seen.order]
+    all_reduces = [i for i, op in enumerate(ops) if op == "allreduce_"]
+    all_to_alls = [i for i, op in enumerate(ops) if op.startswith("alltoall")]
     assert len(all_reduces) == args.depth + 2, seen.order
     assert all_reduces[0] < all_to_alls[-1], seen.order  # the first starts before backward ends
-    local = {n: p.grad.clone() for n, p in model.named_parameters()}
-    averager.wait(None, (), {})
+    reduce_groups = {seen.order[i][1] for i in all_reduces}
+    all_to_all_groups = {seen.order[i][1] for i in all_to_alls}
+    assert reduce_groups == {averager.group.group_name}, seen.order
+    assert all_to_all_groups == {dist.group.WORLD.group_name}, seen.order
+    assert reduce_groups.isdisjoint(all_to_all_groups), seen.order  # not one communicator
     for n, p in model.named_parameters():
         want = local[n] / dist.get_world_size()
         if ".experts." not in n:
@@ -302,8 +320,74 @@ def _check_overlap(expert_parallel):
         assert torch.allclose(p.grad, want, atol=1e-7), n
 
 
+def _check_same_order_everywhere(expert_parallel):
+    """A dense parameter with a gradient on rank 0 only (rank 1's head leaves its bias out, as a
+    branch some ranks skip would): every rank still issues the same collectives in the same order,
+    the all-reduces placed alike among the all-to-alls (NCCL's rule, across communicators too), and
+    the bias ends with rank 0's gradient / W."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    args = common.parse_args(common.get_parser("t"), CFG)
+    model = expert_parallel.parallelize(common.build_model(args), torch.device("cpu"))
+    averager = expert_parallel.GradientAverager(model)
+    fc = model.head.fc
+    if rank == 1:
+        fc.forward = lambda h: torch.nn.functional.linear(h, fc.weight)
+    torch.manual_seed(2 + rank)
+    x, y = torch.randn(4, 1, 28, 28), torch.randint(0, 10, (4,))
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    with _Collectives() as seen:
+        loss.backward()
+        got_one = fc.bias.grad is not None
+        bias = fc.bias.grad.clone() if got_one else torch.zeros_like(fc.bias)
+        averager.wait(None, (), {})
+    assert got_one == (rank == 0)
+    orders = [None] * world
+    dist.all_gather_object(orders, seen.order)
+    assert all(order == orders[0] for order in orders), orders
+    dist.all_reduce(bias)
+    assert torch.count_nonzero(bias) > 0 and torch.allclose(fc.bias.grad, bias / world, atol=1e-7)
+
+
+def _check_late_gradient_is_an_error(expert_parallel):
+    """Units given out of forward order (the blocks swapped): block 0's bucket starts where
+    backward reaches block 1's MoE layer, before block 0's gradients exist; the gradient that
+    comes after its bucket's all-reduce started is an error, not a wrong average."""
+    args = common.parse_args(common.get_parser("t"), CFG)
+    model = expert_parallel.parallelize(common.build_model(args), torch.device("cpu"))
+    swapped = [model.embed, model.blocks[1], model.blocks[0], model.head]
+    expert_parallel.GradientAverager(model, units=swapped)
+    x, y = torch.randn(4, 1, 28, 28), torch.randint(0, 10, (4,))
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    try:
+        loss.backward()
+    except RuntimeError as error:
+        assert "came after its bucket's all-reduce started" in str(error), error
+    else:
+        raise AssertionError("a gradient came after its bucket's all-reduce, unnoticed")
+
+
+def _check_own_group_of_subgroups(expert_parallel):
+    """Data groups smaller than the world (here one rank each): every rank makes every group's
+    copy (new_group's rule, or the next collective hangs) and keeps its own."""
+    rank = dist.get_rank()
+    data_groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    group = expert_parallel.own_group(data_groups[rank])
+    assert dist.get_process_group_ranks(group) == [rank]
+    value = torch.tensor([1.0 + rank])
+    dist.all_reduce(value, group=group)
+    assert value.item() == 1.0 + rank
+    dist.barrier()  # the world's communicator still in step
+
+
 def test_dispatch_combine_equals_loop_over_experts():
     mp.spawn(_dispatch_worker, args=(2, common.free_port()), nprocs=2)
+
+
+def test_runs_as_the_script():
+    """`python expert_parallel.py --experts 4` (the script as __main__, where the other tests import
+    it): the ViT's MoE blocks are the classes parallelize looks for, so the experts are split."""
+    result = ok(fork_launch("expert_parallel.py", 2, *CFG, "--max-steps", "1"))
+    assert result["steps"] == 1 and result["comm_calls"]["all_to_all"] > 0
 
 
 @pytest.mark.parametrize("script", OTHERS)

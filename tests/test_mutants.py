@@ -99,6 +99,15 @@ MUTANTS = {
         "ZeRO-Infinity steps every piece with one group's settings",
         "test_copy.py::test_zero_offload_equals_one_process[disk-3-adamw]",
     ),
+    "zero-clip-before-shards": (
+        "ZeRO clips before the shards have their gradients",
+        "test_copy_nanogpt.py::test_equals_one_process[zero-zero2-sgd]",
+        "test_zero.py::test_clip_equals_one_ddp_process_clip",
+    ),
+    "zero-tied-only-unit-dropped": (
+        "ZeRO leaves out a unit holding only the tied weight",
+        "test_copy_nanogpt.py::test_equals_one_process[zero-zero3-sgd]",
+    ),
     "tp-sp-accumulation": (
         "TP+SP counts a step's earlier backward W times",
         "test_copy.py::test_tensor_parallel_equals_one_process[sgd-sp]",

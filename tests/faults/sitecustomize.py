@@ -387,6 +387,42 @@ if os.environ.get("MUTANT"):
             zero.ZeRO.start_flat_grad = start_forgetting
 
         _after_import["zero"] = _forget_accumulated
+    elif _mutant == "zero-clip-before-shards":  # ZeRO clips before the shards have gradients
+
+        def _clip_early(script):
+            def shards_as_they_are(self):
+                # the pieces' .grad as they are after backward: none yet, the step hook hands them
+                return [
+                    piece.grad
+                    for unit in self.units
+                    for _, _, piece in unit.pieces
+                    if piece.grad is not None
+                ]
+
+            script.ZeRO.gradient_shards = shards_as_they_are
+
+        _after_import["zero"] = _clip_early
+        _after_import["zero_offload"] = _clip_early
+    elif _mutant == "zero-tied-only-unit-dropped":  # ZeRO: a tied-only unit left out
+
+        def _drop_tied_only(script):
+            parallelize = script.parallelize
+
+            def parallelize_dropping(model, *args, units, **kw):
+                seen = set()
+                kept = []
+                for module in units:
+                    own = [param for param in module.parameters() if param not in seen]
+                    seen.update(own)
+                    if own:
+                        kept.append(module)
+                return parallelize(model, *args, units=kept, **kw)
+
+            script.check_units = lambda model, modules: None
+            script.parallelize = parallelize_dropping
+
+        _after_import["zero"] = _drop_tied_only
+        _after_import["zero_offload"] = _drop_tied_only
     elif _mutant == "pipeline-tied-unsummed":  # pipeline: each tied copy steps on its stage's part
 
         def _unsummed(pipeline):
