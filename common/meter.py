@@ -1,5 +1,6 @@
 """The measuring instrument, attached from outside: collectives, memory, activations, timing."""
 
+import contextlib
 import os
 import time
 
@@ -59,9 +60,12 @@ class CollectiveCounter(TorchDispatchMode):
         self.bytes = {}  # {kind: bytes}
         self.groups = {}  # {process group name: {kind: [calls, bytes]}}: traffic per mesh dimension
         self.sample = None  # the Meter's reading after every op (the optimizer state's peak)
+        self.paused = False  # inside untimed(): not the technique's training, not counted
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if self.paused:
+            return out
         if self.sample is not None:
             self.sample()
         if func.namespace in ("c10d", "_c10d_functional"):
@@ -191,11 +195,18 @@ class Meter:
     --profile records those steps with torch.profiler, one Chrome/Perfetto trace per rank.
     Deleting it from a script changes nothing the technique does. `parts={"attention": [modules]}`
     adds a row act_bytes_attention: what those modules' forwards saved for backward in the first
-    forward."""
+    forward.
+
+    `device` is the script's: the clock synchronizes its stream, the CUDA peak is its. Left out:
+    the GPU torch.cuda.set_device chose under NCCL (also where the parameters live on the CPU, as
+    under zero_offload.py --offload cpu), else the first parameter's device. On a GPU it resets
+    the peak memory statistics on entering and reads max_memory_allocated on leaving: `cuda_peak`
+    is training's own, not evaluation's or the final gathers'. What runs inside `untimed()` (a
+    snapshot) is left out of the time, the CUDA peak and the window."""
 
     active = None  # the Meter inside whose `with` block training runs: progress() reports to it
 
-    def __init__(self, model, optimizer, args, steps=3, parts=None, activations=True):
+    def __init__(self, model, optimizer, args, steps=3, parts=None, activations=True, device=None):
         self.params = list(model.parameters())
         self.optimizer = optimizer
         self.steps = steps  # the window: loop steps observed
@@ -213,11 +224,13 @@ class Meter:
         self.activations = activations
         self.optim_peak = 0
         self.loop_steps = 0  # batches drawn through progress() so far
-        self.device = self.params[0].device if self.params else torch.device("cpu")
+        self.device = torch.device(device) if device is not None else self._device()
         self.clock_start = None  # (time, loop steps done) when the throughput clock started
         self.first_step = None
         self.samples_per_step = args.batch_size
         self.elapsed = (0.0, 0)  # (seconds, loop steps) timed
+        self.pauses = []  # (start, end) of each untimed() stretch: not training, not timed
+        self.cuda_peak = None  # max_memory_allocated in training, on a CUDA device
         self.counter.sample = self._sample_optimizer_state
         # a technique may step optimizers of its own inside this one's step (zero_offload.py
         # --offload disk steps one per unit): their state counts toward the first step's peak
@@ -229,6 +242,14 @@ class Meter:
             for module in modules:
                 self.part_hooks.append(module.register_forward_pre_hook(self._entering(name)))
                 self.part_hooks.append(module.register_forward_hook(self._leaving))
+
+    def _device(self):
+        """The script's device when it passes none: under NCCL the GPU torch.cuda.set_device
+        bound, also where the parameters live on the CPU (zero_offload.py --offload cpu), else the
+        first parameter's device."""
+        if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return self.params[0].device if self.params else torch.device("cpu")
 
     def _entering(self, name):
         def hook(module, args):
@@ -251,6 +272,9 @@ class Meter:
 
     def __enter__(self):
         Meter.active = self
+        if self.device.type == "cuda":  # the peak of training alone: not model building
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.cuda_peak = 0
         self.counter.__enter__()
         if self.activations:
             self.packing = torch.autograd.graph.saved_tensors_hooks(
@@ -270,8 +294,30 @@ class Meter:
 
     def _now(self):
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # twice a run: at the clock's start and its end
+            # at the clock's start and its end, and around each untimed() stretch (a snapshot an
+            # epoch): the GPU's queued work is counted where it was issued
+            torch.cuda.synchronize(self.device)
         return time.perf_counter()
+
+    def _read_cuda_peak(self):
+        if self.cuda_peak is not None:
+            self.cuda_peak = max(self.cuda_peak, torch.cuda.max_memory_allocated(self.device))
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Work inside the training loop that is not training (a snapshot: its gather, save and
+        fsync): its time is left out of samples/s, its memory out of the CUDA peak (the peak so
+        far is kept, the counter reset after it) and its collectives out of the window."""
+        start = self._now()
+        self._read_cuda_peak()
+        self.counter.paused = True
+        try:
+            yield
+        finally:
+            self.counter.paused = False
+            self.pauses.append((start, self._now()))
+            if self.cuda_peak is not None:
+                torch.cuda.reset_peak_memory_stats(self.device)
 
     def loop_step_starts(self):
         """Called by progress() as each batch is drawn: closes the window after `steps` steps and
@@ -333,7 +379,9 @@ class Meter:
         if self.loop_steps:
             end = self._now()
             start, steps_before = self.clock_start or (self.first_step, 0)
-            self.elapsed = (end - start, self.loop_steps - steps_before)
+            untimed = sum(max(0.0, min(b, end) - max(a, start)) for a, b in self.pauses)
+            self.elapsed = (end - start - untimed, self.loop_steps - steps_before)
+        self._read_cuda_peak()  # training's peak: evaluation and the final gathers come after
 
     def comm(self):
         """({kind: bytes per step}, {kind: calls in the window}, loop steps in the window)."""
@@ -348,6 +396,17 @@ class Meter:
             g: {k: [c, b // n] for k, (c, b) in kinds.items()}
             for g, kinds in self.counter.groups.items()
         }
+
+
+@contextlib.contextmanager
+def untimed():
+    """`with common.untimed(): save_snapshot(...)` inside the training loop: the active Meter, if
+    any, leaves that stretch out of samples/s, the CUDA peak and its window (Meter.paused)."""
+    if Meter.active is None:
+        yield
+        return
+    with Meter.active.paused():
+        yield
 
 
 class PipelineRecorder:

@@ -62,7 +62,8 @@ def log_loss(bar, args, epoch, steps, loss):
 def report(
     script, args, world, backend, device, source, model_params, out, acc, meter, formula, **extra
 ):
-    """Rank 0: the measured per-rank memory and communication next to the formula, then the one
+    """Every rank calls it, at the same point (it all-reduces the CUDA peak); rank 0 prints the
+    measured per-rank memory and communication next to the formula, then the one
     machine-readable line `RESULT {json}` that run_all.sh and the tests read.
 
     `formula` maps param_bytes / grad_bytes / optim_bytes / comm (a {kind: bytes} dict) to the
@@ -111,8 +112,9 @@ def report(
         promised = "" if expected is None else fmt_bytes(expected)
         flag = "" if expected is None or measured == expected else "  (differs)"
         log(f"  {what:<26}{fmt_bytes(measured):>12}{promised:>12}   {text}{flag}")
-    if device.type == "cuda":
-        log(f"  cuda max_memory_allocated: {fmt_bytes(torch.cuda.max_memory_allocated(device))}")
+    cuda_peak = training_cuda_peak(meter, device)
+    if cuda_peak is not None:
+        log(f"  cuda peak in training, max over ranks: {fmt_bytes(cuda_peak)}")
     sps = meter.samples_per_s()
     log(f"\ntest accuracy {acc:.4f}, final train loss {out['loss']:.4f}, {sps:.0f} samples/s")
     fields = dict(
@@ -126,6 +128,7 @@ def report(
         loss=out["loss"],
         test_acc=acc,
         samples_per_s=sps,
+        cuda_peak_bytes=cuda_peak,
         **meter.mem,
         comm_bytes=sum(comm.values()),
         comm=comm,
@@ -136,6 +139,20 @@ def report(
     )
     result(**fields)
     return fields
+
+
+def training_cuda_peak(meter, device):
+    """The largest of the ranks' CUDA peaks in training (the Meter's max_memory_allocated, reset
+    as training began, read as it ended), None on the CPU. Every rank issues the all-reduce, also
+    on the CPU, so that a script calling report() on some ranks only hangs in the CPU tests too."""
+    peak = meter.cuda_peak if meter.cuda_peak is not None else -1
+    if dist.is_available() and dist.is_initialized():
+        # NCCL reduces GPU tensors (this rank's), Gloo CPU ones
+        on = device if dist.get_backend() == "nccl" else torch.device("cpu")
+        peaks = torch.tensor([peak], dtype=torch.int64, device=on)
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+        peak = int(peaks.item())
+    return peak if peak >= 0 else None
 
 
 def result(**fields):

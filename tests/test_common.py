@@ -564,7 +564,85 @@ def test_meter_reads_what_the_first_forward_saved_for_backward():
     assert meter.mem["act_bytes"] == 4 * (4 * 8 + 4 * 16)
 
 
+def train_a_few_steps(device, steps=4, each_step=lambda: None):
+    """A Linear on the CPU (as zero_offload.py --offload cpu keeps its parameters) trained inside a
+    Meter(model, optimizer, args, steps=1, device=device); returns the Meter."""
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    args = parse()
+    with common.Meter(model, opt, args, steps=1, device=device) as meter:
+        for _ in common.progress(list(range(steps)), args, epoch=0):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            each_step()
+    return meter
+
+
+def test_meter_clocks_the_scripts_gpu_also_where_the_parameters_are_on_the_cpu(monkeypatch):
+    """Under zero_offload.py --offload cpu the first parameter is a CPU tensor: the Meter's clock
+    must still wait for the GPU's queued kernels (torch.cuda.synchronize on the script's device), or
+    samples/s times their launch. Its device: the one passed, else under NCCL the GPU set by
+    torch.cuda.set_device, else the first parameter's."""
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 0)
+    gpu = torch.device("cuda", 1)
+    meter = train_a_few_steps(gpu)
+    assert meter.device == gpu and meter.params[0].device.type == "cpu"
+    assert len(synced) == 3 and set(synced) == {gpu}  # first step, the clock's start, its end
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    for backend, device in (("nccl", torch.device("cuda", 3)), ("gloo", torch.device("cpu"))):
+        monkeypatch.setattr(dist, "get_backend", lambda group=None, backend=backend: backend)
+        with common.Meter(model, opt, parse()) as meter:
+            assert meter.device == device, backend
+
+
+def test_cuda_peak_is_trainings_own_and_the_largest_over_ranks(monkeypatch, group):
+    """The peak statistics are reset as the Meter is entered (model building before it does not
+    count) and read as it is left (evaluation at batch 512 and the final state-dict gathers, after
+    it, do not); report() all-reduces the ranks' peaks with MAX into RESULT's cuda_peak_bytes."""
+    allocator = dict(peak=7000)  # the peak of building the model, before training
+    calls = []
+
+    def reset(device=None):
+        calls.append(("reset", device))
+        allocator["peak"] = 100
+
+    def read(device=None):
+        calls.append(("read", device))
+        return allocator["peak"]
+
+    def grow():
+        assert calls[0] == ("reset", gpu)  # reset before the first step
+        allocator["peak"] += 1000
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", read)
+    gpu = torch.device("cuda", 0)
+    meter = train_a_few_steps(gpu, steps=3, each_step=grow)
+    assert calls == [("reset", gpu), ("read", gpu)] and meter.cuda_peak == 3100
+    allocator["peak"] = 9000  # evaluation at batch 512 and the final gathers: not training's
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, **kwargs):
+        """World 1 standing in for two ranks: the other one's training peak was 5000."""
+        peaks = [tensor.item(), 5000]
+        tensor.fill_(max(peaks) if op == dist.ReduceOp.MAX else sum(peaks))
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    out = dict(steps=3, loss=0.5)
+    fields = common.report("t", parse(), 1, "gloo", gpu, "synthetic", 20, out, 0.5, meter, {})
+    assert fields["cuda_peak_bytes"] == 5000 and len(calls) == 2  # nothing read after training
+
+
 # --------------------------------------------------------------------------- other launchers
+
+
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def start_ranks_by_hand(envs, timeout=120):
@@ -573,9 +651,11 @@ def start_ranks_by_hand(envs, timeout=120):
     tiny = [*ARGS, "--dim", "16", "--depth", "1", "--max-steps", "2", "--no-progress"]
     procs = []
     for env in envs:
-        variables = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **env}
-        for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        variables = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        # only what `env` sets: an earlier test's launch() may have left MASTER_PORT in os.environ
+        for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", *LAUNCHER_VARIABLES):
             variables.pop(name, None)
+        variables.update(env)
         procs.append(
             subprocess.Popen(
                 [sys.executable, str(ROOT / "ddp.py"), *tiny],

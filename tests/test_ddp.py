@@ -7,10 +7,14 @@ process training on the same global batches, and evaluation counts every test sa
 dp.py, one process for every GPU, refuses to be launched as several.
 """
 
+import gc
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler
 
 import common
 from helpers import (
@@ -268,6 +272,58 @@ def test_a_rank_that_cannot_see_the_snapshot_fails_clearly(snapshots):
     )
     assert r.returncode != 0 and "RESULT" not in r.stdout, r.output
     assert "must be on a file system every rank shares" in r.output, r.output
+
+
+def test_a_slow_snapshot_does_not_lower_samples_per_s(tmp_path, monkeypatch):
+    """ddp_torchrun.py's loop snapshots after every epoch, inside the Meter's timed stretch: a
+    snapshot that takes 1000 s to write (a slow shared disk's fsync; 1000 s on the clock the Meter
+    reads, none on the wall's) must leave samples/s as it is. In this process, at world 1: 2
+    epochs of 6 steps, the clock running from step 4 over both snapshots."""
+    import ddp_torchrun
+
+    slow = 1000.0
+    stalled = dict(seconds=0.0)
+    write = ddp_torchrun.write_atomically
+
+    def slow_write(snapshot, path):
+        stalled["seconds"] += slow
+        write(snapshot, path)
+
+    class Clock:
+        """The Meter's clock: the wall's, plus the time the slow disk took."""
+
+        @staticmethod
+        def perf_counter():
+            return time.perf_counter() + stalled["seconds"]
+
+    monkeypatch.setattr(ddp_torchrun, "write_atomically", slow_write)
+    monkeypatch.setattr(common.meter, "time", Clock)
+    argv = ["--data", "synthetic", "--limit", "96", "--dim", "16", "--depth", "1"]
+    args = common.parse_args(common.get_parser("t"), [*argv, "--batch-size", "16", "--epochs", "2"])
+    args.snapshot = str(tmp_path / "snap.pt")
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        device = torch.device("cpu")
+        train_set, _, _ = common.load_data(args, device)
+        sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=args.seed)
+        loader = DataLoader(train_set, batch_size=16, sampler=sampler, drop_last=True)
+        model = ddp_torchrun.parallelize(common.build_model(args), device)
+        optimizer = common.make_optimizer(model.parameters(), args)
+        scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
+        with common.Meter(model, optimizer, args) as meter:
+            out = ddp_torchrun.train(model, optimizer, scheduler, loader, sampler, args, device)
+        del model  # DDP's reducer goes while the group is up (see ddp.py's run)
+        gc.collect()
+    finally:
+        dist.destroy_process_group()
+    seconds, steps = meter.elapsed
+    assert out["steps"] == 12 and steps == 12 - 4
+    assert torch.load(args.snapshot, weights_only=True)["step"] == 12
+    assert stalled["seconds"] == 2 * slow and seconds < slow, (
+        f"{steps} steps timed in {seconds:.2f} s: the snapshots counted"
+    )
 
 
 def test_dp_refuses_to_run_as_several_processes():
