@@ -298,7 +298,7 @@ def run(args):
             f"--amp {args.amp}, checkpointing {'on' if args.checkpoint else 'off'}, "
             f"{args.grad_accum} micro-batch(es) per step, --clip {args.clip:g}"
         )
-        with common.Meter(model, optimizer, args) as meter:
+        with common.Meter(model, optimizer, args, device=device) as meter:
             out = train(model, optimizer, scheduler, loader, sampler, args, device)
         test_loader = common.test_loader(
             test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"

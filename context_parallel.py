@@ -1,57 +1,27 @@
 """Context parallelism: each of W ranks holds the whole model and T/W of the tokens of every
-sample (the whole batch). Only attention needs the other ranks' tokens. Ring attention (Liu et
-al. 2023) passes the key/value blocks round a ring and merges them with the online softmax;
-DeepSpeed-Ulysses (Jacobs et al. 2023) all-to-alls the token split into a head split for
-attention, and back. Everything else runs on local tokens, so each rank's weight gradients are
-its own tokens' share; DDP's all-reduce adds the shares up (see SumOverRanks).
+sample (the whole batch); only attention needs the other ranks' tokens. Ring attention passes the
+key/value blocks round a ring, merged with the online softmax; Ulysses all-to-alls the token split
+into a head split for attention, and back. DDP's all-reduce sums the ranks' gradient shares.
+
+    step      0     1     2     3     Ring, W = 4: rank r keeps its queries Q_r. Each step, in one
+    rank 0   KV0   KV3   KV2   KV1    batch_isend_irecv, it sends the K/V block in hand to rank r+1
+    rank 1   KV1   KV0   KV3   KV2    and receives the next one from rank r-1, and attends to the
+    rank 2   KV2   KV1   KV0   KV3    block in hand while the next one travels: at step s, rank r
+    rank 3   KV3   KV2   KV1   KV0    holds rank (r - s) mod W's block.
+    Ulysses, W = 2:  q, k, v [B, T/2, H, d]  ==all-to-all==>  [B, T, H/2, d]: SDPA on all tokens,
+    (a rank's tokens)  out   [B, T/2, H, d]  <==all-to-all==  [B, T, H/2, d]  half the heads
+
+Memory per rank (fp32, AdamW): 16Ψ, as DDP; attention saves 4·a·B·T·D/W + 4·B·H·T/W bytes a block
+(a = 5 for ring, 6 for Ulysses), never the T x T scores. Communication per step, per block: ring
+sends W-1 K/V blocks of 2·B·(T/W)·D fp32 forward and 2(W-1) backward; Ulysses makes 8 all-to-alls
+of B·T·D/W fp32. Both all-reduce the B·D pooled features (the head) and, as DDP, the Ψ gradients.
+Papers: Liu et al. 2023, "Ring Attention with Blockwise Transformers for Near-Infinite Context",
+https://arxiv.org/abs/2310.01889; Jacobs et al. 2023, "DeepSpeed Ulysses: System Optimizations for
+Enabling Training of Extreme Long Sequence Transformer Models", https://arxiv.org/abs/2309.14509.
+The online softmax, causal and zig-zag, the counts: docs/techniques.md#context-parallelism
 
     torchrun --standalone --nproc_per_node=4 context_parallel.py --patch 2 --method ring
     python context_parallel.py --nproc 2 --patch 2 --method ulysses   # mp.spawn on a free port
-
-Ring attention, W = 4: rank r keeps its queries Q_r; one K/V block is in hand at a time.
-
-    step      0     1     2     3      Each step, in one batch_isend_irecv: send the block in
-    rank 0   KV0   KV3   KV2   KV1     hand to rank r+1 and receive the next one from rank r-1;
-    rank 1   KV1   KV0   KV3   KV2     attend to the block in hand while the next one travels.
-    rank 2   KV2   KV1   KV0   KV3     At step s, rank r holds rank (r - s) mod W's block.
-    rank 3   KV3   KV2   KV1   KV0       rank 0 --> rank 1 --> rank 2 --> rank 3 --+
-                                           ^-------------------------------------+
-    Per query row: running max m, running sum l of e^(S - m), unnormalised output O. Block j,
-    with scores S_j = Q_r K_jᵀ / √d, merges as
-        m' = max(m, rowmax S_j),  l' = l·e^(m - m') + rowsum e^(S_j - m'),
-        O' = O·e^(m - m') + e^(S_j - m')·V_j;
-    at the end out = O / l, and lse = m + log l lets backward recompute each block's softmax.
-
-Ulysses, W = 2: an all-to-all trades the token split for a head split, and back after.
-
-                   q, k, v on this rank's tokens               on all tokens, half the heads
-    rank 0   [B, T/2, H, d]  tokens 0..T/2   ==all-to-all==>   [B, T, H/2, d]  heads 0..H/2
-    rank 1   [B, T/2, H, d]  tokens T/2..T   ==all-to-all==>   [B, T, H/2, d]  heads H/2..H
-                                                                  | attention (SDPA)
-    out      [B, T/2, H, d]  this rank's tokens  <==all-to-all==  [B, T, H/2, d]
-
-Causal (a decoder LM; parallelize's causal=True): a query sees only keys at or before it. Split
-contiguously, each ring step's block is wholly past (computed in full), this rank's own (the
-causal mask) or wholly future (skipped): rank 0 computes one block, rank W-1 all W, and the ring
-runs at the last rank's pace. The zig-zag split (zigzag=True) cuts T into 2W chunks and gives
-rank r chunks r and 2W-1-r; then every other rank's block costs each rank half a block:
-
-    W = 2, T = 4 chunks     rank 0 holds [c0 | c3], rank 1 holds [c1 | c2]
-    rank 0, KV of rank 1:   c3 sees c1 and c2, c0 sees neither -> our late half, all its keys
-    rank 1, KV of rank 0:   c1 and c2 see c0, neither sees c3  -> all our queries, its early half
-
-The messages are the same, causal or not. Ulysses gathers the whole sequence for H/W heads, puts
-it in sequence order (zig-zag) and lets SDPA apply is_causal.
-
-Memory per rank (fp32, AdamW): 16Ψ, as DDP. Attention's activations per block are 1/W of one
-process's: 4·a·B·T·D/W bytes for the a [B, T/W, D] tensors it saves (a = 5 for ring: input, q,
-k, v, out; 6 for Ulysses: + the output brought back to this rank's tokens), plus 4·B·H·T/W for
-the log-sum-exp. The ring never holds T x T scores: one (T/W)² block per head at a time,
-recomputed in backward; Ulysses' kernel sees all T tokens for H/W heads.
-Communication per step, per block: ring sends W-1 K/V blocks (2·B·(T/W)·D fp32 each) forward
-and 2(W-1) backward (K/V again, then the dK/dV partial sums); Ulysses all-to-alls q, k, v and
-the output forward and their gradients backward: 8 all-to-alls of B·T·D/W fp32. Both all-reduce
-the B·D pooled features (the head) and, as DDP, the Ψ gradients.
 """
 
 import datetime
@@ -751,7 +721,9 @@ def run(args):
             f"batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
         )
         attention = [block.attn for block in model.module.blocks]
-        with common.Meter(model, optimizer, args, parts=dict(attention=attention)) as meter:
+        with common.Meter(
+            model, optimizer, args, device=device, parts=dict(attention=attention)
+        ) as meter:
             out = train(model, optimizer, scheduler, loader, sampler, args, device)
         test_loader = common.test_loader(
             test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"

@@ -319,7 +319,7 @@ def run(args):
             f"({len(train_set)} train / {len(test_set)} test), "
             f"batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
         )
-        with common.Meter(model, optimizer, args) as meter:
+        with common.Meter(model, optimizer, args, device=device) as meter:
             out = train(model, optimizer, scheduler, loader, sampler, args, device, step)
         test_loader = common.test_loader(
             test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"

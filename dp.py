@@ -223,7 +223,9 @@ def run(args):
     )
     # The Meter's saved-tensor hooks are per thread: they see what autograd keeps for backward
     # only where the forward runs in this thread, on one device.
-    with common.Meter(model, optimizer, args, activations=len(device_ids) <= 1) as meter:
+    with common.Meter(
+        model, optimizer, args, activations=len(device_ids) <= 1, device=device
+    ) as meter:
         out = train(model, optimizer, scheduler, loader, sampler, args, device)
     test_loader = common.test_loader(test_set, pin_memory=device.type == "cuda")
     acc = evaluate(model, test_loader, device)

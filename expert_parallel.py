@@ -680,7 +680,7 @@ def run(args):
             f"batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
         )
         load = common.record_expert_load(model)
-        with common.Meter(model, optimizer, args) as meter:
+        with common.Meter(model, optimizer, args, device=device) as meter:
             out = train(model, optimizer, scheduler, loader, sampler, args, device)
         test_loader = common.test_loader(
             test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"

@@ -1,40 +1,23 @@
-"""Pipeline parallelism, written out: the model's d blocks (--depth) cut into p contiguous stages,
-one per rank (p is the world size), the embedding on the first stage, the head and the loss on the
-last. Every stage sees the whole batch of B samples, cut into m micro-batches (--microbatches);
-each micro-batch's activation goes forward and its gradient back with batch_isend_irecv.
+"""Pipeline parallelism: the d blocks (--depth) cut into p contiguous stages, one a rank. Every
+stage sees the whole batch of B samples, cut into m micro-batches (--microbatches); each
+micro-batch's activation goes forward and its gradient back with batch_isend_irecv.
 
-    rank 0                 rank 1                     rank p-1
-    embed,
-    blocks 0 .. d/p-1 -->  blocks d/p .. 2d/p-1 --> .. blocks (p-1)d/p .. d-1,
-                      <--                       <-- .. head, loss
-                      (--> activations, <-- their gradients)
-
-The schedules, p=2, m=4: a slot per forward F i and two per backward B i of micro-batch i, '.' idle.
-
-    naive   rank 0:  F0 .  .  .  B0 B0 F1 .  .  .  B1 B1 ..   one micro-batch through the whole
-            rank 1:  .  F0 B0 B0 .  .  .  F1 B1 B1 .  .  ..   pipeline, forward and back, at a time
-
+    rank 0                      rank 1                        rank p-1
+    embed, blocks 0..d/p-1 -->  blocks d/p..2d/p-1 --> .. --> blocks (p-1)d/p..d-1, head, loss
+                           <--                     <-- .. <-- (activations -->, gradients <--)
+p=2, m=4, a slot per forward F i of micro-batch i and two per backward B i, '.' idle:
     gpipe   rank 0:  F0 F1 F2 F3 .  .  .  B0 B0 B1 B1 B2 B2 B3 B3    all m forwards, then all m
-            rank 1:  .  F0 F1 F2 F3 B0 B0 B1 B1 B2 B2 B3 B3 .  .     backwards (Huang et al. 2019)
-
+            rank 1:  .  F0 F1 F2 F3 B0 B0 B1 B1 B2 B2 B3 B3 .  .     backwards
     1f1b    rank 0:  F0 F1 .  .  B0 B0 F2 B1 B1 F3 B2 B2 .  B3 B3    p-s-1 forwards ahead on stage
-            rank 1:  .  F0 B0 B0 F1 B1 B1 F2 B2 B2 F3 B3 B3 .  .     s, then one forward one
-                                                        backward (PipeDream-flush, Narayanan 2021)
+            rank 1:  .  F0 B0 B0 F1 B1 B1 F2 B2 B2 F3 B3 B3 .  .     s, then one forward, one back
 
-Idle (the bubble): (p-1)/p of the slots for naive, (p-1)/(m+p-1) for gpipe and 1f1b. All are
-synchronous (one optimizer step per batch, each micro-batch's loss / m): exact.
-
-Memory per rank (fp32, AdamW): 16Ψ_s bytes for its stage's Ψ_s parameters (≈ 16Ψ/p), plus the
-activations A_s/m of each micro-batch in flight (A_s: the stage's for the whole batch): 1 in flight
-(naive), m (gpipe), p-s on stage s (1f1b: at most p, whatever m).
-Communication per step, T tokens of width D (--dim) a sample: m activations of B/m·T·D fp32
-forward and m gradients back over each of the p-1 stage boundaries: 2(p-1)·m messages, 4·B·T·D
-bytes each way per boundary. A weight the embedding and the head share (a language model's tied
-embedding, Ψ_e) adds an all-reduce of its 4Ψ_e-byte gradient between the first and the last stage,
-after the step's last backward, and --clip one of a single number over all stages; no other
-collective in the step: every message a step sends is received within it (each schedule ends
-flushed), so the loop's collectives (the logged loss's all-reduce, evaluation's) never meet an
-open send.
+Idle (the bubble): (p-1)/(m+p-1) of the slots ((p-1)/p for naive: one micro-batch at a time).
+Memory per rank (fp32, AdamW): 16Ψ_s bytes for the stage's Ψ_s ≈ Ψ/p parameters, plus A_s/m per
+micro-batch in flight: m (gpipe), p-s on stage s (1f1b), 1 (naive). Communication per step: 2m
+messages of B/m·T·D fp32 per stage boundary. Synchronous (one step per batch): exact. Papers:
+Huang et al. 2018, "GPipe: Efficient Training of Giant Neural Networks using Pipeline Parallelism",
+https://arxiv.org/abs/1811.06965; 1F1B: Harlap et al. 2018, "PipeDream: Fast and Efficient
+Pipeline Parallel DNN Training", https://arxiv.org/abs/1806.03377. docs/techniques.md#pipelines
 
     torchrun --standalone --nproc_per_node=2 pipeline.py --schedule 1f1b --microbatches 4
     python pipeline.py --nproc 4 --schedule gpipe --microbatches 8
@@ -110,7 +93,7 @@ class Stage(torch.nn.Module):
             held += self.parts.last
         for name in held:
             self.hold(model, name)
-        # a sample's activation, (T, D): what crosses a stage boundary, received into empty tensors
+        # A sample's activation is (T, D): it crosses a stage boundary into an empty tensor here.
         if activation_shape is None:
             activation_shape = model.embed.pos.shape[1:]
         self.activation_shape = tuple(activation_shape)
@@ -150,10 +133,10 @@ def parallelize(model, device, activation_shape=None, parts=None):
     step, the tied weight's."""
     parts = parts or Parts()
     num_stages = dist.get_world_size()
-    tied_names = tied_weights(model, parts) if num_stages > 1 else []  # one stage: the tie stays
+    tied_names = tied_weights(model, parts) if num_stages > 1 else []  # one stage holds both ends
     stage = Stage(model, dist.get_rank(), num_stages, activation_shape, parts)
     if tied_names:
-        # every rank takes part in making a group, the ranks outside it too (dist.new_group's rule)
+        # dist.new_group must be called by every rank, the ranks outside the group too.
         stage.tied_group = dist.new_group([0, num_stages - 1])
     if stage.is_first:
         stage.tied = [model.get_parameter(name) for name in tied_names]
@@ -512,7 +495,7 @@ def run(args):
             f"batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
         )
         recorder = common.record_pipeline_order(model, args.microbatches)
-        with common.Meter(model, optimizer, args) as meter:
+        with common.Meter(model, optimizer, args, device=device) as meter:
             out = train(model, optimizer, scheduler, loader, sampler, args, device)
         test_loader = common.test_loader(
             test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"

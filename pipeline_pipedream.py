@@ -1,24 +1,22 @@
-"""PipeDream's asynchronous 1F1B with weight stashing (Narayanan et al. 2019), written out:
-pipeline.py's stages with no flush. The micro-batches of all batches are one stream; stage s runs
-w = p-s-1 forwards ahead of its backwards, across batch boundaries too, and takes an optimizer
-step after each backward, with that one micro-batch's gradient (of its mean loss). Not one
-process's training, by design: micro-batch j's forward on stage s runs on the weights after
-max(0, j-w) updates, and its backward, w updates later (fewer at the start), goes through those
-same weights, stashed at the forward (weight stashing), while the update goes to the current ones.
+"""Pipeline parallelism, PipeDream's asynchronous 1F1B with weight stashing: pipeline.py's stages
+with no flush. The micro-batches of all batches are one stream; stage s runs w = p-s-1 forwards
+ahead of its backwards, across batch boundaries too, and steps its optimizer after each backward
+with that micro-batch's gradient. Micro-batch j's forward runs on the weights after max(0, j-w)
+updates; its backward goes through those same weights, stashed at the forward.
 
-p=2, m=4, a slot per forward F j and two per backward B j of micro-batch j of the stream, '.' idle:
-
+    rank 0                      rank 1                        rank p-1
+    embed, blocks 0..d/p-1 -->  blocks d/p..2d/p-1 --> .. --> blocks (p-1)d/p..d-1, head, loss
+                           <--                     <-- .. <-- (activations -->, gradients <--)
+p=2, m=4, a slot per forward F j of micro-batch j of the stream and two per backward B j:
     rank 0:  F0 F1 .  .  B0 B0 F2 B1 B1 F3 B2 B2 F4 B3 B3 F5 B4 B4 ..   batch 2's F4 F5 .. run in
     rank 1:  .  F0 B0 B0 F1 B1 B1 F2 B2 B2 F3 B3 B3 F4 B4 B4 F5 B5 ..   batch 1's cool-down
 
-Idle slots: p-1 forwards' and backwards' worth at the start of training and at its end, none in
-between (slots of equal length: on a GPU a stage still waits for a slower neighbour).
-Memory per rank (fp32, AdamW): 16Ψ_s bytes plus up to p-s stashed weight versions (4Ψ_s each) and
-the activations of p-s micro-batches. Communication per step: m activations of B/m·T·D fp32
-forward and m gradients back over each stage boundary. The gradient stage s sends after a batch's
-last backward is taken by stage s-1 only in its next step: it goes out with stage s's first
-receive of that step, so no send is open while the loop runs a collective between steps (the
-logged loss's all-reduce, at an epoch's end too); the run's last batch drains the stream.
+Idle: p-1 forwards' and backwards' worth at the start of training and at its end, none between.
+Memory per rank (fp32, AdamW): 16Ψ_s bytes, plus up to p-s stashed weight versions (4Ψ_s each)
+and the activations of p-s micro-batches. Communication per step: 2m messages of B/m·T·D fp32
+per stage boundary. Not one process's training, by design. Paper: Harlap et al. 2018, "PipeDream:
+Fast and Efficient Pipeline Parallel DNN Training", https://arxiv.org/abs/1806.03377.
+docs/techniques.md#pipedream-asynchronous-no-flush
 
     torchrun --standalone --nproc_per_node=2 pipeline_pipedream.py --microbatches 4 --optim sgd
     diff -u pipeline.py pipeline_pipedream.py                 # what asynchrony and the stash change
@@ -89,7 +87,7 @@ class Stage(torch.nn.Module):
             held += self.parts.last
         for name in held:
             self.hold(model, name)
-        # a sample's activation, (T, D): what crosses a stage boundary, received into empty tensors
+        # A sample's activation is (T, D): it crosses a stage boundary into an empty tensor here.
         if activation_shape is None:
             activation_shape = model.embed.pos.shape[1:]
         self.activation_shape = tuple(activation_shape)
@@ -155,7 +153,7 @@ def schedule(micro_batches, num_stages, index, first, final):
     """Stage `index`'s actions on this batch, micro-batches first .. first+m-1 of the stream, in
     order: ("F", j) then ("B", j-w), w = p-s-1 the forwards stage s runs ahead of its backwards
     (across batches too); the final batch then drains the w whose backward has not run."""
-    ahead = num_stages - index - 1  # w
+    ahead = num_stages - index - 1  # the paper's w: forwards run ahead of the backwards
     end = first + micro_batches
     actions = []
     for j in range(first, end):
@@ -443,7 +441,7 @@ def run(args):
         )
         # the first two batches: their orders, and the weight versions each F and B used
         recorder = common.record_pipeline_order(model, 2 * args.microbatches, optimizer)
-        with common.Meter(model, optimizer, args) as meter:
+        with common.Meter(model, optimizer, args, device=device) as meter:
             out = train(model, optimizer, scheduler, loader, sampler, args, device)
         test_loader = common.test_loader(
             test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"

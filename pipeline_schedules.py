@@ -1,39 +1,22 @@
-"""Pipeline schedules past 1F1B, written out: pipeline.py's stages and paired point-to-point, plus
-two --schedule choices.
-
-- interleaved (Megatron-LM, Narayanan et al. 2021): the d blocks are cut into V·p chunks and each
-  rank holds V of them (--virtual-stages V): rank s the global chunks s, s+p, .., s+(V-1)p. A
-  micro-batch crosses the ranks V times, so the pipeline's fill and drain cost a V-th as much.
-- zb-h1 (Zero Bubble, Qi et al. 2024): each backward split in two, B, the input's gradient (the
-  previous stage waits for it), and W, the weights' gradients (nothing waits for them); the Ws
-  move into the slots where 1F1B idles.
+"""Pipeline schedules past 1F1B: pipeline.py plus two --schedule choices. interleaved: V·p chunks
+of blocks (--virtual-stages V), V a rank, so a micro-batch crosses the ranks V times and the fill
+and drain cost a V-th as much. zb-h1: each backward split into B, the input's gradient (which the
+previous stage waits for), and W, the weights' gradients, moved into the slots where 1F1B idles.
 
     rank 0: chunks 0, p, 2p, ..    rank 1: chunks 1, p+1, ..    ..    rank p-1: chunks p-1, 2p-1, ..
-    a micro-batch: chunk 0 on rank 0 -> chunk 1 on rank 1 -> .. -> chunk p on rank 0 -> ..
-
-The schedules, p=2, m=4: a slot per forward F i and per B or W, two per whole backward, '.' idle;
-F3' is micro-batch 3 in the rank's second chunk (interleaved V=2, each chunk half a stage's work).
-
-    1f1b          rank 0:  F0 F1 .  .  B0 B0 F2 B1 B1 F3 B2 B2 .  B3 B3
-                  rank 1:  .  F0 B0 B0 F1 B1 B1 F2 B2 B2 F3 B3 B3 .  .
+p=2, m=4, a slot per F, B or W (a whole backward two), '.' idle; F3': in the second chunk (V=2):
     zb-h1         rank 0:  F0 F1 .  B0 W0 F2 B1 W1 F3 B2 W2 B3 W3
                   rank 1:  .  F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3
     interleaved   rank 0:  F0  F1  F0' F1' F2  .   B0' B0' F3  B1' B1' F2' B0  B0  F3' B1  B1  ..
                   rank 1:  .   F0  F1  F0' B0' B0' F1' B1' B1' F2  B0  B0  F3  B1  B1  F2' B2' ..
 
-Idle (the bubble): 1f1b (p-1)/(m+p-1) (pipeline.py's); interleaved (p-1)/(V·m+p-1); zb-h1
-(p-1)/(3m+p-1): a rank idles (p-1)(F+B-W) = p-1 slots, a third of 1f1b's (p-1)(F+B+W), next to
-its 3m busy ones. All are synchronous: exact. Here W goes back through the graph B kept (backward
-to the parameters), which costs about a whole backward; a production W keeps B's intermediate
-gradients.
-
-Memory per rank (fp32, AdamW): 16Ψ_s bytes for its Ψ_s parameters plus the activations in flight:
-p-s micro-batches on stage s (1f1b); 2(p-s-1) + (V-1)·p + 1 chunks, a V-th of a stage each, or all
-m·V when m = p (interleaved); p on every stage (zb-h1, 1f1b's peak). Communication per step: m
-activations of B/m·T·D fp32 forward and m gradients back over each of the V·p-1 chunk boundaries
-(interleaved: about V times 1f1b's p-1). Every message a step sends is received within it, as in
-pipeline.py; a weight the embedding and the head share adds pipeline.py's all-reduce of its
-gradient between the first and the last stage.
+Idle (the bubble): (p-1)/(V·m+p-1) interleaved, (p-1)/(3m+p-1) zb-h1. Memory per rank (fp32,
+AdamW): 16Ψ_s bytes plus the activations in flight: 2(p-s-1) + (V-1)·p + 1 chunks (interleaved),
+p micro-batches on every stage (zb-h1). Communication per step: 2m messages of B/m·T·D fp32 per
+chunk boundary (V·p-1 of them interleaved). Synchronous: exact. Papers: Narayanan et al. 2021,
+"Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
+https://arxiv.org/abs/2104.04473; Qi et al. 2024, "Zero Bubble Pipeline Parallelism",
+https://arxiv.org/abs/2401.10241. docs/techniques.md#pipeline-schedules-past-1f1b
 
     torchrun --standalone --nproc_per_node=4 pipeline_schedules.py --schedule interleaved \\
         --virtual-stages 2 --depth 8
@@ -119,7 +102,7 @@ class Stage(torch.nn.Module):
             held += self.parts.last
         for name in held:
             self.hold(model, name)
-        # a sample's activation, (T, D): what crosses a chunk boundary, received into empty tensors
+        # A sample's activation is (T, D): it crosses a chunk boundary into an empty tensor here.
         if activation_shape is None:
             activation_shape = model.embed.pos.shape[1:]
         self.activation_shape = tuple(activation_shape)
@@ -165,10 +148,10 @@ def parallelize(model, device, num_chunks=1, activation_shape=None, parts=None):
     step, the tied weight's."""
     parts = parts or Parts()
     num_stages = dist.get_world_size()
-    tied_names = tied_weights(model, parts) if num_stages > 1 else []  # one stage: the tie stays
+    tied_names = tied_weights(model, parts) if num_stages > 1 else []  # one stage holds both ends
     stage = Stage(model, dist.get_rank(), num_stages, num_chunks, activation_shape, parts)
     if tied_names:
-        # every rank takes part in making a group, the ranks outside it too (dist.new_group's rule)
+        # dist.new_group must be called by every rank, the ranks outside the group too.
         stage.tied_group = dist.new_group([0, num_stages - 1])
     if stage.is_first:
         stage.tied = [model.get_parameter(name) for name in tied_names]
@@ -603,7 +586,7 @@ def run(args):
         )
         zero_bubble = args.schedule == "zb-h1"  # its W, a backward pass of its own, is recorded
         recorder = common.record_pipeline_order(model, args.microbatches, weights=zero_bubble)
-        with common.Meter(model, optimizer, args) as meter:
+        with common.Meter(model, optimizer, args, device=device) as meter:
             out = train(model, optimizer, scheduler, loader, sampler, args, device)
         test_loader = common.test_loader(
             test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"

@@ -1,54 +1,27 @@
-"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019): each of W ranks holds 1/W of every
-block's weight matrices and sees the whole batch. Attention is split by heads: q, k and v are
-column-parallel (rank r computes H/W whole heads), the output projection is row-parallel; in the
-MLP, fc1 is column-parallel and fc2 row-parallel. Two conjugate operators join each half-block to
-the replicated rest: f before the column-parallel layers, g after the row-parallel one.
-
-    torchrun --standalone --nproc_per_node=2 tensor_parallel.py
-    torchrun --standalone --nproc_per_node=2 tensor_parallel.py --sequence-parallel
-    python tensor_parallel.py --nproc 2          # the same, through mp.spawn on a free port
-
-Matrices are in the paper's orientation, Y = X·A with A [in, out] (nn.Linear stores Aᵀ): a
-column-parallel layer splits its output features, a row-parallel one its input features.
-
-Attention, W = 2 (H heads, D = H·hd). X: the normed x, whole on every rank. Aq_r, Ak_r, Av_r:
-rank r's columns of q, k, v (the output features of its H/2 heads); Y_r: those heads' attention
-output; P_r: the matching rows of the output projection P; b: P's bias, whole on every rank.
+"""Tensor parallelism: each of W ranks holds 1/W of every block's weight matrices and sees the
+whole batch. q, k, v (H/W whole heads a rank) and fc1 are column-parallel (split by output
+features), the attention's output projection P and fc2 row-parallel (split by input features).
+f (forward identity, backward all-reduce) comes before the column-parallel layers, g (forward
+all-reduce, backward identity) after the row-parallel one. W = 2, Y = X·A with A [in, out]:
 
                    ┌─ rank 0: Y0 = attn(X·Aq0, X·Ak0, X·Av0) ─ Y0·P0 ─┐
     x ─ norm1 ─ f ─┤                                                  ├─ g ─ + b + x
                    └─ rank 1: Y1 = attn(X·Aq1, X·Ak1, X·Av1) ─ Y1·P1 ─┘
+    x ─ norm2 ─ f ─┬─ rank 0: gelu(X·A0)·B0 ─┬─ g ─ + b + x        b: the row-parallel bias,
+                   └─ rank 1: gelu(X·A1)·B1 ─┘                     whole on every rank
 
-MLP, W = 2 (hidden 4D). A_r: rank r's 2D of fc1's 4D columns; B_r: the matching rows of fc2;
-b: fc2's bias, whole on every rank.
+Memory per rank (fp32, AdamW; Ψs = depth·(12D² + 6D) split, Ψr replicated): 16(Ψr + Ψs/W) bytes.
+Communication per step, in [B, T, D] fp32 activations: 4·depth all-reduces. --sequence-parallel
+keeps T/W tokens a rank outside the split layers (f an all-gather, g a reduce-scatter): 4·depth
+reduce-scatters, 4·depth + 2 all-gathers, one all-reduce of the 6·D·depth norm and bias grads.
+Papers: Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using
+Model Parallelism", https://arxiv.org/abs/1909.08053; SP: Korthikanti et al. 2022, "Reducing
+Activation Recomputation in Large Transformer Models", https://arxiv.org/abs/2205.05198.
+The split in detail, SP, the counts: docs/techniques.md#tensor-parallelism
 
-                   ┌─ rank 0: Y0 = gelu(X·A0) ─ Y0·B0 ─┐
-    x ─ norm2 ─ f ─┤                                   ├─ g ─ + b + x
-                   └─ rank 1: Y1 = gelu(X·A1) ─ Y1·B1 ─┘
-
-    f: forward identity,   backward all-reduce   (each rank's X·A_r yields part of dX)
-    g: forward all-reduce, backward identity     (Z = Σ_r Y_r·B_r, a sum of partial products)
-    Replicated on every rank: the embedding, the norms, the row-parallel biases, the head.
-
---sequence-parallel (Korthikanti et al. 2022): outside the split layers (norms, residuals) each
-rank keeps only its T/W tokens. f becomes an all-gather of the tokens (reduce-scatter backward),
-g a reduce-scatter (all-gather backward). An all-reduce is a reduce-scatter and an all-gather, so
-the bytes moved stay the same, while the activations outside the split layers shrink W-fold. The
-norms' and row biases' gradients are then partial sums over the tokens: one all-reduce sums them
-after backward.
-
-Memory per rank (fp32; Ψ = Ψs split + Ψr replicated; Ψs = depth·(12D² + 6D): the q, k, v, proj
-weights 4D², the fc1, fc2 weights 8D², the q, v, fc1 biases 6D; the key projection has no bias):
-    parameters 4(Ψr + Ψs/W), gradients 4(Ψr + Ψs/W), AdamW state 8(Ψr + Ψs/W)
-    (SGD 4(Ψr + Ψs/W)).
-Communication per step, counted in [B, T, D] fp32 activations (B: the whole batch; a ring moves
-2(W-1)/W of an all-reduce, (W-1)/W of an all-gather or a reduce-scatter):
-    4·depth all-reduces: per block, g's forward and f's backward, in attention and in the MLP;
-    SP: 4·depth reduce-scatters; 4·depth + 2 all-gathers (+2: the tokens gathered for the head,
-    the embedding's gradient gathered backward); one all-reduce of the 6·D·depth norm and
-    row-bias gradients (norm1, norm2 weights and biases; proj, fc2 biases).
-    --clip adds one all-reduce of a scalar (the split parameters' squared norm).
-W must divide --heads (whole heads per rank) and, with --sequence-parallel, the T tokens.
+    torchrun --standalone --nproc_per_node=2 tensor_parallel.py
+    torchrun --standalone --nproc_per_node=2 tensor_parallel.py --sequence-parallel
+    python tensor_parallel.py --nproc 2          # the same, through mp.spawn on a free port
 """
 
 import datetime
@@ -124,7 +97,7 @@ def all_gather_tokens(shard):
 def reduce_scatter_tokens(partial):
     """[B, T, D] partial sums on every rank -> this rank's [B, T/W, D] tokens of their sum."""
     batch, tokens, dim = partial.shape
-    # reduce_scatter_tensor splits along dim 0: tokens first, as in all_gather_tokens
+    # reduce_scatter_tensor splits along dim 0, so the tokens go first, as in all_gather_tokens.
     shard = partial.new_empty(tokens // dist.get_world_size(), batch, dim)
     dist.reduce_scatter_tensor(shard, partial.transpose(0, 1).contiguous())
     return shard.transpose(0, 1).contiguous()
@@ -291,7 +264,7 @@ def attend_local_heads(qkv, proj, heads, causal, x):
     with all H heads. `proj`: the row-parallel output projection (g inside)."""
     batch, tokens, _ = x.shape
     q, k, v = qkv(x).chunk(3, dim=2)  # this rank's heads of each, [B, T, D/W]
-    # (batch, tokens, D/W) -> (batch, heads, tokens, head_dim)
+    # SDPA takes [batch, heads, tokens, head_dim]: the D/W features are this rank's heads.
     q = q.view(batch, tokens, heads, -1).transpose(1, 2)
     k = k.view(batch, tokens, heads, -1).transpose(1, 2)
     v = v.view(batch, tokens, heads, -1).transpose(1, 2)
@@ -439,7 +412,8 @@ def full_state_dict(model):
             state[f"{module_name}.{name}"] = tensor.cpu()
     if rank != 0:
         return None
-    # model.state_dict()'s keys in its order: the plain model's file, as ddp.py saves it
+    # The keys are model.state_dict()'s, in its order, so the file is the plain model's, as ddp.py
+    # saves it.
     return {key: state[key] for key in model.state_dict()}
 
 
@@ -463,7 +437,7 @@ def clip_grad_norm_(model, max_norm, group=None):
         for name, param in module.named_parameters(recurse=False):
             if name in shard_dims:
                 split.add(id(param))
-    params = [param for param in model.parameters() if param.grad is not None]  # a tied one once
+    params = [param for param in model.parameters() if param.grad is not None]  # a tied weight once
     squares = [torch.linalg.vector_norm(param.grad) ** 2 for param in params]
     split_squares = torch.zeros((), device=params[0].grad.device)
     replicated_squares = torch.zeros((), device=params[0].grad.device)
@@ -659,7 +633,7 @@ def run(args):
             f"({len(train_set)} train / {len(test_set)} test), "
             f"batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
         )
-        with common.Meter(model, optimizer, args) as meter:
+        with common.Meter(model, optimizer, args, device=device) as meter:
             out = train(model, optimizer, scheduler, loader, sampler, args, device)
         test_loader = common.test_loader(
             test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"
