@@ -78,6 +78,8 @@ shards) and 4Ψ'/W CPU -> device (the stepped masters); --offload disk also read
 import datetime
 import functools
 import os
+import warnings
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -92,16 +94,25 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 
 ### begin: ZeRO
-# Model contract: model.embed, model.blocks (a sequence) and model.head hold every parameter (the
-# units ZeRO flattens) and forward runs them in that order, each returning one tensor; every
-# parameter gets a gradient in every backward; each unit holds a parameter no earlier unit holds;
-# the same weights on every rank's device. Supported: a parameter shared by two units (GPT-2's
+# Model contract: `units`, parallelize's argument, are the modules ZeRO flattens, in the order
+# forward runs them (nanoGPT: [wte, wpe, *h, ln_f, lm_head]); together they hold every parameter
+# of the model, each in one unit (else parallelize raises: a module left out would stay whole and
+# a weight tied into it silently untied); forward calls each unit's forward once, which returns
+# one tensor (stage 3 gathers the unit around it and around its backward), and the model's own
+# code around them (positions, dropout, the loss) runs as it is; every parameter gets a gradient
+# in every backward; the same weights on every rank's device. After parallelize, model.parameters()
+# are this rank's shards (count Ψ before it, for MFU), and model.state_dict() refuses: the model's
+# own keys, whole, come from full_state_dict. Supported: a parameter shared by two units (GPT-2's
 # lm_head.weight is wte.weight: flattened once, in the first unit, its gradients summed by
-# autograd; at stage 3 that unit is gathered for the other's forward and backward too); optimizer
+# autograd; at stage 3 that unit is gathered for the other's forward and backward too; a unit
+# holding only tied parameters, nanoGPT's lm_head, has nothing to flatten of its own); optimizer
 # parameter groups (parallelize's param_groups: each unit lays its parameters out group by group
 # and cuts its shard where the groups meet); several backward passes per step (gradient
-# accumulation: each one's averaged shard is added up). Offloaded, the master shard is cut into the
-# same pieces, each stepped with its group's hyperparameters.
+# accumulation: each one's averaged shard is added up). The optimizer: built after parallelize
+# over model.zero.param_groups, with the user's class, and the old one dropped (see parallelize):
+# ZeRO-3 saves memory only once nothing else holds the model's original parameters. Clipping:
+# this section's clip_grad_norm_(model, max_norm), between backward and step. Offloaded, the
+# master shard is cut into the same pieces, each stepped with its group's hyperparameters.
 
 
 class Unit:
@@ -127,8 +138,10 @@ class Unit:
         named_params.sort(key=lambda named: group_of[named[1]])
         numel = sum(param.numel() for _, param in named_params)
         self.shard_numel = (numel + world - 1) // world  # S: numel / W, rounded up
-        _, first_param = named_params[0]
-        self.flat = first_param.new_zeros(world * self.shard_numel)  # the parameters' dtype, device
+        # the parameters' dtype and device; a unit holding only tied parameters (nanoGPT's lm_head)
+        # has nothing to flatten: no elements, never gathered or reduced
+        like = named_params[0][1] if named_params else torch.empty(0)
+        self.flat = like.new_zeros(world * self.shard_numel)
         self.params = []  # (state_dict key, the tensor in the parameter's place, offset in flat)
         group_end = {}  # group -> where its range of flat ends
         offset = 0
@@ -140,8 +153,9 @@ class Unit:
             placed[param] = (self, f"{name}.{param_name}", tensor)
             offset += param.numel()
             group_end[group_of[param]] = offset
-        _, last_param = named_params[-1]
-        group_end[group_of[last_param]] = self.flat.numel()  # the padding goes with the last group
+        if named_params:
+            _, last_param = named_params[-1]
+            group_end[group_of[last_param]] = self.flat.numel()  # the padding: the last group's
         shard = self.flat[rank * self.shard_numel : (rank + 1) * self.shard_numel]
         if stage == 3:
             shard = shard.clone()
@@ -245,17 +259,54 @@ def save_atomically(obj, path):
     os.replace(temporary, path)
 
 
+def check_units(model, modules):
+    """Every parameter of the model in exactly one unit, by the names the model lists it under (a
+    tied one under each): a module left out would stay whole, unsharded, and a weight tied into it
+    (nanoGPT's lm_head.weight) silently untied; a module in two units would be flattened twice."""
+    name_of = {module: name for name, module in model.named_modules()}
+    in_units = [
+        f"{name_of[module]}.{name}"
+        for module in modules
+        for name, _ in module.named_parameters(remove_duplicate=False)
+    ]
+    in_model = [name for name, _ in model.named_parameters(remove_duplicate=False)]
+    missing = [name for name in in_model if name not in in_units]
+    twice = sorted({name for name in in_units if in_units.count(name) > 1})
+    problems = []
+    if missing:
+        problems.append(f"in no unit: {missing}")
+    if twice:
+        problems.append(f"in two units: {twice}")
+    if problems:
+        raise ValueError(
+            f"ZeRO's units must hold every parameter of the model once ({'; '.join(problems)}). "
+            "Pass every module holding parameters, in forward order (one holding only a tied "
+            "weight too, e.g. nanoGPT's lm_head)."
+        )
+
+
+def refuse_state_dict(module, prefix, keep_vars):
+    """model.state_dict() under ZeRO would hold this rank's shards under made-up keys."""
+    raise RuntimeError(
+        "this model is sharded by ZeRO: its state_dict() would hold this rank's shards; "
+        "use full_state_dict(model) for the model's own keys, whole"
+    )
+
+
 class ZeRO:
     """The engine, kept at model.zero. Its hooks reduce-scatter each unit's gradient as soon as the
     unit's backward is done and, at stage 3, gather each unit's parameters just before forward or
     backward needs them and free them right after; before_step / after_step wrap the step."""
 
-    def __init__(self, model, stage, param_groups, offload, directory, pin_memory):
+    def __init__(self, model, device, stage, modules, param_groups, offload, directory, pin_memory):
+        self.device = device
         self.stage = stage
         self.offload = offload
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
-        modules = [model.embed, *model.blocks, model.head]  # the order forward runs them in
+        check_units(model, modules)
+        # the model's own Parameters, about to be replaced: hook_optimizer checks that none stays
+        self.originals = [(name, weakref.ref(param)) for name, param in model.named_parameters()]
         name_of = {module: name for name, module in model.named_modules()}
         groups = param_groups or [{"params": list(model.parameters())}]
         group_of = {param: index for index, group in enumerate(groups) for param in group["params"]}
@@ -325,8 +376,8 @@ class ZeRO:
         if not 0 <= index < len(self.units):
             return  # no unit there: before the embedding, or past the head
         unit = self.units[index]
-        if index in self.gathering or unit.is_whole():
-            return  # already on its way, or here (a unit a tied weight keeps whole)
+        if index in self.gathering or unit.is_whole() or not unit.params:
+            return  # already on its way, or here (a unit a tied weight keeps whole), or nothing
         unit.allocate()
         self.gathering[index] = dist.all_gather_into_tensor(unit.flat, unit.shard, async_op=True)
 
@@ -418,12 +469,23 @@ class ZeRO:
         if self.offload == "disk":
             return  # the gradient shards wait in the units: step_on_disk steps them after step()
         for unit in self.units:
-            if self.offload == "cpu":
+            if self.offload == "cpu" and unit in self.on_cpu:
                 unit.grad_shard = unit.master_grad  # the pieces are the CPU master's
                 self.on_cpu.discard(unit)  # the next step's first backward overwrites it
+            if unit.grad_shard is None:
+                continue  # handed already (clip_grad_norm_ ran), or a unit with nothing flattened
             for _, own, piece in unit.pieces:
                 piece.grad = unit.grad_shard[own]
             unit.grad_shard = None  # the optimizer's now: zero_grad(set_to_none=True) frees it
+
+    def gradient_shards(self):
+        """This rank's shard of the step's averaged gradient, for clip_grad_norm_: the backward's
+        last reduce-scatter finished and the shards handed to the optimizer's pieces now. With
+        --offload disk they wait in the units until step_on_disk."""
+        self.before_step()
+        if self.offload == "disk":
+            return [unit.grad_shard for unit in self.units if unit.params]
+        return [piece.grad for unit in self.units for _, _, piece in unit.pieces]
 
     @torch.no_grad()
     def after_step(self, optimizer):
@@ -441,15 +503,20 @@ class ZeRO:
         if self.stage == 3:
             return
         for unit in self.units:
-            dist.all_gather_into_tensor(unit.flat, unit.shard)
+            if unit.params:
+                dist.all_gather_into_tensor(unit.flat, unit.shard)
 
     # ZeRO-Infinity: the master shards and the optimizer state on disk, one unit in memory at a time
+
+    def on_disk(self):
+        """The units with a file: those holding parameters of their own (not only tied ones)."""
+        return [unit for unit in self.units if unit.params]
 
     def write_unit_files(self, optimizer):
         """Each unit's file, written anew: its master shard and the empty state of an optimizer of
         `optimizer`'s class over it, a group per piece (made here, unstepped, only for its
         state_dict)."""
-        for unit in self.units:
+        for unit in self.on_disk():
             master = unit.shard.to("cpu", copy=True)
             pieces = [nn.Parameter(master[own]) for _, own, _ in unit.pieces]
             empty_optimizer = type(optimizer)([{"params": [piece]} for piece in pieces])
@@ -466,11 +533,12 @@ class ZeRO:
             {key: value for key, value in group.items() if key != "params"}
             for group in optimizer.param_groups
         ]
-        reading = self.reader.submit(torch.load, self.units[0].path, weights_only=True)
-        for index, unit in enumerate(self.units):
+        units = self.on_disk()
+        reading = self.reader.submit(torch.load, units[0].path, weights_only=True)
+        for index, unit in enumerate(units):
             saved = reading.result()
-            if index + 1 < len(self.units):
-                next_path = self.units[index + 1].path
+            if index + 1 < len(units):
+                next_path = units[index + 1].path
                 reading = self.reader.submit(torch.load, next_path, weights_only=True)
             self.step_unit(unit, saved, type(optimizer), hyperparameters)
 
@@ -495,16 +563,23 @@ class ZeRO:
         unit.shard.copy_(master)
 
 
-def parallelize(model, device, stage, param_groups=None, offload="none", directory=None):
+def parallelize(model, device, stage, param_groups=None, offload="none", directory=None, *, units):
     """ZeRO at `stage`, in place: the engine goes to model.zero and model.parameters() become the
     shards (the CPU master shards with offload "cpu"); make the optimizer over them, then
     hook_optimizer(model, optimizer). The model is already on `device` (the skeleton's argument;
     on a GPU the CPU buffers are pinned). `param_groups`: the optimizer's groups over the model's
     parameters (dicts with "params" and hyperparameters, such as weight_decay); then make the
     optimizer over model.zero.param_groups, the same groups over the shards. Offload "cpu", or
-    "disk" into `directory`."""
+    "disk" into `directory`. `units`: the modules to flatten, in forward order (the contract).
+
+    The optimizer, rebuilt with the user's class, the old one dropped (else it keeps the model's
+    original parameters alive):
+        model = parallelize(model, device, 3, optimizer.param_groups, units=units)
+        optimizer = type(optimizer)(model.zero.param_groups)
+        hook_optimizer(model, optimizer)"""
     pin_memory = device.type == "cuda"
-    model.zero = ZeRO(model, stage, param_groups, offload, directory, pin_memory)
+    model.zero = ZeRO(model, device, stage, units, param_groups, offload, directory, pin_memory)
+    model.register_state_dict_pre_hook(refuse_state_dict)
     return model
 
 
@@ -512,6 +587,7 @@ def hook_optimizer(model, optimizer):
     """The engine's work around each optimizer.step(): the gradient shards handed to the optimizer
     before it, the updated shards all-gathered after it. --offload disk writes the units' first
     files here, where the optimizer's class is known."""
+    check_originals_dropped(model)
     if model.zero.offload == "disk":
         model.zero.write_unit_files(optimizer)
     # torch calls a step hook as hook(optimizer, args, kwargs), with step()'s own arguments
@@ -521,6 +597,22 @@ def hook_optimizer(model, optimizer):
     )
 
 
+def check_originals_dropped(model):
+    """ZeRO's memory promise: the model's original parameters, whole, are freed once parallelize
+    has replaced them. Whatever still holds one (the user's old optimizer, its param_groups kept in
+    a variable) keeps the whole model alive beside the shards: stage 3 would then save nothing."""
+    alive = [name for name, original in model.zero.originals if original() is not None]
+    if alive:
+        warnings.warn(
+            f"ZeRO: {len(alive)} of the model's original parameters (e.g. {alive[0]}) are still "
+            "referenced elsewhere, so their memory is not freed. Build the new optimizer and drop "
+            "the old one: parallelize(model, ..., param_groups=optimizer.param_groups, units=...), "
+            "then optimizer = type(optimizer)(model.zero.param_groups), keeping no other "
+            "reference to the old optimizer or its groups.",
+            stacklevel=2,
+        )
+
+
 @torch.no_grad()
 def full_state_dict(model):
     """The plain state_dict of the common model on rank 0 ({} on the others): every rank sends
@@ -528,18 +620,44 @@ def full_state_dict(model):
     state = {}
     for unit in model.zero.units:
         if dist.get_rank() != 0:
-            dist.gather(unit.shard, dst=0)
+            if unit.params:  # a unit holding only tied parameters has no shard: its keys only
+                dist.gather(unit.shard, dst=0)
             continue
         # a new buffer of flat's shape (at stage 3 flat has no memory now); the gathered shards
         # land in its W slices, in rank order
         flat = torch.empty_like(unit.flat)
-        dist.gather(unit.shard, list(flat.chunk(dist.get_world_size())), dst=0)
+        if unit.params:
+            dist.gather(unit.shard, list(flat.chunk(dist.get_world_size())), dst=0)
         for key, tensor, offset in unit.params:
             view = flat[offset : offset + tensor.numel()].view_as(tensor)
             state[key] = view.to("cpu", copy=True)
         for key, owner_key in unit.tied:
             state[key] = state[owner_key]  # one tensor under both names, as the model's own
     return state
+
+
+### more: gradient clipping over the shards
+
+
+@torch.no_grad()
+def clip_grad_norm_(model, max_norm):
+    """torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) as one process computes it, for
+    a model whose gradient no rank holds whole: call it after the step's last backward, before
+    optimizer.step(). It hands the shards their gradients now (the step's pre-hook then finds them
+    handed); the global 2-norm is the square root of every rank's sum of squares over its shards,
+    summed: the shards split each unit's flat gradient, so every element counts once, a tied
+    weight once (flattened once), the padding adds zero. Every rank scales its shards by the same
+    factor. Returns the total norm, as torch's does."""
+    shards = model.zero.gradient_shards()
+    squares = torch.zeros((), device=model.zero.device)
+    for grad in shards:
+        squares += grad.square().sum().to(squares.device)
+    dist.all_reduce(squares)
+    total_norm = squares.sqrt()
+    scale = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)  # torch's own formula
+    for grad in shards:
+        grad.mul_(scale.to(grad.device))
+    return total_norm
 
 
 ### end: ZeRO
@@ -651,6 +769,8 @@ def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
             y = y.to(device, non_blocking=True)
             loss = F.cross_entropy(model(x), y)
             loss.backward()
+            if args.clip:
+                clip_grad_norm_(model, args.clip)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -712,8 +832,14 @@ def run(args):
         if args.load:
             model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
         psi = sum(p.numel() for p in model.parameters())
+        units = [model.embed, *model.blocks, model.head]  # ZeRO's units, in forward order
         model = parallelize(
-            model.to(device), device, args.stage, offload=args.offload, directory=args.offload_dir
+            model.to(device),
+            device,
+            args.stage,
+            offload=args.offload,
+            directory=args.offload_dir,
+            units=units,
         )
         # Ψ': every unit padded to a multiple of W (model.parameters() are the shards now)
         padded = world * sum(p.numel() for p in model.parameters())
@@ -726,7 +852,7 @@ def run(args):
             f"({len(train_set)} train / {len(test_set)} test), "
             f"batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
         )
-        with common.Meter(model, optimizer, args) as meter:
+        with common.Meter(model, optimizer, args, device=device) as meter:
             out = train(model, optimizer, scheduler, loader, sampler, args, device)
         test_loader = common.test_loader(
             test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"

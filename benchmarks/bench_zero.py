@@ -56,11 +56,14 @@ def variants(args, device):
         )
     out["ddp+ZeroRedundancyOptimizer"] = (model, optimizer, ddp_state_dict)
     for stage in (1, 3):
-        model = zero.parallelize(common.build_model(args).to(device), device, stage)
+        model = common.build_model(args).to(device)
+        units = [model.embed, *model.blocks, model.head]
+        model = zero.parallelize(model, device, stage, units=units)
         optimizer = common.make_optimizer(model.parameters(), args)
         zero.hook_optimizer(model, optimizer)
         out[f"zero.py stage {stage}"] = (model, optimizer, zero.full_state_dict)
-    model = fsdp.parallelize(common.build_model(args).to(device), device)  # fsdp.py's defaults
+    model = common.build_model(args).to(device)
+    model = fsdp.parallelize(model, device, model.blocks)  # fsdp.py's units and defaults
     optimizer = common.make_optimizer(model.parameters(), args)
     out["fsdp.py (FSDP2)"] = (model, optimizer, fsdp.full_state_dict)
     return out

@@ -22,7 +22,8 @@ def run_ddp(optim, batches, rank, world):
 
 def run_zero(stage, optim, batches, rank, world):
     model = CausalLM()
-    model = zero.parallelize(model, CPU, stage, param_groups(model, optim))
+    units = [model.embed, *model.blocks, model.head]
+    model = zero.parallelize(model, CPU, stage, param_groups(model, optim), units=units)
     optimizer = make_optimizer(model.zero.param_groups, optim)
     zero.hook_optimizer(model, optimizer)
     train(model, optimizer, batches, rank, world)
@@ -37,7 +38,8 @@ def run_zero_offload(offload, stage, optim, batches, rank, world, folder):
     directory.mkdir(exist_ok=True)
     model = CausalLM()
     groups = param_groups(model, optim)
-    model = zero_offload.parallelize(model, CPU, stage, groups, offload, directory)
+    units = [model.embed, *model.blocks, model.head]
+    model = zero_offload.parallelize(model, CPU, stage, groups, offload, directory, units=units)
     optimizer = make_optimizer(model.zero.param_groups, optim)
     zero_offload.hook_optimizer(model, optimizer)
     train(model, optimizer, batches, rank, world)
@@ -64,7 +66,12 @@ def cases(batches, rank, world, folder):
 # The model as nanoGPT has it (tests/nanogpt_model.py), trained by its own recipe: (x, y) batches,
 # its configure_optimizers, gradient accumulation, clipping before every step.
 
-NANOGPT_CASES = ["ddp-sgd", "ddp-adamw"]
+NANOGPT_CASES = [
+    "ddp-sgd",
+    "ddp-adamw",
+    *(f"zero{stage}-{optim}" for stage in (1, 2, 3) for optim in OPTIMS),
+    *(f"zero_offload-{where}-{optim}" for where in ("cpu2", "disk3") for optim in OPTIMS),
+]
 
 
 def run_nanogpt_ddp(optim, rank, world):
@@ -79,7 +86,57 @@ def run_nanogpt_ddp(optim, rank, world):
     return raw_model, ddp.full_state_dict(model), dict(tied=tied, losses=losses, norms=norms)
 
 
+def nanogpt_units(model):
+    """ZeRO's units: nanoGPT's modules in the order its forward runs them. `drop` holds no
+    parameter; lm_head holds only the tied weight (transformer.wte.weight), yet it must be listed:
+    a module left out would keep its parameter whole and untied, and parallelize refuses that."""
+    transformer = model.transformer
+    return [transformer.wte, transformer.wpe, *transformer.h, transformer.ln_f, model.lm_head]
+
+
+def run_nanogpt_zero(script, optim, rank, world, **zero_args):
+    """ZeRO takes nanoGPT as it is: its units listed, its own optimizer (configure_optimizers'
+    groups) rebuilt with its own class over the shards and the old one dropped, as ZeRO-3's memory
+    needs, and the section's clip_grad_norm_ where nanoGPT clips (torch's would see no gradient:
+    the shards get theirs from the section)."""
+    model = nanogpt_model.model()
+    optimizer = nanogpt_model.make_optimizer(model, optim)
+    units = nanogpt_units(model)
+    model = script.parallelize(
+        model, CPU, param_groups=optimizer.param_groups, units=units, **zero_args
+    )
+    optimizer = type(optimizer)(model.zero.param_groups)
+    script.hook_optimizer(model, optimizer)
+
+    def clip(parameters, max_norm):  # nanoGPT's call, clip_grad_norm_(model.parameters(), limit)
+        return script.clip_grad_norm_(model, max_norm)
+
+    losses, norms = nanogpt_model.train(
+        model, optimizer, nanogpt_model.batches(), rank, world, clip=clip
+    )
+    tied = model.lm_head.weight is model.transformer.wte.weight
+    # the split: this rank holds 1/W of each unit (padded), and lm_head nothing of its own
+    held = sum(param.numel() for param in model.parameters())
+    lm_head_held = sum(param.numel() for param in model.lm_head.parameters())
+    # stage 3: no unit left whole after the step (the others keep every unit whole)
+    whole = sum(unit.is_whole() for unit in model.zero.units if unit.params)
+    proof = dict(tied=tied, losses=losses, norms=norms, held=held, lm_head_held=lm_head_held)
+    proof["whole_units"] = whole
+    return model, script.full_state_dict(model), proof
+
+
 def nanogpt_cases(rank, world, folder):
     """As `cases`, on nanoGPT's model: (case, its reference, model, full state_dict, proof)."""
     for optim in OPTIMS:
         yield f"ddp-{optim}", optim, *run_nanogpt_ddp(optim, rank, world)
+    for stage in (1, 2, 3):
+        for optim in OPTIMS:
+            case = run_nanogpt_zero(zero, optim, rank, world, stage=stage)
+            yield f"zero{stage}-{optim}", optim, *case
+    for offload, stage in (("cpu", 2), ("disk", 3)):
+        for optim in OPTIMS:
+            directory = folder / f"nanogpt-zero_offload-{offload}-{optim}-files"
+            directory.mkdir(exist_ok=True)
+            zero_args = dict(stage=stage, offload=offload, directory=directory)
+            case = run_nanogpt_zero(zero_offload, optim, rank, world, **zero_args)
+            yield f"zero_offload-{offload}{stage}-{optim}", optim, *case

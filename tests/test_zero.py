@@ -8,13 +8,16 @@ uneven evaluation shards (W=2: 513 and 512 with batches of 512), the case where 
 evaluation used to hang.
 """
 
+import warnings
+
+import nanogpt_model
 import pytest
 import torch
 import torch.distributed as dist
 
 import common
 import zero
-from helpers import SMALL, launch_cases, max_diff, tiered
+from helpers import SMALL, ddp_reference, launch_cases, max_diff, tiered
 
 CFG = [
     *SMALL,
@@ -38,6 +41,8 @@ QUICK = [
 ]
 CASES = tiered(GRID, QUICK)
 LOADED = "load"  # test_load_ddp_save's round trip: stage 3 at W=3, lr 0, one step
+CLIPPED = "clip"  # test_clip_equals_one_ddp_process_clip: stage 3 at W=2, SGD, --clip CLIP
+CLIP = "0.05"  # below every step's gradient norm on CFG: each step is clipped
 
 
 def build(data=False):
@@ -92,11 +97,15 @@ def needed(request):
                 cases.add((params["stage"], params["world"], params["optim"]))
             elif item.name == "test_load_ddp_save":
                 cases.add(LOADED)
-    return [case for case in [*GRID, LOADED] if case in cases]
+            elif item.name == "test_clip_equals_one_ddp_process_clip":
+                cases.add(CLIPPED)
+    return [case for case in [*GRID, LOADED, CLIPPED] if case in cases]
 
 
 def world_of(case):
     """The world size a case runs at."""
+    if case == CLIPPED:
+        return 2
     return 3 if case == LOADED else case[1]
 
 
@@ -105,6 +114,8 @@ def flags(case, path, reference):
     if case == LOADED:
         round_trip = ["--stage", 3, "--optim", "sgd", "--lr", 0, "--max-steps", 1]
         return [*CFG, *round_trip, "--load", reference, "--save", path]
+    if case == CLIPPED:
+        return [*CFG, "--stage", 3, "--optim", "sgd", "--clip", CLIP, "--save", path]
     stage, _, optim = case
     return [*CFG, "--stage", stage, "--optim", optim, "--save", path]
 
@@ -179,6 +190,19 @@ def test_load_ddp_save(refs, launched):
     assert max_diff(path, refs["adamw"]) == 0
 
 
+def test_clip_equals_one_ddp_process_clip(refs, launched, tmp_path_factory):
+    """--clip at a limit below every step's gradient norm: stage 3 at W=2 ends where ddp.py --clip
+    ends in one process, so clip_grad_norm_ took the global norm, over every rank's shards, after
+    they had their gradients. Unclipped training ends far from there, so the clip bit."""
+    res, path = launched[CLIPPED]
+    clipped = ddp_reference(tmp_path_factory, [*CFG, "--clip", CLIP], "sgd")
+    assert max_diff(clipped, refs["sgd"]) > 100 * TOL["sgd"]
+    diff = max_diff(path, clipped)
+    print(f"stage 3 W=2 --clip {CLIP}: max |Δ| vs ddp.py --clip W=1 = {diff:.2e}")
+    assert (res["world_size"], res["steps"]) == (2, 6)
+    assert diff <= TOL["sgd"]
+
+
 @pytest.mark.filterwarnings("ignore:.*is deprecated")
 @pytest.mark.parametrize("stage", [2, 3])
 def test_whole_buffers_live_only_while_needed(stage):
@@ -189,7 +213,9 @@ def test_whole_buffers_live_only_while_needed(stage):
     the next, prefetched), none after either."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        model = zero.parallelize(build(), torch.device("cpu"), stage)
+        model = build()
+        units = [model.embed, *model.blocks, model.head]
+        model = zero.parallelize(model, torch.device("cpu"), stage, units=units)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         zero.hook_optimizer(model, optimizer)
         units = model.zero.units
@@ -226,3 +252,64 @@ def test_whole_buffers_live_only_while_needed(stage):
             assert not model.zero.gathering  # no all-gather left in flight
     finally:
         dist.destroy_process_group()
+
+
+# nanoGPT's model as a user has it, in this process (W=1): what parallelize refuses and warns of
+
+
+@pytest.fixture
+def one_process():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def nanogpt_units(model):
+    transformer = model.transformer
+    return [transformer.wte, transformer.wpe, *transformer.h, transformer.ln_f, model.lm_head]
+
+
+@pytest.mark.filterwarnings("ignore:.*is deprecated")
+def test_units_must_hold_every_parameter_once(one_process):
+    """Leaving out nanoGPT's lm_head, which holds only the tied weight, would keep it whole and
+    silently untie it: parallelize refuses, naming it; so it does for a module listed twice."""
+    model = nanogpt_model.model()
+    units = nanogpt_units(model)
+    with pytest.raises(ValueError, match=r"in no unit: \['lm_head.weight'\]"):
+        zero.parallelize(model, torch.device("cpu"), 3, units=units[:-1])
+    with pytest.raises(ValueError, match=r"in two units: \['transformer.ln_f.bias'"):
+        zero.parallelize(model, torch.device("cpu"), 3, units=[*units, model.transformer.ln_f])
+
+
+@pytest.mark.filterwarnings("ignore:.*is deprecated")
+def test_stage3_memory_needs_the_old_optimizer_dropped(one_process):
+    """nanoGPT's AdamW (configure_optimizers): kept beside the new one, it holds the model's
+    original parameters, whole, and hook_optimizer warns; built by the documented recipe, the
+    originals are freed (none is alive), without a warning. The model's state_dict() refuses to
+    hand out shard keys, and model.parameters() are the shards: 1/W of each unit at W=1 is all."""
+    model = nanogpt_model.model()
+    psi = sum(param.numel() for param in model.parameters())
+    optimizer = nanogpt_model.make_optimizer(model, "adamw")
+    model = zero.parallelize(
+        model, torch.device("cpu"), 3, optimizer.param_groups, units=nanogpt_units(model)
+    )
+    kept = optimizer
+    optimizer = type(optimizer)(model.zero.param_groups)
+    with pytest.warns(UserWarning, match="still referenced elsewhere"):
+        zero.hook_optimizer(model, optimizer)
+
+    model = nanogpt_model.model()
+    optimizer = nanogpt_model.make_optimizer(model, "adamw")
+    model = zero.parallelize(
+        model, torch.device("cpu"), 3, optimizer.param_groups, units=nanogpt_units(model)
+    )
+    optimizer = type(optimizer)(model.zero.param_groups)  # the recipe: the old one dropped
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        zero.hook_optimizer(model, optimizer)
+    assert all(original() is None for _, original in model.zero.originals)
+    assert [group["weight_decay"] for group in optimizer.param_groups] == [0.1, 0.0]
+    assert type(optimizer) is type(kept)
+    assert sum(param.numel() for param in model.parameters()) == psi
+    with pytest.raises(RuntimeError, match="full_state_dict"):
+        model.state_dict()

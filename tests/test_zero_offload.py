@@ -115,7 +115,9 @@ def test_offload_cpu_buffers_are_allocated_once():
     per unit with one group, and their .grad the same buffer each step)."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        model = zero_offload.parallelize(build(), torch.device("cpu"), 3, offload="cpu")
+        model = build()
+        units = [model.embed, *model.blocks, model.head]
+        model = zero_offload.parallelize(model, torch.device("cpu"), 3, offload="cpu", units=units)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         zero_offload.hook_optimizer(model, optimizer)
         units = model.zero.units
