@@ -1,32 +1,21 @@
 """Expert parallelism: a mixture-of-experts ViT (--experts E --top-k K) whose experts live on
-different ranks. Each of W ranks holds the dense part whole and trains on its slice of each batch
-(data parallel), and owns E/W whole experts of every MoE block (expert parallel). The router
-picks each token's K experts; the token travels to the ranks that own them (dispatch) and the
-experts' outputs travel back (combine). The MoE layer itself (router, experts, balance loss) is
-this section's too: common/model.py builds the ViT's MoE blocks from it, for every script.
+different ranks. Each of W ranks holds the dense part whole and trains on its slice of each batch,
+and owns E/W whole experts of every MoE block. The router picks each token's K experts; the token
+travels to the ranks that own them (dispatch, an all-to-all) and the outputs travel back (combine).
 
     rank 0 owns experts 0, 1                rank 1 owns experts 2, 3        E = 4, W = 2, K = 1
     tokens      a  b  c  d                  tokens      e  f  g  h
     router      0  2  1  3                  router      3  0  2  1
     by expert   a  c | b  d                 by expert   f  h | g  e      to rank 0 | to rank 1
-        all-to-all the counts, then the tokens (uneven splits): rank r gets its experts' rows,
-        grouped by source rank, then by expert
     received    a  c | f  h                 received    b  d | g  e      from 0 | from 1
-    expert 0 runs on a f, expert 1 on c h   expert 2 on b g, expert 3 on d e
-        the outputs go back by the reverse all-to-all; each token sums weight · output
-    a' b' c' d'                             e' f' g' h'
+    expert 0 runs on a f, expert 1 on c h   expert 2 on b g, expert 3 on d e; outputs go back
 
-Memory per rank (fp32, AdamW): 16 bytes for each parameter it holds: the dense part Ψ_d
-(attention, norms, routers, embed, head) replicated, the experts' Ψ_e / W: 16(Ψ_d + Ψ_e/W).
-Communication per step: per MoE layer, 2 all-to-alls of the routed tokens forward (dispatch,
-combine) and 2 backward (their reverses), each of k·b·T rows of D fp32 on average over ranks,
-for b = batch/W images of T tokens (with even routing, (W-1)/W of the rows leave the rank),
-plus one all-to-all of the E token counts (int64) forward; the Ψ_d dense gradients all-reduced
-(instead of DDP's Ψ), in depth + 2 buckets started during backward on a process group of their
-own (on the all-to-alls' NCCL communicator each would hold up the next layer's all-to-all);
---clip adds one all-reduce of a scalar (the experts' squared norm, over the expert group).
-Host syncs: one per MoE layer forward (the token counts, which the uneven all-to-alls need as
-host integers); none in backward.
+Memory per rank (fp32, AdamW): 16(Ψ_d + Ψ_e/W), the dense part Ψ_d replicated, the experts split.
+Communication per step, per MoE layer: 2 all-to-alls of k·b·T rows of D forward, 2 backward
+(b = batch/W), one of the E token counts; the Ψ_d dense gradients all-reduced in depth + 2
+buckets on a process group of their own; --clip: one scalar all-reduce over the expert group.
+Papers: Lepikhin et al. 2020, "GShard", https://arxiv.org/abs/2006.16668; Fedus et al. 2021,
+"Switch Transformers", https://arxiv.org/abs/2101.03961. More in docs/techniques.md (experts).
 
     torchrun --standalone --nproc_per_node=4 expert_parallel.py --experts 8 --top-k 2
     python expert_parallel.py --nproc 2 --experts 4 --top-k 2
