@@ -25,8 +25,6 @@ docs/techniques.md#collectives-and-the-ring-all-reduce
 """
 
 import argparse
-import datetime
-import os
 import re
 import time
 from dataclasses import dataclass
@@ -291,8 +289,11 @@ def naive_all_reduce(x, root):
     """Sum x over all ranks in place through one root: every rank sends x to the root, which adds
     them up and sends the sum back to each. Returns the bytes this rank sent.
 
-    Plain blocking send and recv are safe here, unlike in the ring: no two ranks send to each
-    other at the same time (the root receives from every peer before it sends to any)."""
+    Plain send and recv, one at a time, are safe here, unlike in the ring: no two ranks send to
+    each other at the same time (the root receives from every peer before it sends to any). They
+    block only on Gloo, where they return once the message has gone; on NCCL they return once
+    queued on the communicator's stream, and it is that stream that waits for the peer (a send
+    whose receive is never posted hangs the GPU, not the call)."""
     rank = dist.get_rank()
     world = dist.get_world_size()
     message_bytes = x.numel() * x.element_size()
@@ -513,22 +514,7 @@ def setup(args):
     backend, device = common.pick_backend(args.backend)  # NCCL and a GPU per rank, else Gloo
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    timeout = datetime.timedelta(seconds=args.timeout)
-    # torchrun keeps one store across restarts (--max-restarts): prefix it per attempt, or a
-    # restarted rank may read the address of a worker that died in the last attempt and hang.
-    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"attempt_{attempt}", store)
-    dist.init_process_group(
-        backend,
-        store=store,
-        rank=rank,
-        world_size=world,
-        timeout=timeout,
-        # NCCL: bind the communicator to this GPU now (not lazily at the first collective), so
-        # that device meshes can split it and the first call is not a point-to-point one.
-        device_id=device if device.type == "cuda" else None,
-    )
+    rank, world = common.init_process_group(backend, device, args.timeout)
     return rank, world, device, backend
 
 

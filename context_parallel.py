@@ -24,7 +24,7 @@ The online softmax, causal and zig-zag, the counts: docs/techniques.md#context-p
     python context_parallel.py --nproc 2 --patch 2 --method ulysses   # mp.spawn on a free port
 """
 
-import datetime
+import functools
 import gc
 import os
 
@@ -68,12 +68,19 @@ def token_positions(tokens, rank, world, zigzag=False):
     return torch.cat([torch.arange(chunk * size, (chunk + 1) * size) for chunk in mine])
 
 
+@functools.lru_cache
+def positions_on(device, tokens, rank, world, zigzag=False):
+    """token_positions on `device`, made once per sequence length, rank and split: moving a new
+    CPU tensor to the GPU at every call would wait for the copy (a host sync)."""
+    return token_positions(tokens, rank, world, zigzag).to(device)
+
+
 def split_tokens(batch, group=None, zigzag=False):
     """[B, T] -> (this rank's [B, T/W] tokens, their positions [T/W] in the sequence)."""
     group = group or dist.group.WORLD
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
-    positions = token_positions(batch.shape[1], rank, world, zigzag).to(batch.device)
+    positions = positions_on(batch.device, batch.shape[1], rank, world, zigzag)
     return batch[:, positions], positions
 
 
@@ -133,9 +140,11 @@ def visible_part(query_rank, key_rank, tokens, causal, zigzag):
     return late, everything, False  # both its chunks precede our late chunk, follow our early one
 
 
-def future_mask(scores):
-    """True above the diagonal of a rank's own [T/W, T/W] score block: a key after the query."""
-    return torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu_(1)
+@functools.lru_cache
+def future_mask(device, queries, keys):
+    """True above the diagonal of a rank's own [T/W, T/W] score block: a key after the query.
+    Made once per size and device, as the positions are."""
+    return torch.ones(queries, keys, dtype=torch.bool, device=device).triu_(1)
 
 
 class RingPass:
@@ -168,17 +177,21 @@ class RingPass:
 # would not materialise the block's scores, but its public API returns only the normalised output:
 # its fused kernels compute the log-sum-exp, yet only private aten ops return it (and
 # flex_attention's return_lse is fused only under torch.compile). So each block is attended in
-# eager ops, one [T/W, T/W] score block per head at a time, in q's dtype. Ulysses, which needs no
-# merge, calls SDPA.
+# eager ops: each step holds the [B, H, T/W, T/W] scores of every sample and head at once. They,
+# the running O, m and l and the gradients are kept in fp32 whatever q's dtype (a bf16 model or
+# autocast, whose bf16 matmuls are turned off here): a sum rounded to bf16 at each of W steps
+# loses what fp32 keeps. The K/V blocks travel in their own dtype, the partial dK/dV sums in fp32.
+# Ulysses, which needs no merge, calls SDPA.
 
 
 def merge_block(q_scaled, kv_block, masked, out, row_max, row_sum):
     """Online softmax: fold one K/V block into this rank's running O, m and l, in place (the
     rows of them the block reaches: views of forward's tensors)."""
-    key, value = kv_block
-    scores = q_scaled @ key.mT  # S_j
+    key, value = kv_block.float()
+    with torch.autocast(q_scaled.device.type, enabled=False):  # fp32 scores, as O, m and l
+        scores = q_scaled @ key.mT  # S_j
     if masked:
-        scores.masked_fill_(future_mask(scores), -float("inf"))
+        scores.masked_fill_(future_mask(scores.device, *scores.shape[-2:]), -float("inf"))
     new_max = torch.maximum(row_max, scores.amax(-1, keepdim=True))  # m'
     # What was summed under the old max is rescaled to the new one, e^(m - m') <= 1: no exponent
     # ever exceeds 0, so nothing overflows however large the scores.
@@ -186,7 +199,8 @@ def merge_block(q_scaled, kv_block, masked, out, row_max, row_sum):
     # e^(S_j - m'), computed in place: the scores are not needed again.
     exp_scores = scores.sub_(new_max).exp_()
     row_sum.mul_(correction).add_(exp_scores.sum(-1, keepdim=True))
-    out.mul_(correction).add_(exp_scores @ value)
+    with torch.autocast(q_scaled.device.type, enabled=False):
+        out.mul_(correction).add_(exp_scores @ value)
     row_max.copy_(new_max)
 
 
@@ -201,11 +215,11 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group, causal=False, zigzag=False):
         rank = dist.get_rank(group)
         world = dist.get_world_size(group)
-        q_scaled = q * q.shape[-1] ** -0.5
+        q_scaled = q.float() * q.shape[-1] ** -0.5  # fp32 from here on (merge_block's comment)
         kv_block = torch.stack([k, v])  # one message per step: the K/V block in hand
-        out = torch.zeros_like(q)  # O; q's layout: proj then reads it without a copy
-        row_max = q.new_full((*q.shape[:-1], 1), -float("inf"))  # m
-        row_sum = q.new_zeros((*q.shape[:-1], 1))  # l
+        out = torch.zeros_like(q_scaled)  # O; q's layout: proj then reads it without a copy
+        row_max = q_scaled.new_full((*q.shape[:-1], 1), -float("inf"))  # m
+        row_sum = q_scaled.new_zeros((*q.shape[:-1], 1))  # l
         for step in range(world):  # at step s the block in hand is rank (r - s) mod W's
             last_step = step == world - 1
             if not last_step:
@@ -223,7 +237,7 @@ class RingAttention(torch.autograd.Function):
                 )
             if not last_step:
                 kv_block = transfer.wait()[0]
-        out = out / row_sum
+        out = (out / row_sum).to(q.dtype)  # the one cast: a no-op in fp32
         log_sum_exp = row_max + row_sum.log()
         ctx.save_for_backward(q, k, v, out, log_sum_exp)
         ctx.group = group
@@ -237,12 +251,13 @@ class RingAttention(torch.autograd.Function):
         group = ctx.group
         rank = dist.get_rank(group)
         world = dist.get_world_size(group)
-        q_scaled = q * q.shape[-1] ** -0.5
+        q_scaled = q.float() * q.shape[-1] ** -0.5  # fp32, as in forward
+        grad_out = grad_out.float()
         # Softmax's backward needs rowsum(P ∘ dP) over the whole row; it equals rowsum(dO ∘ O)
         # (FlashAttention-2's D), known before any block comes by.
-        grad_dot_out = (grad_out * out).sum(-1, keepdim=True)
+        grad_dot_out = (grad_out * out.float()).sum(-1, keepdim=True)
         kv_block = torch.stack([k, v])
-        grad_q = torch.zeros_like(q)
+        grad_q = torch.zeros_like(q_scaled)
         # A block's dK/dV is a sum over every rank's queries. Its owner keeps its own share from
         # step 0; the other shares are added up on the way: a partial sum follows the K/V block
         # round the ring one step behind, then makes a last hop home. Block 0 at W = 4:
@@ -263,7 +278,7 @@ class RingAttention(torch.autograd.Function):
             transfer = RingPass(outgoing, group)
             # A block wholly in this rank's future gets a zero share, yet its partial sum still
             # travels: every rank passes the same messages at every step.
-            grad_kv = torch.zeros_like(kv_block)
+            grad_kv = torch.zeros_like(kv_block, dtype=torch.float32)
             part = visible_part(rank, (rank - step) % world, q.shape[-2], ctx.causal, ctx.zigzag)
             if part is not None:
                 rows, cols, masked = part
@@ -288,7 +303,8 @@ class RingAttention(torch.autograd.Function):
                 kv_block = incoming[0]
         if world > 1:  # the last partial sum goes home: W - 1 dK/dV hops in all
             grad_kv_home = grad_kv_home + RingPass([grad_kv_partial], group).wait()[0]
-        return grad_q, grad_kv_home[0], grad_kv_home[1], None, None, None
+        grad_k, grad_v = grad_kv_home.to(k.dtype)
+        return grad_q.to(q.dtype), grad_k, grad_v, None, None, None
 
 
 def block_backward(q_scaled, kv_block, grad_out, log_sum_exp, grad_dot_out, masked=False):
@@ -297,14 +313,15 @@ def block_backward(q_scaled, kv_block, grad_out, log_sum_exp, grad_dot_out, mask
     (0 where `masked` hides a future key); dS = P ∘ (dO·Vᵀ - rowsum(dO ∘ O));
     dQ = dS·K/√d, dK = dSᵀ·Q/√d, dV = Pᵀ·dO."""
     scale = q_scaled.shape[-1] ** -0.5
-    key, value = kv_block
-    scores = q_scaled @ key.mT
-    if masked:
-        scores.masked_fill_(future_mask(scores), -float("inf"))
-    probs = scores.sub_(log_sum_exp).exp_()
-    grad_scores = (grad_out @ value.mT).sub_(grad_dot_out).mul_(probs)
-    grad_q = grad_scores @ key * scale
-    grad_kv = torch.stack([grad_scores.mT @ q_scaled, probs.mT @ grad_out])
+    key, value = kv_block.float()
+    with torch.autocast(q_scaled.device.type, enabled=False):  # fp32, as forward's merge_block
+        scores = q_scaled @ key.mT
+        if masked:
+            scores.masked_fill_(future_mask(scores.device, *scores.shape[-2:]), -float("inf"))
+        probs = scores.sub_(log_sum_exp).exp_()
+        grad_scores = (grad_out @ value.mT).sub_(grad_dot_out).mul_(probs)
+        grad_q = grad_scores @ key * scale
+        grad_kv = torch.stack([grad_scores.mT @ q_scaled, probs.mT @ grad_out])
     return grad_q, grad_kv
 
 
@@ -355,15 +372,20 @@ def ulysses_attention(q, k, v, group, causal=False, zigzag=False):
     q, k, v = (tokens_to_heads(x.transpose(1, 2), group).transpose(1, 2) for x in (q, k, v))
     reorder = zigzag and causal  # without a mask, attention does not care about the order
     if reorder:
-        tokens = q.shape[-2]
-        ranks = range(world)
-        gathered = torch.cat([token_positions(tokens, r, world, zigzag) for r in ranks])
-        gathered = gathered.to(q.device)  # the position of each gathered token
-        q, k, v = (x[..., gathered.argsort(), :] for x in (q, k, v))
+        gathered, in_sequence = gathered_order(q.device, q.shape[-2], world)
+        q, k, v = (x[..., in_sequence, :] for x in (q, k, v))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # [B, H/W, T, d]
     if reorder:
         out = out[..., gathered, :]  # back to the gathered order
     return heads_to_tokens(out.transpose(1, 2), group).transpose(1, 2)
+
+
+@functools.lru_cache
+def gathered_order(device, tokens, world):
+    """(the sequence position of each token as the all-to-all gathers the zig-zag split, rank by
+    rank; the order that sorts them), on device, made once per sequence length (no host sync)."""
+    gathered = torch.cat([token_positions(tokens, r, world, zigzag=True) for r in range(world)])
+    return gathered.to(device), gathered.argsort().to(device)
 
 
 def context_attention(q, k, v, method, group, causal=False, zigzag=False):
@@ -409,7 +431,9 @@ class LocalPatchEmbed(nn.Module):
         self.proj = embed.proj
         self.pos = embed.pos
         self.patch = embed.patch
-        self.positions = positions  # token_positions: a run of the T patches, or two chunks
+        # token_positions: a run of the T patches, or two chunks. Moved to the parameters' device
+        # once: a CPU index moved at every call would wait for the copy (a host sync).
+        self.positions = positions.to(embed.pos.device)
 
     def forward(self, img):
         B = img.shape[0]
@@ -418,8 +442,7 @@ class LocalPatchEmbed(nn.Module):
         # [B, 1, side·p, side·p] -> [B, T, p²]; the patch in row i, column j is token
         # i·side + j, the model's own order.
         patches = img.reshape(B, side, p, side, p).transpose(2, 3).reshape(B, side * side, p * p)
-        mine = self.positions.to(img.device)
-        return self.proj(patches[:, mine]) + self.pos[:, mine]
+        return self.proj(patches[:, self.positions]) + self.pos[:, self.positions]
 
 
 class SumOverRanks(torch.autograd.Function):
@@ -470,6 +493,25 @@ def causal_lm_loss(logits, targets, group=None, ignore_index=-100):
     return total[0] / total[1]
 
 
+def own_group(group):
+    """A new process group over group's ranks, for attention's sends and receives (or Ulysses'
+    all-to-alls) alone. One NCCL communicator runs its operations in turn: on DDP's, the ring's
+    backward transfers would wait behind DDP's bucket all-reduces. new_group must be called by
+    every rank of the world for every group, in the same order: a subgroup's ranks are learnt
+    from every rank (all_gather_object) and each rank makes them all, keeping its own."""
+    mine = dist.get_process_group_ranks(group)
+    every = [mine]
+    if len(mine) < dist.get_world_size():  # the other ranks' groups, which this rank makes too
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+    made = None
+    for ranks in sorted({tuple(ranks) for ranks in every}):
+        new = dist.new_group(list(ranks))
+        if list(ranks) == mine:
+            made = new
+    return made
+
+
 def parallelize(
     model,
     device,
@@ -482,12 +524,15 @@ def parallelize(
 ):
     """Every rank keeps the whole model and runs it on its T/W tokens of every sample: a
     contiguous run, or (zigzag) chunks r and 2W-1-r of 2W, which balances causal attention.
-    blocks: the modules whose `attn` attends over the sequence (model.blocks when None)."""
+    blocks: the modules whose `attn` attends over the sequence (model.blocks when None).
+    Attention talks on a process group of its own over group's ranks (own_group), DDP on group:
+    every rank of the world calls parallelize, in the same order as its other new groups."""
     group = group or dist.group.WORLD
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
+    attention_group = own_group(group)
     for block in model.blocks if blocks is None else blocks:
-        block.attn = attention(block.attn, method, group, causal, zigzag)
+        block.attn = attention(block.attn, method, attention_group, causal, zigzag)
     if not causal:  # the ViT: split the patches here, sum the pooled mean over ranks
         tokens = model.embed.pos.shape[1]
         model.embed = LocalPatchEmbed(model.embed, token_positions(tokens, rank, world, zigzag))
@@ -606,22 +651,7 @@ def setup(args):
     backend, device = common.pick_backend(args.backend)  # NCCL and a GPU per rank, else Gloo
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    timeout = datetime.timedelta(seconds=args.timeout)
-    # torchrun keeps one store across restarts (--max-restarts): prefix it per attempt, or a
-    # restarted rank may read the address of a worker that died in the last attempt and hang.
-    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"attempt_{attempt}", store)
-    dist.init_process_group(
-        backend,
-        store=store,
-        rank=rank,
-        world_size=world,
-        timeout=timeout,
-        # NCCL: bind the communicator to this GPU now (not lazily at the first collective), so
-        # that device meshes can split it and the first call is not a point-to-point one.
-        device_id=device if device.type == "cuda" else None,
-    )
+    rank, world = common.init_process_group(backend, device, args.timeout)
     return rank, world, device, backend
 
 

@@ -24,7 +24,6 @@ docs/techniques.md#n-d-parallelism-mesh-layout-and-traffic
              nd_parallel.py --pp 2 --dp-shard 2 --tp 2
 """
 
-import datetime
 import math
 import os
 
@@ -94,9 +93,12 @@ class Stage(nn.Module):
         blocks = {str(i): model.blocks[i] for i in range(first_block, end_block)}
         self.blocks = nn.ModuleDict(blocks)
         self.head = model.head if self.is_last else None
-        # One sample's activation, (T, D), is what crosses a stage boundary: infer() sizes its
-        # receive buffer by it.
+        # One sample's activation, (T, D), in the parameters' dtype, is what crosses a stage
+        # boundary: infer() sizes its receive buffer by both (on NCCL a buffer of another dtype
+        # posts another byte count than the send). Training needs neither: PipelineStage sends
+        # each boundary's shape and dtype in its first step's handshake.
         self.activation_shape = tuple(model.embed.pos.shape[1:])
+        self.activation_dtype = model.embed.pos.dtype
 
     def forward(self, x):
         if self.embed is not None:
@@ -212,9 +214,12 @@ def clip_grad_norm_(stage, max_norm):
 
 
 def send_or_receive(op, tensor, peer, group):
-    """One message (op: dist.isend or dist.irecv), as a batch of one. NCCL runs a batch on the
-    group's communicator; a plain dist.send or dist.recv would make it create a two-rank
-    communicator for every pair of peers."""
+    """One message (op: dist.isend or dist.irecv), as a batch of one, as pipeline.py's p2p posts
+    them. Which NCCL communicator carries it: launch binds each rank's GPU (init_process_group's
+    device_id), so in torch 2.14 every group, pp_group too, connects its communicator eagerly, and
+    a send or a receive, batched or not, runs on the group's own one. Unbound, a plain dist.send
+    or dist.recv would create a two-rank communicator for each pair of peers (the batch would not);
+    the batch of one is right either way."""
     message = dist.P2POp(op, tensor, peer, group)
     for request in dist.batch_isend_irecv([message]):
         request.wait()
@@ -231,7 +236,8 @@ def infer(stage, x):
     if not stage.is_first:
         # The stages after the first do not use the images: their input is the stage before's
         # activation, one [T, D] per sample. P2POp names the peer by its global rank.
-        stage_input = torch.empty(len(x), *stage.activation_shape, device=x.device)
+        shape = (len(x), *stage.activation_shape)
+        stage_input = torch.empty(shape, dtype=stage.activation_dtype, device=x.device)
         previous_rank = dist.get_global_rank(group, stage.index - 1)
         send_or_receive(dist.irecv, stage_input, previous_rank, group)
     output = stage(stage_input)
@@ -415,22 +421,7 @@ def setup(args):
     backend, device = common.pick_backend(args.backend)  # NCCL and a GPU per rank, else Gloo
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    timeout = datetime.timedelta(seconds=args.timeout)
-    # torchrun keeps one store across restarts (--max-restarts): prefix it per attempt, or a
-    # restarted rank may read the address of a worker that died in the last attempt and hang.
-    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"attempt_{attempt}", store)
-    dist.init_process_group(
-        backend,
-        store=store,
-        rank=rank,
-        world_size=world,
-        timeout=timeout,
-        # NCCL: bind the communicator to this GPU now (not lazily at the first collective), so
-        # that device meshes can split it and the first call is not a point-to-point one.
-        device_id=device if device.type == "cuda" else None,
-    )
+    rank, world = common.init_process_group(backend, device, args.timeout)
     return rank, world, device, backend
 
 

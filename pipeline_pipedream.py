@@ -22,7 +22,6 @@ docs/techniques.md#pipedream-asynchronous-no-flush
     diff -u pipeline.py pipeline_pipedream.py                 # what asynchrony and the stash change
 """
 
-import datetime
 import os
 from collections.abc import Callable
 from typing import NamedTuple
@@ -69,7 +68,9 @@ class Stage(torch.nn.Module):
     each weight the first and the last modules share, on the first and the last stage
     (parallelize's)."""
 
-    def __init__(self, model, index, num_stages, activation_shape=None, parts=None):
+    def __init__(
+        self, model, index, num_stages, activation_shape=None, parts=None, activation_dtype=None
+    ):
         super().__init__()
         self.parts = parts or Parts()
         self.index = index
@@ -91,10 +92,18 @@ class Stage(torch.nn.Module):
         if activation_shape is None:
             activation_shape = model.embed.pos.shape[1:]
         self.activation_shape = tuple(activation_shape)
+        # In the parameters' dtype by default: a model converted to bf16 sends bf16.
+        self.activation_dtype = activation_dtype or next(model.parameters()).dtype
         # The stream's state, which outlives a batch (a train_step):
         self.streamed = 0  # micro-batches fed to the stream so far
         self.kept = {}  # micro-batch -> (input, output, stashed weights) until its backward
         self.pending = []  # the last step's closing send, which stage s-1 takes in the next step
+
+    def empty(self, samples, device):
+        """A receive buffer for `samples` samples' activations or their gradients, in the dtype
+        the peer sends: on NCCL another dtype posts another byte count (a hang or garbage)."""
+        shape = (samples, *self.activation_shape)
+        return torch.empty(shape, dtype=self.activation_dtype, device=device)
 
     def hold(self, model, name):
         """Hold the model's module `name` (a dotted path) at the same path in this stage, inside
@@ -117,9 +126,10 @@ class Stage(torch.nn.Module):
         return x
 
 
-def parallelize(model, device, activation_shape=None, parts=None):
+def parallelize(model, device, activation_shape=None, parts=None, activation_dtype=None):
     """Keep this rank's stage, on its device; the rest of the model is dropped. activation_shape:
-    (T, D) of one sample's activation between stages (default: model.embed.pos's); parts: what
+    (T, D) of one sample's activation between stages (default: model.embed.pos's), in
+    activation_dtype (default: the parameters' dtype, bf16 for a bf16 model); parts: what
     runs where (a Parts; default: the common ViT's). A weight tied between the first and the last
     modules is refused: pipeline.py gives the last stage a copy and sums the two copies' gradients
     before each step, but here the first and the last stage step after each micro-batch's backward
@@ -131,7 +141,9 @@ def parallelize(model, device, activation_shape=None, parts=None):
             f"the first and the last modules share {tied_names}: pipeline_pipedream.py cannot "
             "keep a tied weight's two stages in step; untie it, or use pipeline.py"
         )
-    stage = Stage(model, dist.get_rank(), dist.get_world_size(), activation_shape, parts)
+    stage = Stage(
+        model, dist.get_rank(), dist.get_world_size(), activation_shape, parts, activation_dtype
+    )
     return stage.to(device)
 
 
@@ -204,9 +216,7 @@ def train_step(stage, x, y, micro_batches, optimizer, final=False):
                 activation = inputs[j - first]
                 receives = []
             else:
-                activation = torch.empty(
-                    len(inputs[j - first]), *stage.activation_shape, device=x.device
-                )
+                activation = stage.empty(len(inputs[j - first]), x.device)
                 receives = [(dist.irecv, activation, stage.index - 1)]
             p2p(sends + receives)
             if not stage.is_first:
@@ -228,7 +238,7 @@ def train_step(stage, x, y, micro_batches, optimizer, final=False):
                 grad = None  # the output is the loss
                 receives = []
             else:
-                grad = torch.empty_like(output)
+                grad = stage.empty(len(output), x.device)
                 receives = [(dist.irecv, grad, stage.index + 1)]
             p2p(sends + receives)
             output.backward(grad)  # through the weights micro-batch j's forward used
@@ -257,7 +267,7 @@ def infer(stage, x):
     """The whole batch through the stages in turn: the logits on the last stage, None on the
     others. A chain (receive, compute, send), so a group of one op each cannot deadlock."""
     if not stage.is_first:
-        x = torch.empty(len(x), *stage.activation_shape, device=x.device)
+        x = stage.empty(len(x), x.device)
         p2p([(dist.irecv, x, stage.index - 1)])
     output = stage(x)
     if stage.is_last:
@@ -325,22 +335,7 @@ def setup(args):
     backend, device = common.pick_backend(args.backend)  # NCCL and a GPU per rank, else Gloo
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    timeout = datetime.timedelta(seconds=args.timeout)
-    # torchrun keeps one store across restarts (--max-restarts): prefix it per attempt, or a
-    # restarted rank may read the address of a worker that died in the last attempt and hang.
-    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"attempt_{attempt}", store)
-    dist.init_process_group(
-        backend,
-        store=store,
-        rank=rank,
-        world_size=world,
-        timeout=timeout,
-        # NCCL: bind the communicator to this GPU now (not lazily at the first collective), so
-        # that device meshes can split it and the first call is not a point-to-point one.
-        device_id=device if device.type == "cuda" else None,
-    )
+    rank, world = common.init_process_group(backend, device, args.timeout)
     return rank, world, device, backend
 
 

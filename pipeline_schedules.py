@@ -24,7 +24,6 @@ https://arxiv.org/abs/2401.10241. docs/techniques.md#pipeline-schedules-past-1f1
     diff -u pipeline.py pipeline_schedules.py                 # what the schedules change
 """
 
-import datetime
 import os
 from collections.abc import Callable
 from typing import NamedTuple
@@ -76,7 +75,16 @@ class Stage(torch.nn.Module):
     the model's keys. `tied`: the stage's copy of each weight the first and the last modules share,
     on the first and the last stage (parallelize's)."""
 
-    def __init__(self, model, index, num_stages, num_chunks=1, activation_shape=None, parts=None):
+    def __init__(
+        self,
+        model,
+        index,
+        num_stages,
+        num_chunks=1,
+        activation_shape=None,
+        parts=None,
+        activation_dtype=None,
+    ):
         super().__init__()
         self.parts = parts or Parts()
         self.index = index
@@ -106,8 +114,16 @@ class Stage(torch.nn.Module):
         if activation_shape is None:
             activation_shape = model.embed.pos.shape[1:]
         self.activation_shape = tuple(activation_shape)
+        # In the parameters' dtype by default: a model converted to bf16 sends bf16.
+        self.activation_dtype = activation_dtype or next(model.parameters()).dtype
         self.tied = []
         self.tied_group = None
+
+    def empty(self, samples, device):
+        """A receive buffer for `samples` samples' activations or their gradients, in the dtype
+        the peer sends: on NCCL another dtype posts another byte count (a hang or garbage)."""
+        shape = (samples, *self.activation_shape)
+        return torch.empty(shape, dtype=self.activation_dtype, device=device)
 
     def hold(self, model, name):
         """Hold the model's module `name` (a dotted path) at the same path in this stage, inside
@@ -136,9 +152,12 @@ class Stage(torch.nn.Module):
         return x
 
 
-def parallelize(model, device, num_chunks=1, activation_shape=None, parts=None):
+def parallelize(
+    model, device, num_chunks=1, activation_shape=None, parts=None, activation_dtype=None
+):
     """Keep this rank's chunks, on its device; the rest of the model is dropped. activation_shape:
-    (T, D) of one sample's activation between stages (default: model.embed.pos's); parts: what
+    (T, D) of one sample's activation between stages (default: model.embed.pos's), in
+    activation_dtype (default: the parameters' dtype, bf16 for a bf16 model); parts: what
     runs where (a Parts; default: the common ViT's).
 
     A weight tied between the first modules (first stage) and the last ones (last stage) cannot be
@@ -149,7 +168,9 @@ def parallelize(model, device, num_chunks=1, activation_shape=None, parts=None):
     parts = parts or Parts()
     num_stages = dist.get_world_size()
     tied_names = tied_weights(model, parts) if num_stages > 1 else []  # one stage holds both ends
-    stage = Stage(model, dist.get_rank(), num_stages, num_chunks, activation_shape, parts)
+    stage = Stage(
+        model, dist.get_rank(), num_stages, num_chunks, activation_shape, parts, activation_dtype
+    )
     if tied_names:
         # dist.new_group must be called by every rank, the ranks outside the group too.
         stage.tied_group = dist.new_group([0, num_stages - 1])
@@ -211,7 +232,17 @@ def schedule(name, micro_batches, num_stages, index, num_chunks=1):
 def with_weight_passes(actions, micro_batches, index):
     """ZB-H1: stage s runs W of micro-batch k-s right after its k-th B and the last s Ws at the
     end. 1F1B leaves stage s idle about s backwards at the end (the later stages drain first): the
-    Ws held back fill that, the others fill the steady state's waits for gradients."""
+    Ws held back fill that, the others fill the steady state's waits for gradients.
+
+    What a W costs here: train_step's W is a second backward from the output, through the graph
+    B kept (retain_graph), with the stage's parameters as its inputs; autograd recomputes every
+    input gradient between the output and the first block's weights to get there. So W costs
+    about a whole backward (~2F) and B about half of one (~F): a micro-batch's backward costs
+    ~1.5 times 1F1B's. On a GPU, where the stages are busy rather than waiting, expect zb-h1 to
+    run slower than 1f1b unless the bubble it removes, about (p-1)/(m+p-1) of the step, is more
+    than that extra third of each micro-batch's work. Qi et al.'s W, and torch.distributed.
+    pipelining's (stage_backward_weight), start from the intermediate gradients B kept and compute
+    only the weights' gradients (~F)."""
     scheduled = []
     backwards = 0
     for action in actions:
@@ -273,7 +304,7 @@ def receives(stage, step, inputs, received):
             peer = stage.next_rank
         else:
             continue
-        tensor = torch.empty(len(inputs[i]), *stage.activation_shape, device=inputs[i].device)
+        tensor = stage.empty(len(inputs[i]), inputs[i].device)
         received[action, i, chunk] = tensor
         ops.append((dist.irecv, tensor, peer))
     return ops
@@ -348,7 +379,7 @@ def infer(stage, x):
     last stage, None on the others. A chain (receive, compute, send): one op a group is safe."""
     for chunk in range(stage.num_chunks):
         if not stage.is_first_chunk(chunk):
-            x = torch.empty(len(x), *stage.activation_shape, device=x.device)
+            x = stage.empty(len(x), x.device)
             p2p([(dist.irecv, x, stage.previous_rank)])
         x = stage(x, chunk)
         if not stage.is_last_chunk(chunk):
@@ -468,22 +499,7 @@ def setup(args):
     backend, device = common.pick_backend(args.backend)  # NCCL and a GPU per rank, else Gloo
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    timeout = datetime.timedelta(seconds=args.timeout)
-    # torchrun keeps one store across restarts (--max-restarts): prefix it per attempt, or a
-    # restarted rank may read the address of a worker that died in the last attempt and hang.
-    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"attempt_{attempt}", store)
-    dist.init_process_group(
-        backend,
-        store=store,
-        rank=rank,
-        world_size=world,
-        timeout=timeout,
-        # NCCL: bind the communicator to this GPU now (not lazily at the first collective), so
-        # that device meshes can split it and the first call is not a point-to-point one.
-        device_id=device if device.type == "cuda" else None,
-    )
+    rank, world = common.init_process_group(backend, device, args.timeout)
     return rank, world, device, backend
 
 

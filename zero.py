@@ -1,49 +1,26 @@
 """ZeRO stages 1-3, written out with torch.distributed. Like DDP, every rank trains on its slice of
-each global batch; unlike DDP, the W ranks split among them what DDP replicates: the optimizer
-state (stage 1), also the gradients (stage 2), also the parameters (stage 3).
+each global batch; unlike DDP, the W ranks split what DDP replicates: the optimizer state (stage 1),
+also the gradients (stage 2), also the parameters (stage 3). zero_offload.py adds ZeRO-Offload.
 
-    torchrun --standalone --nproc_per_node=4 zero.py --stage 3
-    python zero.py --nproc 4 --stage 3                 # the same, through mp.spawn on a free port
-
-zero_offload.py is this file plus ZeRO-Offload (optimizer in CPU memory) and ZeRO-Infinity (disk).
-
-The model is cut into units (the embedding, every block, the head). A unit of n parameters
-gets one flat fp32 buffer of N = W·S elements, S = ⌈n/W⌉: its parameters one after another,
-then zeros; the parameters become views into it. Rank r owns the shard flat[r·S:(r+1)·S],
-and its optimizer steps that shard only:
-
-    a unit's flat buffer:  [ shard 0 | shard 1 | ... | shard W-1 ]
-
-                 stage 1 (P_os)     stage 2 (P_os+g)         stage 3 (P_os+g+p)
-    parameters   whole              whole                    own shard; the unit all-gathered
-                                                             before its forward and again before
-                                                             its backward, freed after each
-    gradients    whole              own shard (the unit's    own shard
-                                    whole gradient freed
-                                    once reduce-scattered)
-    optimizer    own shard          own shard                own shard
+    a unit (a module) of n parameters, one flat buffer of W·S elements (S = ⌈n/W⌉, zero-padded):
+    [ shard 0 | shard 1 | ... | shard W-1 ]      rank r's optimizer steps shard r only
 
     backward, unit by unit:  the unit's gradient --reduce-scatter / W--> own shard of the average
     step:                    each rank steps its shards; stages 1-2 all-gather the updated shards
+    stage 3:                 each unit all-gathered before its forward and its backward, freed after
 
-    stage 3, units 0..L (L the head); "gather i" waits for the all-gather that "prefetch i" started:
-    forward:   gather 0, prefetch 1 | compute 0 | free 0 | gather 1, prefetch 2 | compute 1 | ...
-    backward:  gather L, prefetch L-1 | L's backward | reduce-scatter L, free L | gather L-1, ...
+Memory per rank (K: optimizer bytes a parameter, 8 for AdamW; Ψ' is Ψ, each unit padded to W·S;
+N the largest unit's W·S): stage 1: 4Ψ' + 4Ψ' + KΨ'/W (DDP: (8+K)Ψ); stage 2: 4Ψ' + (4+K)Ψ'/W
++ 8N; stage 3: (8+K)Ψ'/W + 8N (two whole flat gradients in backward) + 8N (two units whole).
+Communication per step: Ψ' reduce-scattered and Ψ' all-gathered, DDP's all-reduce in two halves;
+stage 3 all-gathers every unit twice: 2Ψ'. A ring sends (W-1)/W of each collective's bytes.
+Paper: Rajbhandari et al. 2019, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models", https://arxiv.org/abs/1910.02054. The stage table and prefetch: docs/techniques.md (ZeRO).
 
-Memory per rank (fp32: 4 bytes of parameters and 4 of gradient per element, K of optimizer state,
-the ZeRO paper's K: 8 for AdamW's m and v, 4 for SGD's momentum; Ψ' is Ψ with each unit padded to
-a multiple of W):
-    stage 1 (P_os):      4Ψ' + 4Ψ' + KΨ'/W          (DDP: 4Ψ + 4Ψ + KΨ, 16Ψ with AdamW)
-    stage 2 (P_os+g):    4Ψ' + (4+K)Ψ'/W
-    stage 3 (P_os+g+p):  (8+K)Ψ'/W (16Ψ'/W with AdamW), plus the units whole at the moment (about
-                         two: the one computing and the next, whose all-gather is prefetched)
-Communication per step and rank: Ψ' gradient elements reduce-scattered and Ψ' updated parameters
-all-gathered, DDP's all-reduce in two halves; stage 3 all-gathers every unit twice (before its
-forward and before its backward) instead of once after the step: 2Ψ' all-gathered. A ring sends
-(W-1)/W of each collective's bytes.
+    torchrun --standalone --nproc_per_node=4 zero.py --stage 3
+    python zero.py --nproc 4 --stage 3                 # the same, through mp.spawn on a free port
 """
 
-import datetime
 import functools
 import os
 import warnings
@@ -515,8 +492,17 @@ def formula(psi, world, args):
         optim_bytes=k * psi // world,
         comm=dict(reduce_scatter=4 * psi, all_gather=(8 if args.stage == 3 else 4) * psi),
         notes=dict(
-            param_bytes="4Ψ'/W sharded" if params_sharded else "4Ψ' replicated",
-            grad_bytes="4Ψ'/W sharded" if grads_sharded else "4Ψ' replicated",
+            param_bytes=(
+                "4Ψ'/W sharded; about two units whole besides, the one computing and the next"
+                if params_sharded
+                else "4Ψ' replicated"
+            ),
+            grad_bytes=(
+                "4Ψ'/W sharded; in backward up to two units' whole flat gradients besides (the "
+                "one reduce-scattered, the next filled), in the engine, not measured"
+                if grads_sharded
+                else "4Ψ' replicated"
+            ),
             optim_bytes=f"{k}Ψ'/W sharded " + ("AdamW m, v" if k == 8 else "SGD momentum"),
             reduce_scatter="Ψ' fp32 gradients; a ring sends (W-1)/W of it",
             all_gather=(
@@ -542,22 +528,7 @@ def setup(args):
     backend, device = common.pick_backend(args.backend)  # NCCL and a GPU per rank, else Gloo
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    timeout = datetime.timedelta(seconds=args.timeout)
-    # torchrun keeps one store across restarts (--max-restarts): prefix it per attempt, or a
-    # restarted rank may read the address of a worker that died in the last attempt and hang.
-    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"attempt_{attempt}", store)
-    dist.init_process_group(
-        backend,
-        store=store,
-        rank=rank,
-        world_size=world,
-        timeout=timeout,
-        # NCCL: bind the communicator to this GPU now (not lazily at the first collective), so
-        # that device meshes can split it and the first call is not a point-to-point one.
-        device_id=device if device.type == "cuda" else None,
-    )
+    rank, world = common.init_process_group(backend, device, args.timeout)
     return rank, world, device, backend
 
 

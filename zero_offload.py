@@ -1,81 +1,27 @@
-"""ZeRO stages 1-3, written out with torch.distributed. Like DDP, every rank trains on its slice of
-each global batch; unlike DDP, the W ranks split among them what DDP replicates: the optimizer
-state (stage 1), also the gradients (stage 2), also the parameters (stage 3).
-
-    torchrun --standalone --nproc_per_node=4 zero_offload.py --stage 3 --offload cpu
-    torchrun --standalone --nproc_per_node=4 zero_offload.py --offload disk --offload-dir DIR
-
-The model is cut into units (the embedding, every block, the head). A unit of n parameters
-gets one flat fp32 buffer of N = W·S elements, S = ⌈n/W⌉: its parameters one after another,
-then zeros; the parameters become views into it. Rank r owns the shard flat[r·S:(r+1)·S],
-and its optimizer steps that shard only:
-
-    a unit's flat buffer:  [ shard 0 | shard 1 | ... | shard W-1 ]
-
-                 stage 1 (P_os)     stage 2 (P_os+g)         stage 3 (P_os+g+p)
-    parameters   whole              whole                    own shard; the unit all-gathered
-                                                             before its forward and again before
-                                                             its backward, freed after each
-    gradients    whole              own shard (the unit's    own shard
-                                    whole gradient freed
-                                    once reduce-scattered)
-    optimizer    own shard          own shard                own shard
-
-    backward, unit by unit:  the unit's gradient --reduce-scatter / W--> own shard of the average
-    step:                    each rank steps its shards; stages 1-2 all-gather the updated shards
-
-    stage 3, units 0..L (L the head); "gather i" waits for the all-gather that "prefetch i" started:
-    forward:   gather 0, prefetch 1 | compute 0 | free 0 | gather 1, prefetch 2 | compute 1 | ...
-    backward:  gather L, prefetch L-1 | L's backward | reduce-scatter L, free L | gather L-1, ...
-
-Memory per rank (fp32: 4 bytes of parameters and 4 of gradient per element, K of optimizer state,
-the ZeRO paper's K: 8 for AdamW's m and v, 4 for SGD's momentum; Ψ' is Ψ with each unit padded to
-a multiple of W):
-    stage 1 (P_os):      4Ψ' + 4Ψ' + KΨ'/W          (DDP: 4Ψ + 4Ψ + KΨ, 16Ψ with AdamW)
-    stage 2 (P_os+g):    4Ψ' + (4+K)Ψ'/W
-    stage 3 (P_os+g+p):  (8+K)Ψ'/W (16Ψ'/W with AdamW), plus the units whole at the moment (about
-                         two: the one computing and the next, whose all-gather is prefetched)
-Communication per step and rank: Ψ' gradient elements reduce-scattered and Ψ' updated parameters
-all-gathered, DDP's all-reduce in two halves; stage 3 all-gathers every unit twice (before its
-forward and before its backward) instead of once after the step: 2Ψ' all-gathered. A ring sends
-(W-1)/W of each collective's bytes.
-
-Offload (this file is zero.py plus the offload; `diff -u zero.py zero_offload.py` shows it). The
-optimizer steps an fp32 master copy of each shard away from the device; the device shard becomes
-the working copy that forward and the all-gathers read:
+"""ZeRO-Offload and ZeRO-Infinity: zero.py's ZeRO stages 1-3 (its docstring has the split and its
+formulas; `diff -u zero.py zero_offload.py` is the offload), the optimizer stepping an fp32 master
+of each shard away from the device, whose shard stays the copy forward and the all-gathers read.
 
     --offload cpu, each step:         device                       CPU
         backward, unit by unit:       gradient shard  --copy-->    master.grad
         optimizer.step():                                          master, m, v stepped
         after the step:               shard           <--copy--    master
-    --offload disk, each step, unit by unit (a thread reads unit i+1's file meanwhile):
-        DIR/zero-rank<r>-unit<i>.pt --read--> master, m, v --step with its gradient shard--> file
-        then master --copy--> the device shard
+    --offload disk, unit by unit (a thread reads unit i+1's file meanwhile):
+        DIR/zero-rank<r>-unit<i>.pt --read--> master, m, v --step--> file; master --> shard
 
---offload cpu (ZeRO-Offload): each unit's fp32 master shard and its gradient live in CPU buffers
-    allocated once (pinned on a GPU machine), the optimizer state beside them in CPU memory, and the
-    optimizer steps there. As backward reduce-scatters a unit, its gradient shard is copied to the
-    CPU without the host waiting; after the step the master goes back to the device shard. On a CPU
-    device the same path runs with ordinary memory.
---offload disk --offload-dir DIR (ZeRO-Infinity): each unit's master shard and optimizer state live
-    in DIR/zero-rank<r>-unit<i>.pt, written anew at the start and left there. The step goes unit by
-    unit: read the file, step an optimizer over that unit alone, write the file back atomically
-    (temporary file, flush, fsync, rename: a crash leaves the old file or the new one, whole). The
-    gradient shards wait in device memory until the step. DeepSpeed swaps through pinned buffers
-    with asynchronous O_DIRECT reads and writes (libaio) instead of torch.save and a thread.
-Optimizer groups (parallelize's param_groups, a weight-decay split): the CPU or disk master is cut
-    into the shard's pieces, one per group, each stepped with its group's hyperparameters.
-
-Memory per rank, besides the stage's parameters and whole gradients on the device (above):
+Memory per rank, besides the stage's parameters and whole gradients on the device (zero.py's):
     --offload cpu:   device: no optimizer state; CPU: 4Ψ'/W master + 4Ψ'/W gradient + KΨ'/W state
     --offload disk:  device: 4Ψ'/W gradient shards until the step; CPU: one unit's master and KS
                      of state while it steps, the next unit's file being read; DIR: (4+K)Ψ'/W
-Traffic per step and rank, besides the stage's collectives: 4Ψ'/W device -> CPU (the gradient
-shards) and 4Ψ'/W CPU -> device (the stepped masters); --offload disk also reads and writes
-(4+K)Ψ'/W bytes of files.
+Traffic per step, besides the stage's collectives: 4Ψ'/W device -> CPU and 4Ψ'/W CPU -> device,
+on a GPU on a stream of their own; --offload disk also reads and writes (4+K)Ψ'/W of files.
+Papers: Ren et al. 2021, "ZeRO-Offload", https://arxiv.org/abs/2101.06840; Rajbhandari et al.
+2021, "ZeRO-Infinity", https://arxiv.org/abs/2104.07857. More: docs/techniques.md (ZeRO-Offload).
+
+    torchrun --standalone --nproc_per_node=4 zero_offload.py --stage 3 --offload cpu
+    torchrun --standalone --nproc_per_node=4 zero_offload.py --offload disk --offload-dir DIR
 """
 
-import datetime
 import functools
 import os
 import warnings
@@ -244,6 +190,8 @@ def move_master_to_cpu(unit, module, pin_memory):
     unit.master.copy_(unit.shard)
     unit.master_grad = torch.empty_like(unit.master, pin_memory=pin_memory)
     unit.pieces = [(group, own, nn.Parameter(unit.master[own])) for group, own, _ in unit.pieces]
+    unit.to_cpu = None  # on a GPU: the event of the gradient shard's copy into master_grad
+    unit.to_device = None  # on a GPU: the event of the stepped master's copy into the shard
     # the module's parameters now: model.parameters() are the masters' pieces
     module.shards = nn.ParameterList([piece for _, _, piece in unit.pieces])
 
@@ -316,6 +264,7 @@ class ZeRO:
             unit = Unit(name_of[module], module, self.rank, self.world, stage, placed, group_of)
             self.units.append(unit)
         if offload == "cpu":  # before the groups: the optimizer steps the CPU masters' pieces
+            self.copies = CopyStream(device)
             for index, module in enumerate(modules):
                 move_master_to_cpu(self.units[index], module, pin_memory)
         # the optimizer's groups, their hyperparameters kept, their parameters now the pieces
@@ -415,6 +364,10 @@ class ZeRO:
             # stage 1, gradient accumulation: the last backward's average may sit in flat_grad's
             # own slice, which this backward overwrites
             unit.grad_shard = unit.grad_shard.clone()
+        if self.offload == "cpu" and unit.to_cpu is not None:
+            # on a GPU the last backward's copy to the CPU may still be reading its source, at
+            # stage 1 flat_grad's own slice, which this backward overwrites
+            torch.cuda.current_stream().wait_event(unit.to_cpu)
 
     def reduce_scatter(self, unit):
         """Start reduce-scattering the unit's gradient: rank r gets shard r of the average."""
@@ -433,11 +386,10 @@ class ZeRO:
         if self.stage == 3:
             unit.free()  # all its gradients are in: backward reads its parameters no more
 
-    def finish_reduce_scatter(self, last=False):
+    def finish_reduce_scatter(self):
         """Wait for the reduce-scatter in flight, if any, and add its average to the unit's gradient
         shard (the sum over this step's backward passes, as .grad sums them without ZeRO); from
-        stage 2 on, drop the whole gradient it read. `last`: the backward's last one, whose copy to
-        the CPU makes the host wait."""
+        stage 2 on, drop the whole gradient it read."""
         if self.reducing is None:
             return
         unit, output, work = self.reducing
@@ -448,15 +400,16 @@ class ZeRO:
         else:
             unit.grad_shard += output  # gradient accumulation: a later backward of the same step
         if self.offload == "cpu":
-            # ZeRO-Offload: the gradient shard to the CPU while backward goes on. The copies run in
-            # order on the device's stream, so only the last one makes the host wait: when it
-            # returns, every unit's gradient has landed, and the step on the host can read them.
+            # ZeRO-Offload: the gradient shard to the CPU. On a GPU the copy runs on the copy
+            # stream, so the rest of backward's kernels do not queue behind it; the host waits for
+            # it before the step reads master_grad (before_step).
             if unit in self.on_cpu:
-                # gradient accumulation: a later backward of the same step adds to the CPU copy
-                # (a blocking copy: it also waits for the earlier backward's copy to land)
+                # gradient accumulation: a later backward of the same step adds to the CPU copy,
+                # on the host, once the earlier backward's copy has landed (a blocking copy)
+                self.wait_for_gradient_copy(unit)
                 unit.master_grad += unit.grad_shard.to(unit.master_grad.device)
             else:
-                unit.master_grad.copy_(unit.grad_shard, non_blocking=not last)
+                unit.to_cpu = self.copies.copy(unit.master_grad, unit.grad_shard)
                 self.on_cpu.add(unit)
             unit.grad_shard = None
         if self.stage >= 2:
@@ -465,7 +418,12 @@ class ZeRO:
     # the step: each rank steps its own shards
 
     def before_step(self):
-        self.finish_reduce_scatter(last=True)  # the last unit's (the embedding's)
+        self.finish_reduce_scatter()  # the last unit's (the embedding's)
+        if self.offload == "cpu":
+            # the step reads master_grad and writes master: every copy into or out of them done
+            for unit in self.units:
+                self.wait_for_gradient_copy(unit)
+                self.wait_for_master_copy_on_host(unit)
         if self.offload == "disk":
             return  # the gradient shards wait in the units: step_on_disk steps them after step()
         for unit in self.units:
@@ -498,13 +456,36 @@ class ZeRO:
             self.step_on_disk(optimizer)
         if self.offload == "cpu":
             for unit in self.units:
-                # the host goes on at once: the next before_step's last copy waits for this one
-                unit.shard.copy_(unit.master, non_blocking=True)
+                # on a GPU the host goes on at once; the next step waits before it writes the master
+                unit.to_device = self.copies.copy(unit.shard, unit.master)
+            for unit in self.units:
+                self.wait_for_master_copy(unit)
         if self.stage == 3:
             return
         for unit in self.units:
             if unit.params:
                 dist.all_gather_into_tensor(unit.flat, unit.shard)
+
+    # ZeRO-Offload on a GPU: waiting for the copies on the copy stream (none on a CPU device)
+
+    def wait_for_gradient_copy(self, unit):
+        """The host, before it reads the unit's master_grad: the gradient shard's copy landed."""
+        if unit.to_cpu is not None:
+            unit.to_cpu.synchronize()
+            unit.to_cpu = None
+
+    def wait_for_master_copy_on_host(self, unit):
+        """The host, before the step writes the unit's master: its copy to the shard has read it."""
+        if unit.to_device is not None:
+            unit.to_device.synchronize()
+            unit.to_device = None
+
+    def wait_for_master_copy(self, unit):
+        """The compute stream, before anything reads the unit's shard (stages 1-2's all-gathers
+        next, stage 3's next forward, full_state_dict; a collective waits for the compute stream):
+        the stepped master is in it. The host goes on at once."""
+        if unit.to_device is not None:
+            torch.cuda.current_stream().wait_event(unit.to_device)
 
     # ZeRO-Infinity: the master shards and the optimizer state on disk, one unit in memory at a time
 
@@ -660,6 +641,39 @@ def clip_grad_norm_(model, max_norm):
     return total_norm
 
 
+### more: the offload copies on a stream of their own (a GPU)
+
+
+class CopyStream:
+    """ZeRO-Offload's copies between the device and the CPU buffers. On a GPU they run on a CUDA
+    stream of their own: on the compute stream every later kernel (the rest of backward, the next
+    forward) would queue behind each PCIe transfer. The engine waits for a copy's event before it
+    uses the copy: the host before the step reads or writes the CPU buffers, the compute stream
+    before it reads a shard the copy wrote. On a CPU device the copies are plain ones, done when
+    copy() returns."""
+
+    def __init__(self, device):
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def copy(self, destination, source):
+        """Start copying `source` into `destination`; return the event that marks it done (None on
+        a CPU device, where it is done)."""
+        if self.stream is None:
+            destination.copy_(source)
+            return None
+        # the source was just produced, or the destination is still read, on the compute stream
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            destination.copy_(source, non_blocking=True)
+        if source.device.type == "cuda":
+            # the engine drops the source now (a gradient shard): the allocator must not hand its
+            # memory to the compute stream before this stream has read it
+            source.record_stream(self.stream)
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        return done
+
+
 ### end: ZeRO
 
 
@@ -677,6 +691,7 @@ def formula(psi, world, args, largest_shard=0):
     cpu_note = " (CPU)" if cpu else ""
     state_note = " in files" if disk else cpu_note
     state_kind = "AdamW m, v" if k == 8 else "SGD momentum"
+    stage3 = args.stage == 3
     return dict(
         param_bytes=4 * psi // world if params_sharded else 4 * psi,
         grad_bytes=None if disk else (4 * psi // world if grads_sharded else 4 * psi),
@@ -684,11 +699,19 @@ def formula(psi, world, args, largest_shard=0):
         optim_peak_bytes=k * largest_shard if disk else None,
         comm=dict(reduce_scatter=4 * psi, all_gather=(8 if args.stage == 3 else 4) * psi),
         notes=dict(
-            param_bytes=("4Ψ'/W sharded" if params_sharded else "4Ψ' replicated") + cpu_note,
+            param_bytes=("4Ψ'/W sharded" if params_sharded else "4Ψ' replicated")
+            + cpu_note
+            + ("; about two units whole besides, the one computing and the next" if stage3 else ""),
             grad_bytes=(
                 "held by the engine until the step, not in .grad: not measured"
                 if disk
                 else ("4Ψ'/W sharded" if grads_sharded else "4Ψ' replicated") + cpu_note
+            )
+            + (
+                "; in backward up to two units' whole flat gradients besides (the one "
+                "reduce-scattered, the next filled), in the engine, not measured"
+                if args.stage >= 2
+                else ""
             ),
             optim_bytes=f"{k}Ψ'/W sharded {state_kind}{state_note}",
             optim_peak_bytes=f"{k}S: the largest unit's shard, in memory while it steps",
@@ -726,22 +749,7 @@ def setup(args):
     backend, device = common.pick_backend(args.backend)  # NCCL and a GPU per rank, else Gloo
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    timeout = datetime.timedelta(seconds=args.timeout)
-    # torchrun keeps one store across restarts (--max-restarts): prefix it per attempt, or a
-    # restarted rank may read the address of a worker that died in the last attempt and hang.
-    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"attempt_{attempt}", store)
-    dist.init_process_group(
-        backend,
-        store=store,
-        rank=rank,
-        world_size=world,
-        timeout=timeout,
-        # NCCL: bind the communicator to this GPU now (not lazily at the first collective), so
-        # that device meshes can split it and the first call is not a point-to-point one.
-        device_id=device if device.type == "cuda" else None,
-    )
+    rank, world = common.init_process_group(backend, device, args.timeout)
     return rank, world, device, backend
 
 

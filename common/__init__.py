@@ -34,6 +34,7 @@ from common.launch import (  # noqa: F401
     Parser,
     free_port,
     get_parser,
+    init_process_group,
     launch,
     parse_args,
     pick_backend,

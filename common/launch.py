@@ -1,6 +1,7 @@
 """The shared flags, one-line messages from rank 0, the launcher and the backend/device choice."""
 
 import argparse
+import datetime
 import os
 import socket
 import sys
@@ -299,7 +300,8 @@ def pick_backend(requested):
         # Fewer GPUs than local ranks would put two ranks on one GPU, which NCCL rejects once
         # every rank has started ("Duplicate GPU detected", a traceback from each). Except one
         # GPU that CUDA_VISIBLE_DEVICES shows each process: a per-process binding (SLURM, a
-        # launcher that sets it per rank), a different GPU for each.
+        # launcher that sets it per rank), a different GPU for each; when it is the same GPU
+        # for all, init_process_group refuses it once the ranks can compare their GPUs.
         bound = gpus == 1 and "CUDA_VISIBLE_DEVICES" in os.environ
         check(
             local_world <= gpus or bound,
@@ -315,3 +317,55 @@ def pick_backend(requested):
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     log(f"backend: {backend} on {device.type} ({why})")
     return backend, device
+
+
+def init_process_group(backend, device, timeout):
+    """Join the process group: torchrun (or common.launch, srun, mpirun) put RANK, WORLD_SIZE,
+    MASTER_ADDR and MASTER_PORT in the environment. `timeout` is in seconds. Two ranks on one GPU
+    are refused in one message before NCCL starts. Returns (rank, world)."""
+    timeout = datetime.timedelta(seconds=timeout)
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    # torchrun keeps one store across restarts (--max-restarts): prefix it per attempt, or a
+    # restarted rank may read the address of a worker that died in the last attempt and hang.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"attempt_{attempt}", store)
+    if device.type == "cuda" and world > 1:
+        refuse_shared_gpus(store, rank, world, device)
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+        # NCCL: bind the communicator to this GPU now (not lazily at the first collective), so
+        # that device meshes can split it and the first call is not a point-to-point one.
+        device_id=device if device.type == "cuda" else None,
+    )
+    return rank, world
+
+
+def refuse_shared_gpus(store, rank, world, device):
+    """Two ranks on one GPU of one host (CUDA_VISIBLE_DEVICES=0 for every rank looks like a
+    per-rank binding to pick_backend): NCCL would fail with "Duplicate GPU", a traceback from
+    every rank. Each rank claims its (host, GPU UUID) in the store, a few messages per rank at
+    any world size; once all have, rank 0 says the clash once and every rank exits 2."""
+    host = socket.gethostname()
+    gpu = str(torch.cuda.get_device_properties(device).uuid)
+    holder = int(store.compare_set(f"gpu/{host}/{gpu}", "", str(rank)))
+    if holder != rank:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
+        store.set(
+            "gpu_shared",
+            f"ranks {min(holder, rank)} and {max(holder, rank)} share one GPU ({gpu}) on {host}, "
+            f"which NCCL refuses (CUDA_VISIBLE_DEVICES={visible}). Give each rank its own GPU: "
+            "show each process a different one, or start as many ranks per node as it has GPUs; "
+            "or use --backend gloo",
+        )
+    # A barrier on the store: nobody decides before every rank has claimed its GPU.
+    if store.add("gpus_claimed", 1) == world:
+        store.set("gpus_all_claimed", "")
+    store.wait(["gpus_all_claimed"])
+    if store.check(["gpu_shared"]):
+        if rank == 0:
+            print(f"error: {store.get('gpu_shared').decode()}", file=sys.stderr, flush=True)
+        sys.exit(2)

@@ -5,7 +5,8 @@ so a CausalLM of 4 blocks, against a one-process reference of its own). Every ra
 batch (the tokens are the first stage's inputs and the last stage's targets). causal_lm.train's
 ACCUMULATE backward passes a step, each on a micro-batch of MICRO_BATCH sequences with its loss
 / ACCUMULATE, are the schedule's m = ACCUMULATE micro-batches, each one's loss / m; or, in the
-`calls` case, ACCUMULATE train_steps of one micro-batch before the optimizer's step.
+`calls` case, ACCUMULATE train_steps of one micro-batch before the optimizer's step. bf16: the
+CausalLM converted with .to(torch.bfloat16), 1F1B and zb-h1, against one process in bf16.
 
 nanoGPT (tests/nanogpt_model.py, `nanogpt_cases`): the model as it is, its parts named in a
 pipeline.Parts (GPT_PARTS), its loss, its configure_optimizers run on the stage, its (x, y)
@@ -86,21 +87,42 @@ def held_by_rank(stage):
     return {key: [rank_held[key] for rank_held in gathered] for key in held}
 
 
-def run_pipeline(optim, batches, micro_batches, schedule="1f1b", depth=2):
+def received_dtypes(stage):
+    """Record the dtype of every floating-point input the stage runs on (a received activation:
+    the first stage's tokens are integers) into the returned set."""
+    seen = set()
+
+    def record(module, args):
+        if args[0].is_floating_point():
+            seen.add(str(args[0].dtype))
+
+    stage.register_forward_pre_hook(record)
+    return seen
+
+
+def run_pipeline(optim, batches, micro_batches, schedule="1f1b", depth=2, dtype=None):
     model = CausalLM(depth=depth)
+    if dtype is not None:
+        model = model.to(dtype)  # the boundary's dtype too: pipeline's default activation_dtype
     shape = (CONTEXT, model.embed.wte.embedding_dim)
+    seen = set()
     if schedule == "1f1b":
         technique = pipeline
         stage = pipeline.parallelize(model, CPU, activation_shape=shape)
+        seen = received_dtypes(stage)
     else:
         technique = pipeline_schedules
         chunks = 2 if schedule == "interleaved" else 1
         stage = pipeline_schedules.parallelize(model, CPU, chunks, activation_shape=shape)
+        seen = received_dtypes(stage)
     optimizer = make_optimizer(stage_param_groups(stage, optim), optim)
     train(technique, schedule, stage, optimizer, batches, micro_batches)
     state = technique.full_state_dict(stage)
-    # the technique ran: what each rank's stage holds
+    # the technique ran: what each rank's stage holds, and the dtypes its stages received
     proof = held_by_rank(stage)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sorted(seen))
+    proof["received"] = gathered
     # copy_cases evaluates with model(tokens), which a stage cannot run: the case brings its own,
     # on the held-out sequences copy_cases uses
     _, test_tokens = task()
@@ -132,6 +154,20 @@ def cases(batches, rank, world, folder):
     stage, state, proof = run_pipeline("sgd", batches, ACCUMULATE, "interleaved", depth=4)
     proof["reference_eval_loss"] = reference_loss
     yield "pipeline_schedules-interleaved-sgd", "depth4-sgd", stage, state, proof
+    # bf16: the model converted as a whole (.to(torch.bfloat16)), so bf16 activations and
+    # gradients cross the stage boundary, against one process training the same bf16 model
+    reference_loss = None
+    if rank == 0:
+        bf16_model = CausalLM().to(torch.bfloat16)
+        state, results = reference("sgd", batches, test_tokens, bf16_model)
+        torch.save(state, folder / "reference-bf16-sgd.pt")
+        reference_loss = results["eval_loss"]
+    stage, state, proof = run_pipeline("sgd", batches, ACCUMULATE, dtype=torch.bfloat16)
+    proof["reference_eval_loss"] = reference_loss
+    yield "pipeline-bf16-sgd", "bf16-sgd", stage, state, proof
+    stage, state, proof = run_pipeline("sgd", batches, ACCUMULATE, "zb-h1", dtype=torch.bfloat16)
+    proof["reference_eval_loss"] = reference_loss
+    yield "pipeline_schedules-zb-h1-bf16-sgd", "bf16-sgd", stage, state, proof
 
 
 # The model as nanoGPT has it (tests/nanogpt_model.py), trained by its own recipe: (x, y) batches,

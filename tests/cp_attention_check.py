@@ -3,9 +3,16 @@ and 4 ranks, RingAttention and the Ulysses all-to-alls give F.scaled_dot_product
 and gradients on random q, k, v (odd head dims), without a mask and causal (is_causal=True) with
 the contiguous and the zig-zag token split, and the ring sends what the docstring says, each
 step's sends and receives in one batch. Prints one `CHECK {json}` line per case from rank 0.
+On each subgroup, `BF16 {json}`: the ring's and Ulysses' errors on bf16 q, k, v (and the ring's
+under CPU autocast on fp32 ones) against SDPA in fp32 on the whole sequence, next to SDPA's own
+error in bf16. Then, on all 4 ranks, rank 0 prints `GROUPS {json}`, the process groups each
+kind of c10d op of a DDP ViT's training step ran on, and DDP's group; `INDEX {json}`, the ops
+that build index tensors or move tensors between devices in two calls of split_tokens, the
+ring, Ulysses and the patch embedding (the second call should make none).
 With --errors (its own launch, at W=2): the inputs that go wrong on one rank only, each rank
 printing an `ERRORS {json}` line of the ValueErrors it raised (anything else ends the launch)."""
 
+import gc
 import json
 import os
 import sys
@@ -13,6 +20,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402  (the repository root is on the path only now)
@@ -108,6 +116,128 @@ def case(world, head_dim, group, rank):
     return results
 
 
+def errors_against(reference, out, grads):
+    """Max |Δ| of the output and of dq, dk, dv against the fp32 reference (out, grads)."""
+    ref_out, ref_grads = reference
+    errs = dict(out=(out.float() - ref_out).abs().max().item())
+    for name, grad, ref in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
+        errs[name] = (grad.float() - ref).abs().max().item()
+    return errs
+
+
+def bf16_case(world, group, rank, causal, zigzag):
+    """Attention on bf16 q, k, v (head dim 16, scores of a few units), against SDPA in fp32 on the
+    same values over the whole sequence: the ring and Ulysses on this rank's tokens, SDPA in bf16
+    on the whole sequence (the bar), and the ring on fp32 q, k, v under CPU autocast to bf16."""
+    torch.manual_seed(7 + world)
+    q, k, v = (3 * torch.randn(B, H, T, 16).bfloat16() for _ in range(3))
+    dout = torch.randn(B, H, T, 16).bfloat16()
+    mine = cp.token_positions(T, rank, world, zigzag)
+
+    def run(attend, dtype, whole=False, autocast=False):
+        inputs = [x.to(dtype) if whole else x[:, :, mine].to(dtype) for x in (q, k, v)]
+        inputs = [x.clone().requires_grad_() for x in inputs]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = attend(*inputs)
+        out.backward(dout.to(out.dtype) if whole else dout[:, :, mine].to(out.dtype))
+        grads = [x.grad for x in inputs]
+        if whole:  # this rank's rows, as the context-parallel runs give them
+            return out[:, :, mine], [g[:, :, mine] for g in grads]
+        return out, grads
+
+    def sdpa(*qkv):
+        return F.scaled_dot_product_attention(*qkv, is_causal=causal)
+
+    def ring(*qkv):
+        return cp.RingAttention.apply(*qkv, group, causal, zigzag)
+
+    def ulysses(*qkv):
+        return cp.ulysses_attention(*qkv, group, causal, zigzag)
+
+    reference = run(sdpa, torch.float32, whole=True)
+    return {
+        "sdpa-bf16": errors_against(reference, *run(sdpa, torch.bfloat16, whole=True)),
+        "ring-bf16": errors_against(reference, *run(ring, torch.bfloat16)),
+        "ulysses-bf16": errors_against(reference, *run(ulysses, torch.bfloat16)),
+        "ring-autocast": errors_against(reference, *run(ring, torch.float32, autocast=True)),
+    }
+
+
+def worst_over_ranks(errs, group):
+    """Each error's maximum over the group's ranks: every rank checks its own tokens' rows."""
+    names = [(case, kind) for case in sorted(errs) for kind in sorted(errs[case])]
+    values = torch.tensor([errs[case][kind] for case, kind in names], dtype=torch.float64)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    worst = {case: {} for case in errs}
+    for (case, kind), value in zip(names, values.tolist(), strict=True):
+        worst[case][kind] = value
+    return worst
+
+
+def groups_of_a_training_step(method):
+    """{kind of c10d op: the process groups it ran on} in a forward and backward of the ViT under
+    parallelize (DDP), and the name of DDP's group."""
+    args = common.parse_args(
+        common.get_parser("t"), ["--dim", "32", "--depth", "2", "--heads", "4", "--patch", "2"]
+    )
+    model = cp.parallelize(common.build_model(args), torch.device("cpu"), method)
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 1, 28, 28), torch.randint(0, 10, (4,))
+    counter = common.CollectiveCounter()
+    with counter:
+        F.cross_entropy(model(x), y).backward()
+    kinds = {}
+    for name, per_kind in counter.groups.items():
+        for kind in per_kind:
+            kinds.setdefault(kind, []).append(name)
+    ddp_group = model.process_group.group_name
+    del model  # DDP's reducer holds the group: free it while the group is up (see run())
+    gc.collect()
+    return dict(kinds={kind: sorted(names) for kind, names in kinds.items()}, ddp=ddp_group)
+
+
+class IndexOps(TorchDispatchMode):
+    """Records the ops that build index tensors (positions, masks, their sort) or move a tensor
+    between devices."""
+
+    NAMES = ("arange", "sort", "argsort", "ones", "triu", "triu_", "_to_copy", "lift_fresh")
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in self.NAMES:
+            self.seen.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def index_tensors(group, rank, world):
+    """The index ops of two calls each of split_tokens, the causal zig-zag ring and Ulysses
+    (forward and backward) and the patch embedding, on a sequence length no other case used (48
+    tokens). The embedding's parameters are on the meta device: an index kept on the CPU would be
+    copied to them at every call, as it would to a GPU."""
+    tokens = 2 * T
+    args = common.parse_args(
+        common.get_parser("t"), ["--dim", "32", "--depth", "1", "--heads", "4", "--patch", "7"]
+    )
+    embed = common.build_model(args).embed.to("meta")
+    patches = embed.pos.shape[1]
+    embed = cp.LocalPatchEmbed(embed, cp.token_positions(patches, rank, world, zigzag=True))
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(B, H, tokens // world, 8, requires_grad=True) for _ in range(3))
+    calls = []
+    for _ in range(2):
+        with IndexOps() as recorder:
+            cp.split_tokens(torch.zeros(B, tokens, dtype=torch.long), group, zigzag=True)
+            for method in ("ring", "ulysses"):
+                out = cp.context_attention(q, k, v, method, group, causal=True, zigzag=True)
+                out.sum().backward()
+            embed(torch.zeros(B, 1, 28, 28, device="meta"))
+        calls.append(recorder.seen)
+    return calls
+
+
 def raised(check):
     """The message of the ValueError check() raises on this rank, None if none."""
     try:
@@ -162,7 +292,18 @@ def main():
                     print(
                         "CHECK " + json.dumps(dict(world=w, head_dim=head_dim, **res)), flush=True
                     )
+        if rank < w:
+            bf16 = {}
+            for name, causal, zigzag in (("plain", False, False), ("zigzag", True, True)):
+                bf16[name] = worst_over_ranks(bf16_case(w, group, rank, causal, zigzag), group)
+            if rank == 0:
+                print("BF16 " + json.dumps(dict(world=w, **bf16)), flush=True)
         dist.barrier()
+    groups = {method: groups_of_a_training_step(method) for method in ("ring", "ulysses")}
+    first, second = index_tensors(dist.group.WORLD, rank, world)
+    if rank == 0:
+        print("GROUPS " + json.dumps(groups), flush=True)
+        print("INDEX " + json.dumps(dict(first=first, second=second)), flush=True)
     dist.destroy_process_group()
 
 

@@ -1,10 +1,13 @@
 """common.py in-process: the data path, the sampler's promises, the model, checkpoint files."""
 
 import argparse
+import datetime
 import os
+import socket
 import struct
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -108,6 +111,63 @@ def test_shift_augmentation_depends_on_seed_epoch_and_index_only():
         torch.equal(again[i][0], train[i][0]) for i in range(40)
     )  # a function of (seed, epoch, index)
     assert torch.equal(test[3][0], test.x[3])
+
+
+def test_batched_fetch_equals_per_sample_fetch():
+    """Digits.__getitems__ (the DataLoader's batched fetch) gives exactly the samples
+    __getitem__ gives one by one: the same shifts for the same (epoch, index), wherever the index
+    sits in the batch; and so does the evaluation loader's."""
+    train, test, _ = common.load_data(parse(*ARGS, "--shift", "2"))
+    indices = [5, 0, 299, 17, 5, 128, 64, 3]  # any order, a repeat
+    for ds in (train, test):
+        for epoch in (0, 1):
+            ds.set_epoch(epoch)
+            for batch in (indices, indices[::-1], indices[3:]):
+                got = ds.__getitems__(batch)
+                assert len(got) == len(batch)
+                for i, (x, y) in zip(batch, got, strict=True):
+                    want_x, want_y = ds[i]
+                    assert torch.equal(x, want_x) and torch.equal(y, want_y), (epoch, i)
+    assert not torch.equal(train.__getitems__([5])[0][0], train.x[5])  # shifted
+    masked = common._Masked(test)
+    for (x, y, keep), i in zip(masked.__getitems__([7, -1, 2]), [7, -1, 2], strict=True):
+        want_x, want_y, want_keep = masked[i]
+        assert torch.equal(x, want_x) and torch.equal(y, want_y) and keep == want_keep == (i >= 0)
+
+
+def test_loaders_fetch_one_batch_per_call(monkeypatch):
+    """The scripts' training loader and the evaluation loader fetch each batch with one call to
+    the dataset, never one call per sample, and give the batches per-sample fetching gives."""
+    train, test, _ = common.load_data(parse(*ARGS, "--shift", "1"))
+    calls = {"__getitem__": 0, "__getitems__": 0}
+    for cls in (common.Digits, common._Masked):
+        for name in calls:
+            original = getattr(cls, name)
+
+            def counted(self, arg, original=original, name=name):
+                calls[name] += 1
+                return original(self, arg)
+
+            monkeypatch.setattr(cls, name, counted)
+    sampler = DistributedSampler(
+        train, num_replicas=2, rank=1, shuffle=True, seed=3, drop_last=True
+    )
+    sampler.set_epoch(1)
+    train.set_epoch(1)
+    loader = DataLoader(train, batch_size=32, sampler=sampler, drop_last=True, pin_memory=False)
+    batches = list(loader)
+    assert calls == {"__getitem__": 0, "__getitems__": len(batches)} and len(batches) == 4
+    order = list(sampler)
+    for k, (x, y) in enumerate(batches):
+        want = [train[i] for i in order[32 * k : 32 * (k + 1)]]
+        assert torch.equal(x, torch.stack([w[0] for w in want]))
+        assert torch.equal(y, torch.stack([w[1] for w in want]))
+    calls.update({"__getitem__": 0, "__getitems__": 0})
+    evaluation = list(common.test_loader(test, rank=1, world=2, batch=64))
+    assert calls == {"__getitem__": 0, "__getitems__": len(evaluation)} and len(evaluation) == 3
+    x, y, keep = (torch.cat(parts) for parts in zip(*evaluation, strict=True))
+    assert keep.dtype == torch.bool and keep.sum() == 150 and keep.all()
+    assert torch.equal(x, test.x[1::2]) and torch.equal(y, test.y[1::2])
 
 
 def test_mnist_from_idx_files(tmp_path):
@@ -353,6 +413,66 @@ def test_nproc_refuses_more_ranks_than_gpus(monkeypatch, capsys):
     monkeypatch.setattr(torch.multiprocessing, "spawn", lambda *a, **k: started.append(k))
     common.launch(started.append, args)
     assert len(started) == 1
+
+
+@pytest.mark.parametrize(
+    "gpus, refused",
+    [
+        ([("a", "u0"), ("a", "u1"), ("a", "u0")], "ranks 0 and 2"),  # rank 2 on rank 0's GPU
+        ([("a", "u0"), ("a", "u1"), ("a", "u2")], None),  # one GPU each
+        ([("a", "u0"), ("b", "u0"), ("c", "u0")], None),  # three hosts, their own GPUs
+    ],
+)
+def test_ranks_on_one_gpu_are_refused_once_before_nccl(monkeypatch, capsys, gpus, refused):
+    """`CUDA_VISIBLE_DEVICES=0 torchrun --nproc_per_node=2` passes pick_backend (one visible GPU
+    looks like a per-rank binding). After the rendezvous the ranks compare (host, GPU UUID)
+    through the store: a shared GPU is one message from rank 0 and exit 2 on every rank, before
+    init_process_group (NCCL would say "Duplicate GPU" from each). On the CPU the store is not
+    touched."""
+    base = dist.HashStore()
+    base.set_timeout(datetime.timedelta(seconds=20))  # a rank left waiting fails, not hangs
+    ranks = threading.local()
+    world = len(gpus)
+    monkeypatch.setattr(dist, "rendezvous", lambda *a, **k: iter([(base, ranks.rank, world)]))
+    monkeypatch.setattr(socket, "gethostname", lambda: gpus[ranks.rank][0])
+
+    def properties(device):
+        assert device == torch.device("cuda", ranks.rank)
+        return argparse.Namespace(uuid=gpus[ranks.rank][1])
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    joined = []
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: joined.append(k["rank"]))
+    codes = [None] * world
+
+    def rank_main(rank, device):
+        ranks.rank = rank
+        try:
+            assert common.init_process_group("nccl", device, 20) == (rank, world)
+            codes[rank] = 0
+        except SystemExit as e:
+            codes[rank] = e.code
+
+    threads = [
+        threading.Thread(target=rank_main, args=(r, torch.device("cuda", r))) for r in range(world)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    err = capsys.readouterr().err
+    if refused:
+        assert codes == [2] * world and not joined, codes
+        assert err.count("error") == 1 and f"{refused} share one GPU (u0) on a" in err, err
+    else:
+        assert codes == [0] * world and sorted(joined) == list(range(world)), codes
+        assert "error" not in err, err
+    # On the CPU: no GPU to compare, nothing written to the store.
+    base = dist.HashStore()
+    ranks.rank = 0
+    monkeypatch.setattr(torch.cuda, "get_device_properties", None)
+    assert common.init_process_group("gloo", torch.device("cpu"), 20) == (0, world)
+    assert base.num_keys() == 0
 
 
 # --------------------------------------------------------------------------- samplers

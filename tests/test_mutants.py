@@ -116,6 +116,14 @@ MUTANTS = {
         "pipeline: the tied copies' gradients not summed",
         "test_copy.py::test_pipeline_equals_one_process[pipeline-sgd]",
     ),
+    "pipeline-fp32-buffers": (
+        "pipeline: receive buffers in the default dtype, not the boundary's",
+        "test_copy.py::test_pipeline_bf16_equals_one_process_bf16[pipeline-bf16-sgd]",
+    ),
+    "schedules-fp32-buffers": (
+        "pipeline_schedules: receive buffers in the default dtype, not the boundary's",
+        "test_copy.py::test_pipeline_bf16_equals_one_process_bf16[pipeline_schedules-zb-h1-bf16-sgd]",
+    ),
     "pipeline-clip-local-norm": (
         "pipeline: each stage clips by its own norm",
         "test_copy_nanogpt.py::test_equals_one_process[pipeline-pipeline-sgd]",
@@ -155,6 +163,14 @@ MUTANTS = {
     "cp-targets-checked-alone": (
         "CP: a bad target raises on its rank alone",
         "test_context_parallel.py::test_errors_are_said_on_every_rank",
+    ),
+    "cp-shared-communicator": (
+        "CP sends the ring's blocks on DDP's process group",
+        "test_context_parallel.py::test_attention_on_its_own_process_group",
+    ),
+    "cp-index-per-call": (
+        "CP builds its positions, causal mask and Ulysses' order at every call",
+        "test_context_parallel.py::test_index_tensors_made_once",
     ),
 }
 

@@ -286,6 +286,8 @@ class OneRankAtATime:
             else:
                 message = self.in_flight[op.peer, self.rank].pop(0)
                 assert message.shape == op.tensor.shape, (message.shape, op.tensor.shape)
+                # NCCL's rule: the same count and datatype on both ends
+                assert message.dtype == op.tensor.dtype, (message.dtype, op.tensor.dtype)
                 op.tensor.copy_(message)
         return []
 
@@ -345,6 +347,34 @@ def test_evaluation_sends_each_message_as_a_batch_of_one(monkeypatch):
         right = sum(((model(x).argmax(1) == y) & keep).sum().item() for x, y, keep in batches)
     counted = sum(keep.sum().item() for _, _, keep in batches)
     assert accuracy[2] == right / counted
+
+
+def test_infer_receives_in_the_model_dtype(monkeypatch):
+    """Issue 33, item 6, in one process: the model converted to bf16, infer() on the three stages
+    of a pipe, rank by rank. Each stage receives into a buffer of the dtype its peer sends, bf16
+    (on NCCL an fp32 buffer posts twice the bytes sent: a hang or garbage), and the last stage's
+    logits are the whole model's."""
+    args = common.parse_args(common.get_parser("test"), [*CFG, "--depth", "3"])
+    model = common.build_model(args).eval().to(torch.bfloat16)
+    images = torch.randn(4, 1, 28, 28, generator=torch.Generator().manual_seed(0))
+    images = images.to(torch.bfloat16)
+    fake = OneRankAtATime()
+    monkeypatch.setattr(dist, "batch_isend_irecv", fake.batch_isend_irecv)
+    monkeypatch.setattr(dist, "P2POp", Message)
+    monkeypatch.setattr(dist, "get_global_rank", lambda group, rank: rank)
+    outputs = []
+    for index in range(3):
+        stage = nd_parallel.Stage(model, index, 3)
+        stage.pp_group = None
+        stage.answers = stage.is_last
+        fake.rank = index
+        fake.calls[index] = []
+        outputs.append(nd_parallel.infer(stage, images))
+    assert all(messages == [] for messages in fake.in_flight.values()), "a message never received"
+    with torch.no_grad():
+        expected = model(images)
+    assert outputs[2].dtype == torch.bfloat16
+    assert torch.equal(outputs[2], expected)
 
 
 CLIP = 0.05  # below every step's gradient norm here: each step is clipped

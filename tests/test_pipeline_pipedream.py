@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from causal_lm import CausalLM
 from test_pipeline import (
@@ -215,3 +216,32 @@ def test_clip_is_refused_before_any_process_group():
     assert run.returncode == 2, run.stdout + run.stderr
     assert run.stderr.count("--clip is refused") == 1, run.stderr
     assert "init_process_group" not in run.stderr and "rank 1" not in run.stderr
+
+
+def test_infer_receives_in_the_model_dtype(monkeypatch):
+    """Issue 33, item 6, in one process: the model converted to bf16, infer() on three stages,
+    rank by rank (test_nd_parallel's stand-in for torch.distributed, which checks that each
+    receive buffer has the shape and dtype of the message). Each stage receives bf16, the dtype
+    its peer sends (on NCCL an fp32 buffer posts twice the bytes sent: a hang or garbage), and the
+    last stage's logits are the whole model's. train_step takes its buffers from the same
+    Stage.empty."""
+    from test_nd_parallel import Message, OneRankAtATime
+
+    model = common.build_model(common.parse_args(common.get_parser("test"), CFG))
+    model = model.eval().to(torch.bfloat16)
+    images = torch.randn(4, 1, 28, 28, generator=torch.Generator().manual_seed(0))
+    images = images.to(torch.bfloat16)
+    fake = OneRankAtATime()
+    monkeypatch.setattr(dist, "batch_isend_irecv", fake.batch_isend_irecv)
+    monkeypatch.setattr(dist, "P2POp", Message)
+    outputs = []
+    for index in range(3):
+        fake.rank = index
+        fake.calls[index] = []
+        stage = pipeline_pipedream.Stage(model, index, 3)
+        outputs.append(pipeline_pipedream.infer(stage, images))
+    assert all(messages == [] for messages in fake.in_flight.values()), "a message never received"
+    with torch.no_grad():
+        expected = model(images)
+    assert outputs[2].dtype == torch.bfloat16
+    assert torch.equal(outputs[2], expected)

@@ -6,9 +6,12 @@ The model and data of tests/test_zero.py (so the same ddp.py references): W=2 pa
 On a machine without a GPU --offload cpu runs the same path with unpinned CPU buffers.
 """
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import common
 import zero_offload
@@ -23,6 +26,7 @@ CFG = [
 TOL = {"sgd": 1e-6, "adamw": 5e-5}
 STEPS = 3  # optimizer steps in the Meter's window (6 steps are run)
 WORLD = 2
+CPU = torch.device("cpu")
 CPU_CASES = [(1, "adamw"), (2, "sgd"), (3, "adamw")]
 # Disk: every stage with each optimizer in the full tier; the quick suite takes the pairs CPU_CASES
 # leaves out, so that the two together cover every (stage, optimizer) once.
@@ -136,6 +140,179 @@ def test_offload_cpu_buffers_are_allocated_once():
         assert [(u.master.data_ptr(), u.master_grad.data_ptr()) for u in units] == buffers
     finally:
         dist.destroy_process_group()
+
+
+class FakeCuda:
+    """torch.cuda's streams and events as CopyStream and the engine use them, recording every call
+    in `log`; the copies themselves run on CPU tensors, done when copy_ returns."""
+
+    def __init__(self):
+        self.log = []
+        self.events = 0
+        self.current = FakeStream("compute", self.log)
+
+    def Stream(self, device):
+        return FakeStream("copy", self.log)
+
+    def current_stream(self):
+        return self.current
+
+    @contextlib.contextmanager
+    def stream(self, stream):
+        compute = self.current
+        self.current = stream
+        try:
+            yield
+        finally:
+            self.current = compute
+
+    def Event(self):
+        self.events += 1
+        return FakeEvent(self.events, self.log)
+
+
+class FakeStream:
+    def __init__(self, name, log):
+        self.name = name
+        self.log = log
+
+    def wait_stream(self, other):
+        self.log.append(("wait_stream", self.name, other.name))
+
+    def wait_event(self, event):
+        self.log.append(("wait_event", self.name, event.number))
+
+
+class FakeEvent:
+    def __init__(self, number, log):
+        self.number = number
+        self.log = log
+
+    def record(self, stream):
+        self.log.append(("record", self.number, stream.name))
+
+    def synchronize(self):
+        self.log.append(("synchronize", self.number))
+
+
+class LogOffloadTraffic(TorchDispatchMode):
+    """Every copy into (and addition to) a unit's master_grad or shard, with the stream current,
+    and every write of a gradient into a unit's flat gradient ("fill")."""
+
+    def __init__(self, log, current_stream, targets, units):
+        super().__init__()
+        self.log = log
+        self.current_stream = current_stream
+        self.targets = targets  # data_ptr -> ("grad" or "shard", unit index)
+        self.units = units
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kinds = {torch.ops.aten.copy_.default: "copy", torch.ops.aten.add_.Tensor: "add"}
+        target = self.targets.get(args[0].data_ptr()) if func in kinds else None
+        if target is not None:
+            self.log.append((kinds[func], target, self.current_stream().name))
+        elif func is torch.ops.aten.copy_.default:
+            storage = args[0].untyped_storage().data_ptr()
+            for index, unit in enumerate(self.units):
+                if unit.flat_grad is not None and unit.flat_grad.data_ptr() == storage:
+                    self.log.append(("fill", ("grad", index)))
+        return func(*args, **(kwargs or {}))
+
+
+def train_offloaded(stage, fake, monkeypatch):
+    """W=1 in this process: --offload cpu, 2 steps of 2 backward passes, then a forward; with
+    torch.cuda's streams and events replaced by `fake`'s, or the CPU path when fake is None.
+    Returns (the log, full_state_dict)."""
+    log = fake.log if fake else []
+    current = fake.current_stream if fake else lambda: FakeStream("compute", log)
+    torch.manual_seed(0)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = build()
+        units = [model.embed, *model.blocks, model.head]
+        model = zero_offload.parallelize(model, CPU, stage, offload="cpu", units=units)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        zero_offload.hook_optimizer(model, optimizer)
+        optimizer.register_step_pre_hook(lambda *args: log.append(("step",)))
+        engine = model.zero
+        targets = {u.master_grad.data_ptr(): ("grad", i) for i, u in enumerate(engine.units)}
+        targets.update({u.shard.data_ptr(): ("shard", i) for i, u in enumerate(engine.units)})
+        gather = dist.all_gather_into_tensor
+
+        def logged_gather(output, shard, **kwargs):
+            log.append(("all_gather", targets[shard.data_ptr()], current().name))
+            return gather(output, shard, **kwargs)
+
+        with monkeypatch.context() as patch:
+            if fake:
+                for name in ("Stream", "Event", "current_stream", "stream"):
+                    patch.setattr(torch.cuda, name, getattr(fake, name))
+                engine.copies = zero_offload.CopyStream(torch.device("cuda"))
+            patch.setattr(dist, "all_gather_into_tensor", logged_gather)
+            with LogOffloadTraffic(log, current, targets, engine.units):
+                for _ in range(2):
+                    for _ in range(2):
+                        model(torch.randn(4, 1, 28, 28)).logsumexp(1).mean().backward()
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                with torch.no_grad():
+                    model(torch.randn(4, 1, 28, 28))
+            return log, zero_offload.full_state_dict(model)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_offload_cpu_copies_run_on_a_side_stream(stage, monkeypatch):
+    """Issue 33 item 3, by construction (no GPU here): with torch.cuda's streams and events faked,
+    every copy of a gradient shard to the CPU and of a stepped master to the device runs on the
+    copy stream, right after that stream waited for the compute stream, and records an event; the
+    host waits for each such event before the step (which reads master_grad and writes master)
+    and before adding a later backward's gradient to master_grad; the compute stream waits for a
+    master's event before the all-gather that reads its shard, and at stage 1 for a gradient's
+    before the next backward fills the flat gradient it was copied from. The parameters are those
+    of the same run on the CPU path."""
+    log, state = train_offloaded(stage, FakeCuda(), monkeypatch)
+    _, expected = train_offloaded(stage, None, monkeypatch)
+    assert state.keys() == expected.keys()
+    assert all(torch.equal(state[key], expected[key]) for key in state)
+    copied = {}  # event number -> (what was copied into, its place in the log)
+    for at, entry in enumerate(log):
+        if entry[0] == "copy":
+            assert entry[2] == "copy", (at, entry)  # never on the compute stream
+            assert at > 0 and log[at - 1] == ("wait_stream", "copy", "compute"), (at, log[at - 1])
+            assert log[at + 1][0] == "record" and log[at + 1][2] == "copy", (at, log[at + 1])
+            copied[log[at + 1][1]] = (entry[1], at)
+    units = len(build().blocks) + 2
+    kinds = [target[0] for target, _ in copied.values()]
+    assert kinds.count("grad") == kinds.count("shard") == 2 * units  # 2 steps
+    adds = [at for at, entry in enumerate(log) if entry[0] == "add"]
+    assert len(adds) == 2 * units  # the second backward of each step adds on the host
+    for number, (target, at) in copied.items():
+        later = log[at + 2 :]
+        steps = [i for i, entry in enumerate(later) if entry == ("step",)]
+        synchronized = (
+            later.index(("synchronize", number)) if ("synchronize", number) in later else None
+        )
+        if steps:  # the step after the copy reads or writes its CPU buffer
+            assert synchronized is not None and synchronized < steps[0], (target, number)
+        uses = [
+            i
+            for i, entry in enumerate(later)
+            if entry[0] in ("add", "all_gather") and entry[1] == target
+        ]
+        if target[0] == "grad" and uses:  # the host adds to master_grad
+            assert synchronized is not None and synchronized < uses[0], (target, number)
+        fills = [i for i, entry in enumerate(later) if entry == ("fill", target)]
+        if stage == 1 and target[0] == "grad" and fills:
+            # stage 1 keeps the flat gradient whose own slice the copy reads: the next backward
+            # of the step fills it only after the compute stream waited for the copy
+            waited = later.index(("wait_event", "compute", number))
+            assert waited < fills[0], (target, number)
+        if target[0] == "shard":  # the all-gathers read the shard
+            assert uses, target
+            waited = later.index(("wait_event", "compute", number))
+            assert waited < uses[0], (target, number)
 
 
 @pytest.mark.parametrize("stage,optim", DISK_CASES)

@@ -218,6 +218,10 @@ if os.environ.get("MUTANT"):
         def _keep_all(common):
             getitem = common._Masked.__getitem__
             common._Masked.__getitem__ = lambda self, i: (*getitem(self, i)[:2], True)
+            getitems = common._Masked.__getitems__  # the loader's batched fetch
+            common._Masked.__getitems__ = lambda self, indices: [
+                (x, y, True) for x, y, _ in getitems(self, indices)
+            ]
 
         _after_import["common"] = _keep_all
     elif _mutant == "resume-forgets-schedule":  # a resumed run restarts its learning-rate schedule
@@ -429,6 +433,18 @@ if os.environ.get("MUTANT"):
             pipeline.all_reduce_tied = lambda stage: None
 
         _after_import["pipeline"] = _unsummed
+    elif _mutant in ("pipeline-fp32-buffers", "schedules-fp32-buffers"):  # default-dtype buffers
+
+        def _fp32_buffers(module):
+            import torch
+
+            def fp32_empty(stage, samples, device):
+                return torch.empty(samples, *stage.activation_shape, device=device)
+
+            module.Stage.empty = fp32_empty
+
+        _module = "pipeline" if _mutant == "pipeline-fp32-buffers" else "pipeline_schedules"
+        _after_import[_module] = _fp32_buffers
     elif _mutant == "pipeline-clip-local-norm":  # pipeline: each stage clips by its own norm
 
         def _local_norm(pipeline):
@@ -584,5 +600,18 @@ if os.environ.get("MUTANT"):
             context_parallel.causal_lm_loss = loss_raising_alone
 
         _after_import["context_parallel"] = _alone
+    elif _mutant == "cp-shared-communicator":  # context parallelism: attention on DDP's group
+
+        def _ddp_group(context_parallel):
+            context_parallel.own_group = lambda group: group
+
+        _after_import["context_parallel"] = _ddp_group
+    elif _mutant == "cp-index-per-call":  # context parallelism: index tensors built at every call
+
+        def _uncached(context_parallel):
+            for name in ("positions_on", "future_mask", "gathered_order"):
+                setattr(context_parallel, name, getattr(context_parallel, name).__wrapped__)
+
+        _after_import["context_parallel"] = _uncached
     else:
         raise SystemExit(f"tests/faults: unknown MUTANT={_mutant}")
