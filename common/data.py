@@ -287,7 +287,10 @@ def load_data(args, device=None):
 
 
 class Digits(Dataset):
-    """Images and labels held as two tensors; indexed one sample at a time like any Dataset.
+    """Images and labels held as two tensors. The DataLoader fetches a whole batch at once through
+    __getitems__ (its batched fetch, used when a dataset defines it): one indexing of the tensors
+    and one vectorised shift per batch, so the input pipeline costs next to nothing per sample;
+    __getitem__ gives the same samples one at a time.
 
     With shift=s (the training set, --shift), sample i in epoch e is moved by a whole number of
     pixels in [-s, s] along each axis, drawn from (seed, e, i) alone: every world size and every
@@ -308,19 +311,50 @@ class Digits(Dataset):
     def __len__(self):
         return len(self.y)
 
+    def _draw(self, i):
+        """Sample i's random 32-bit number this epoch, from (seed, epoch, i) alone."""
+        # a hash of a tuple of ints is deterministic (ints hash to themselves), unlike str's
+        h = hash((self.seed, self.epoch, int(i))) & 0xFFFFFFFF
+        return (h * 2654435761) & 0xFFFFFFFF  # Knuth's multiplicative hash: mixes the bits
+
+    def _move(self, h):
+        """The shift (dy, dx), each in [-s, s], that the draw h picks (ints or a tensor of them)."""
+        s = self.shift
+        choices = 2 * s + 1  # shifts -s..s
+        return h % choices - s, (h // choices) % choices - s
+
     def __getitem__(self, i):
         x = self.x[i]
         s = self.shift
         if s:
-            # a hash of a tuple of ints is deterministic (ints hash to themselves), unlike str's
-            h = hash((self.seed, self.epoch, int(i))) & 0xFFFFFFFF
-            h = (h * 2654435761) & 0xFFFFFFFF  # Knuth's multiplicative hash: mixes the bits
-            choices = 2 * s + 1  # shifts -s..s
-            dy = h % choices - s
-            dx = (h // choices) % choices - s
+            dy, dx = self._move(self._draw(i))
             padded = F.pad(x, (s, s, s, s), value=float(self.background))
             x = padded[:, s - dy : s - dy + IMAGE, s - dx : s - dx + IMAGE]
         return x, self.y[i]
+
+    def batch(self, indices):
+        """(images, labels) of the samples at `indices`, stacked: what __getitem__ gives one by
+        one, made by gathers over the whole batch."""
+        index = torch.as_tensor(indices, dtype=torch.long)
+        x = self.x[index]
+        s = self.shift
+        if s and len(index):
+            moves = torch.stack(self._move(torch.tensor([self._draw(i) for i in index.tolist()])))
+            moves = moves.t().view(-1, 2, 1)  # [B, (dy, dx), 1]
+            # output pixel (r, c) of sample b is padded pixel (s - dy_b + r, s - dx_b + c): two
+            # gathers, the rows then the columns (cheaper on CPU than one 4-index gather)
+            at = s - moves + torch.arange(IMAGE)  # [B, 2 (rows, columns), 28]
+            padded = F.pad(x, (s, s, s, s), value=float(self.background))
+            n, c, _, width = padded.shape
+            rows = padded.gather(2, at[:, 0].view(n, 1, IMAGE, 1).expand(n, c, IMAGE, width))
+            x = rows.gather(3, at[:, 1].view(n, 1, 1, IMAGE).expand(n, c, IMAGE, IMAGE))
+        return x, self.y[index]
+
+    def __getitems__(self, indices):
+        # The DataLoader collates what this returns as a list of samples: views of one batch,
+        # which it stacks in one copy.
+        x, y = self.batch(indices)
+        return list(zip(x.unbind(0), y.unbind(0), strict=True))
 
 
 class PaddedShards(Sampler):
@@ -352,6 +386,10 @@ class _Masked(Dataset):
     def __getitem__(self, i):
         x, y = self.ds[max(i, 0)]
         return x, y, i >= 0
+
+    def __getitems__(self, indices):
+        x, y = self.ds.batch([max(i, 0) for i in indices])
+        return list(zip(x.unbind(0), y.unbind(0), [i >= 0 for i in indices], strict=True))
 
 
 def test_loader(test_set, rank=0, world=1, batch=TEST_BATCH, pin_memory=False):
