@@ -160,14 +160,14 @@ def cases(batches, rank, world, folder):
     if rank == 0:
         bf16_model = CausalLM().to(torch.bfloat16)
         state, results = reference("sgd", batches, test_tokens, bf16_model)
-        torch.save(state, folder / "reference-bf16-sgd.pt")
+        torch.save(state, folder / "reference-bf16-model-sgd.pt")
         reference_loss = results["eval_loss"]
     stage, state, proof = run_pipeline("sgd", batches, ACCUMULATE, dtype=torch.bfloat16)
     proof["reference_eval_loss"] = reference_loss
-    yield "pipeline-bf16-sgd", "bf16-sgd", stage, state, proof
+    yield "pipeline-bf16-sgd", "bf16-model-sgd", stage, state, proof
     stage, state, proof = run_pipeline("sgd", batches, ACCUMULATE, "zb-h1", dtype=torch.bfloat16)
     proof["reference_eval_loss"] = reference_loss
-    yield "pipeline_schedules-zb-h1-bf16-sgd", "bf16-sgd", stage, state, proof
+    yield "pipeline_schedules-zb-h1-bf16-sgd", "bf16-model-sgd", stage, state, proof
 
 
 # The model as nanoGPT has it (tests/nanogpt_model.py), trained by its own recipe: (x, y) batches,
