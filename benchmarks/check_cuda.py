@@ -9,8 +9,9 @@ round-off alone moves the parameters. Not a test: CI has no GPU.
 
 Prints one markdown table, a row as each run ends, and exits 1 if a run failed, ran off the GPU,
 or an exact script ended more than TOLERANCE away from ddp.py. Every run sees only the first GPU.
-W = 1 checks the CUDA paths (device placement, NCCL, pinned copies, autocast, offload), not the
-split itself: the tests prove that on CPU at W > 1."""
+W = 1 checks the CUDA paths (device placement, pinned copies, autocast, offload) and that the
+NCCL process group starts, not NCCL's communication: at W = 1 no message crosses a link. The
+split itself, and the order of messages under NCCL's rules, the tests prove on CPU at W > 1."""
 
 import argparse
 import json
