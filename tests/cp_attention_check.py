@@ -280,7 +280,10 @@ def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if "--errors" in sys.argv[1:]:
-        print("ERRORS " + json.dumps(errors(rank)), flush=True)
+        # Both ranks print to one pipe: one write() of the whole line (print writes the text
+        # and its newline apart, and the other rank's line could land between them).
+        sys.stdout.write("ERRORS " + json.dumps(errors(rank)) + "\n")
+        sys.stdout.flush()
         dist.destroy_process_group()
         return
     for w in (w for w in (2, 3, 4) if w <= world):
