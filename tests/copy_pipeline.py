@@ -135,7 +135,7 @@ def run_pipeline(optim, batches, micro_batches, schedule="1f1b", depth=2, dtype=
 
 def cases(batches, rank, world, folder):
     """Yield (case name, its reference, the stage, the full state_dict, the proof), as
-    copy_zero.cases does."""
+    copy_zero.cases does. The bf16 cases are copy_pipeline_bf16's, in a launch of their own."""
     for optim in OPTIMS:
         yield f"pipeline-{optim}", optim, *run_pipeline(optim, batches, ACCUMULATE)
     yield "pipeline-calls-sgd", "sgd", *run_pipeline("sgd", batches, 1)
@@ -154,20 +154,6 @@ def cases(batches, rank, world, folder):
     stage, state, proof = run_pipeline("sgd", batches, ACCUMULATE, "interleaved", depth=4)
     proof["reference_eval_loss"] = reference_loss
     yield "pipeline_schedules-interleaved-sgd", "depth4-sgd", stage, state, proof
-    # bf16: the model converted as a whole (.to(torch.bfloat16)), so bf16 activations and
-    # gradients cross the stage boundary, against one process training the same bf16 model
-    reference_loss = None
-    if rank == 0:
-        bf16_model = CausalLM().to(torch.bfloat16)
-        state, results = reference("sgd", batches, test_tokens, bf16_model)
-        torch.save(state, folder / "reference-bf16-model-sgd.pt")
-        reference_loss = results["eval_loss"]
-    stage, state, proof = run_pipeline("sgd", batches, ACCUMULATE, dtype=torch.bfloat16)
-    proof["reference_eval_loss"] = reference_loss
-    yield "pipeline-bf16-sgd", "bf16-model-sgd", stage, state, proof
-    stage, state, proof = run_pipeline("sgd", batches, ACCUMULATE, "zb-h1", dtype=torch.bfloat16)
-    proof["reference_eval_loss"] = reference_loss
-    yield "pipeline_schedules-zb-h1-bf16-sgd", "bf16-model-sgd", stage, state, proof
 
 
 # The model as nanoGPT has it (tests/nanogpt_model.py), trained by its own recipe: (x, y) batches,

@@ -142,8 +142,14 @@ def test_pipeline_schedules_equals_one_process(copies, case, blocks):
     assert results[case]["copies"] == [1, 1]
 
 
+@pytest.fixture(scope="module")
+def bf16_pipeline_folder(tmp_path_factory):
+    """A folder for the bf16 pipeline cases' launch, which the first of their tests makes."""
+    return tmp_path_factory.mktemp("copy_bf16")
+
+
 @pytest.mark.parametrize("case", ["pipeline-bf16-sgd", "pipeline_schedules-zb-h1-bf16-sgd"])
-def test_pipeline_bf16_equals_one_process_bf16(copies, case):
+def test_pipeline_bf16_equals_one_process_bf16(bf16_pipeline_folder, case):
     """pipeline.py's 1F1B and pipeline_schedules.py's zb-h1 on the CausalLM converted to bf16
     (.to(torch.bfloat16)): the receive buffers take the boundary's dtype (activation_dtype, the
     parameters' by default), so stage 1 receives bf16 activations and stage 0 bf16 gradients, and
@@ -152,7 +158,14 @@ def test_pipeline_bf16_equals_one_process_bf16(copies, case):
     otherwise, so an element may end a bf16 step or two apart (seen: one step at 0.125-0.25 alone,
     one at 1-2 in the whole suite). With fp32 buffers, as before, Gloo took the half-size bf16
     message into the fp32 buffer without a word and stage 1's LayerNorm refused the fp32 input."""
-    folder, results = copies
+    # The launch is the test's own (copy_pipeline_bf16.py), not the shared fixture's: a stage that
+    # dies of a wrong dtype must fail this test.
+    folder = bf16_pipeline_folder
+    if not (folder / "results.json").exists():
+        run = fork_launch("tests/copy_cases.py", 2, folder, "pipeline_bf16", timeout=300)
+        assert run.returncode == 0, run.output
+    with open(folder / "results.json") as f:
+        results = json.load(f)
     assert results[case]["received"] == [[], ["torch.bfloat16"]]
     state = torch.load(folder / f"{case}.pt", weights_only=True)
     # its own reference: copy_amp's reference-bf16-sgd is an fp32 model under bf16 autocast
