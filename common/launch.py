@@ -2,6 +2,7 @@
 
 import argparse
 import datetime
+import gc
 import os
 import socket
 import sys
@@ -195,7 +196,7 @@ def _spawned(local_rank, nproc, run, args):
         WORLD_SIZE=str(nproc),
         LOCAL_WORLD_SIZE=str(nproc),
     )
-    run(args)
+    run_and_collect(run, args)
 
 
 # Launchers that start every rank themselves name the rank's place on its node in their own
@@ -236,8 +237,6 @@ def launch(run, args):
     WORLD_SIZE, MASTER_ADDR and MASTER_PORT (SLURM's srun, mpirun), this process is one rank.
     Otherwise `python X.py --nproc N` spawns N processes on this machine on a free port, and plain
     `python X.py` is a world of one."""
-    import gc
-
     import torch.multiprocessing as mp
 
     launched = "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -262,7 +261,7 @@ def launch(run, args):
             ("LOCAL_WORLD_SIZE", "1"),
         ):
             os.environ.setdefault(k, v)
-        run(args)
+        run_and_collect(run, args)
     else:
         try:
             mp.spawn(_spawned, args=(args.nproc, run, args), nprocs=args.nproc)
@@ -275,9 +274,17 @@ def launch(run, args):
                     f"error: rank {e.error_index} exited with code {e.exit_code}", file=sys.stderr
                 )
             sys.exit(e.exit_code if e.exit_code and e.exit_code > 0 else 1)
-    # Wrappers and hooks form reference cycles that hold tensors Gloo's work touched; free them
-    # now, not during interpreter shutdown, where Gloo's threads can abort the exit.
-    gc.collect()
+
+
+def run_and_collect(run, args):
+    """run(args), then a garbage collection, also when the run ends in an error (bad input exits
+    with code 2 once the process group exists): wrappers and hooks form reference cycles that hold
+    tensors Gloo's work touched; free them now, not during interpreter shutdown, where Gloo's
+    threads can abort the exit ("terminate called without an active exception")."""
+    try:
+        run(args)
+    finally:
+        gc.collect()
 
 
 def pick_backend(requested):
