@@ -3,8 +3,11 @@
 import os
 import socket
 import sys
+import time
 
 import torch.distributed as dist
+
+SILENT_RANK_WAIT = 2.0  # seconds a rank that says nothing waits before it exits (fail)
 
 
 def env_rank():
@@ -34,6 +37,10 @@ def fail(message, code=2):
     if speaks:
         where = "" if env_rank() == 0 else f" (rank {env_rank()} on {socket.gethostname()})"
         print(f"error{where}: {message}", file=sys.stderr, flush=True)
+    else:
+        # torchrun stops every rank as soon as one exits: a silent rank that exits first could
+        # have the speaking one stopped before it has said what is wrong (seen in CI).
+        time.sleep(SILENT_RANK_WAIT)
     sys.exit(code)
 
 
