@@ -122,7 +122,8 @@ MUTANTS = {
     ),
     "schedules-fp32-buffers": (
         "pipeline_schedules: receive buffers in the default dtype, not the boundary's",
-        "test_copy.py::test_pipeline_bf16_equals_one_process_bf16[pipeline_schedules-zb-h1-bf16-sgd]",
+        "test_copy.py::test_pipeline_bf16_equals_one_process_bf16"
+        "[pipeline_schedules-zb-h1-bf16-sgd]",
     ),
     "pipeline-clip-local-norm": (
         "pipeline: each stage clips by its own norm",

@@ -608,9 +608,17 @@ if os.environ.get("MUTANT"):
         _after_import["context_parallel"] = _ddp_group
     elif _mutant == "cp-index-per-call":  # context parallelism: index tensors built at every call
 
+        def _emptied_before_each_call(cached):
+            def call(*args):
+                cached.cache_clear()  # lru_cache's public reset: every call builds anew
+                return cached(*args)
+
+            return call
+
         def _uncached(context_parallel):
             for name in ("positions_on", "future_mask", "gathered_order"):
-                setattr(context_parallel, name, getattr(context_parallel, name).__wrapped__)
+                cached = getattr(context_parallel, name)
+                setattr(context_parallel, name, _emptied_before_each_call(cached))
 
         _after_import["context_parallel"] = _uncached
     else:
