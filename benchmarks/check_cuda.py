@@ -34,6 +34,9 @@ SETTING = [
     "--patch", "14", "--depth", "4", "--dim", "64", "--heads", "4", "--limit", "6144",
     "--epochs", "1", "--batch-size", "128", "--lr", "8e-3", "--log-every", "8",
 ]  # fmt: skip
+# run_all.sh's clipping: every script clips the global gradient norm its technique's way (on the
+# GPU, torch's clip_grad_norm_ or the section's own norm over its shards). PipeDream refuses it.
+CLIP = ["--clip", "1.0"]
 MOE = "--experts 4 --top-k 2"
 
 # The tests' bound for AdamW against one process on the CPU. At W = 1 the exact scripts do the same
@@ -90,6 +93,8 @@ def run_case(name, cmd, out_dir, args):
         extra = ["--snapshot", os.path.join(out_dir, slug + "_snapshot.pt")]
     argv = [sys.executable, *cmd, *extra]  # no --nproc: one process, this one
     argv += ["--no-progress", "--data-dir", args.data_dir, *SETTING, "--save", saved]
+    if cmd[0] != "pipeline_pipedream.py":
+        argv += CLIP
     start = time.perf_counter()
     first_gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": first_gpu}  # one GPU: dp.py would take them all
