@@ -197,15 +197,15 @@ def run(args):
         common.report(
             SCRIPT,
             args,
-            world,
-            backend,
-            device,
-            source,
-            psi,
-            out,
-            acc,
-            meter,
-            formula(psi, world, args),
+            world=world,
+            backend=backend,
+            device=device,
+            data=source,
+            params=psi,
+            trained=out,
+            test_acc=acc,
+            meter=meter,
+            formula=formula(psi, world, args),
         )
         # DDP's C++ reducer owns a reference to the process group. Free it while the group
         # is up, so that leaving the group ends the group, not the reducer: the reducer's

@@ -699,15 +699,15 @@ def run(args):
         common.report(
             SCRIPT,
             args,
-            world,
-            backend,
-            device,
-            source,
-            psi,
-            out,
-            acc,
-            meter,
-            formula(psi, world, args),
+            world=world,
+            backend=backend,
+            device=device,
+            data=source,
+            params=psi,
+            trained=out,
+            test_acc=acc,
+            meter=meter,
+            formula=formula(psi, world, args),
         )
     finally:
         cleanup()

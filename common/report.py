@@ -60,14 +60,28 @@ def log_loss(bar, args, epoch, steps, loss):
 
 
 def report(
-    script, args, world, backend, device, source, model_params, out, acc, meter, formula, **extra
+    script,
+    args,
+    *,
+    world,
+    backend,
+    device,
+    data,
+    params,
+    trained,
+    test_acc,
+    meter,
+    formula,
+    **extra,
 ):
     """Every rank calls it, at the same point (it all-reduces the CUDA peak); rank 0 prints the
     measured per-rank memory and communication next to the formula, then the one
     machine-readable line `RESULT {json}` that run_all.sh and the tests read.
 
     `formula` maps param_bytes / grad_bytes / optim_bytes / comm (a {kind: bytes} dict) to the
-    paper's value (None where it makes no promise), and `notes` to the formula's text."""
+    paper's value (None where it makes no promise), and `notes` to the formula's text. `data` names
+    the data source, `params` is Ψ, `trained` is train()'s dict (steps, loss), `test_acc`
+    evaluate()'s accuracy; `extra` goes into the RESULT line as it is."""
     notes = formula.pop("notes", {})
     comm, calls, counted = meter.comm()
     rows = [
@@ -116,17 +130,18 @@ def report(
     if cuda_peak is not None:
         log(f"  cuda peak in training, max over ranks: {fmt_bytes(cuda_peak)}")
     sps = meter.samples_per_s()
-    log(f"\ntest accuracy {acc:.4f}, final train loss {out['loss']:.4f}, {sps:.0f} samples/s")
+    loss = trained["loss"]
+    log(f"\ntest accuracy {test_acc:.4f}, final train loss {loss:.4f}, {sps:.0f} samples/s")
     fields = dict(
         script=script,
         world_size=world,
         backend=backend,
         device=device.type,
-        data=source,
-        params=model_params,
-        steps=out["steps"],
-        loss=out["loss"],
-        test_acc=acc,
+        data=data,
+        params=params,
+        steps=trained["steps"],
+        loss=trained["loss"],
+        test_acc=test_acc,
         samples_per_s=sps,
         cuda_peak_bytes=cuda_peak,
         **meter.mem,

@@ -755,7 +755,19 @@ def test_cuda_peak_is_trainings_own_and_the_largest_over_ranks(monkeypatch, grou
 
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     out = dict(steps=3, loss=0.5)
-    fields = common.report("t", parse(), 1, "gloo", gpu, "synthetic", 20, out, 0.5, meter, {})
+    fields = common.report(
+        "t",
+        parse(),
+        world=1,
+        backend="gloo",
+        device=gpu,
+        data="synthetic",
+        params=20,
+        trained=out,
+        test_acc=0.5,
+        meter=meter,
+        formula={},
+    )
     assert fields["cuda_peak_bytes"] == 5000 and len(calls) == 2  # nothing read after training
 
 

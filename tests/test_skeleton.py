@@ -121,6 +121,53 @@ def technique(text):
     return "\n".join(m for m in re.findall(r"^### begin: .+?$(.*?)^### end: ", text, re.M | re.S))
 
 
+# The core of each written-out technique: the section's lines of code (no comments, docstrings or
+# blank lines) before its first `### more:` line, where what a language model or a GPU needs
+# begins. The issue's guides, as a guard against drift, not a target: a variant file is its
+# parent plus one part, so its core is its parent's.
+CORE_LINES = {
+    "zero.py": 130,
+    "zero_offload.py": 130,
+    "tensor_parallel.py": 140,
+    "tensor_parallel_zero_r.py": 140,
+    "context_parallel.py": 160,
+    "expert_parallel.py": 160,
+    "pipeline.py": 100,
+    "pipeline_schedules.py": 100,
+    "pipeline_pipedream.py": 100,
+}
+
+
+def core_lines(text):
+    """Lines of code between `### begin:` and the first `### more:` (or `### end:`)."""
+    docstrings = set()
+    for node in ast.walk(ast.parse(text)):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
+            value = body[0].value
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                docstrings.update(range(body[0].lineno, body[0].end_lineno + 1))
+    lines = text.splitlines()
+    begin = next(i for i, line in enumerate(lines) if line.startswith("### begin:"))
+    stop = next(
+        i for i in range(begin + 1, len(lines)) if lines[i].startswith(("### more:", "### end:"))
+    )
+    return sum(
+        1
+        for i in range(begin + 1, stop)
+        if lines[i].strip() and not lines[i].lstrip().startswith("#") and i + 1 not in docstrings
+    )
+
+
+@pytest.mark.parametrize("script", CORE_LINES)
+def test_core_comes_first_and_short(script):
+    """The technique as the paper draws it reads alone before the first `### more:` line."""
+    text = (ROOT / script).read_text()
+    count = core_lines(text)
+    assert "\n### more: " in text, f"{script}: no `### more:` part after the core"
+    assert count <= CORE_LINES[script], f"{script}: a core of {count} lines of code"
+
+
 @pytest.mark.parametrize("script", ["ddp.py", *SCRIPTS])
 def test_technique_section_is_torch_only_and_unmeasured(script):
     text = (ROOT / script).read_text()
