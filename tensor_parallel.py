@@ -40,23 +40,27 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 ### begin: Tensor parallel
 # Model contract: `model.embed` -> [B, T, D] -> `model.blocks` -> `model.head`, the same weights on
-# every rank; a block is x + attn(norm1(x)), x + mlp(norm2(x)) under any names. Its forward is
-# kept: f goes on the input of the sub-modules (attn, mlp) holding the layers `plan` splits.
-# `plan` maps the name of each nn.Linear in a block to its split; heads contiguous in q, k, v's
-# outputs. PLAN is the ViT's (attn.q/k/v/proj, mlp.fc1/fc2), whose attention reads its head count
-# off q's width, so it runs this rank's H/W heads unchanged. GPT-2 and nanoGPT fuse q, k, v in one
-# layer (c_attn: q, then k, then v) that their forward splits by D into all H heads: give their
-# plan, `heads` (H) and `causal=True`, and that attention runs `attend_local_heads` instead
-# (scaled-dot-product, no dropout; its RowParallelLinear is the output projection):
-#   {"attn.c_attn": QKVParallelLinear, "attn.c_proj": RowParallelLinear,
-#    "mlp.c_fc": ColumnParallelLinear, "mlp.c_proj": RowParallelLinear}
-# Under other names give the modules themselves: `blocks` (nanoGPT: transformer.h), and for
-# --sequence-parallel the module whose output the first block takes, `embed` (nanoGPT's forward
-# adds wte's and wpe's outputs inline, so transformer.drop), and the module that takes the last
-# block's output, `head` (transformer.ln_f). Linears and norms with bias=False need nothing.
-# Clipping: the section's clip_grad_norm_(model, max_norm), not torch's (see its `### more`).
+# every rank, and every rank fed the same batch; a block is x + attn(norm1(x)), x + mlp(norm2(x))
+# under any names, and its forward is kept. `plan` maps the name of each nn.Linear in a block to
+# its split; PLAN is the ViT's, whose attention reads its head count off q's width, so it runs
+# this rank's H/W heads unchanged. The tensor-parallel group is every rank: the collectives run on
+# the default group. Clip with the section's clip_grad_norm_(model, max_norm), not torch's.
+# A language model's fused q, k, v and names, sequence parallelism and clipping: the `### more:`
+# parts after the core.
 
-# The tensor-parallel group is every rank: the collectives below run on the default group.
+# Shoeybi et al. 2019, section 3 and Figure 3 (https://arxiv.org/abs/1909.08053): the MLP's first
+# weight A split by columns (output features), its second B by rows (input features), so that
+# rank r computes Y_r = gelu(X·A_r) alone and only the sum Z = Σ_r Y_r·B_r needs a collective.
+# The attention alike: q, k, v by columns (H/W whole heads a rank), its output projection by rows.
+#
+#              A = [A0 | A1]          B = [B0 ; B1]
+#         ┌─ rank 0: Y0 = gelu(X·A0) ─ Y0·B0 ─┐
+#   X ─ f ┤                                   ├ g ─ Z
+#         └─ rank 1: Y1 = gelu(X·A1) ─ Y1·B1 ─┘
+#
+# f and g, a conjugate pair:  forward     backward
+#                         f   identity    all-reduce
+#                         g   all-reduce  identity
 
 
 def shard_of(tensor, dim, parts=1):
@@ -68,46 +72,12 @@ def shard_of(tensor, dim, parts=1):
     return torch.cat([piece.chunk(world, dim)[rank] for piece in pieces], dim)  # a new tensor
 
 
-def join_shards(shards, dim, parts=1):
-    """The whole tensor again from the W ranks' shard_of(tensor, dim, parts), in its own order:
-    with parts=3, every rank's q rows, then every rank's k rows, then every rank's v rows."""
-    pieces = [shard.chunk(parts, dim) for shard in shards]  # pieces[rank][part]
-    return torch.cat([by_rank[part] for part in range(parts) for by_rank in pieces], dim)
-
-
 def all_reduce(partial):
     """dist.all_reduce (the sum over the ranks) returning the sum, for the Functions below. In
     place, as Megatron does: `partial` is a fresh partial sum that nothing else reads."""
     partial = partial.contiguous()  # collectives need a dense tensor
     dist.all_reduce(partial)
     return partial
-
-
-def all_gather_tokens(shard):
-    """Every rank's [B, T/W, D] tokens -> all [B, T, D] tokens, on every rank."""
-    batch, shard_tokens, dim = shard.shape
-    # all_gather_into_tensor concatenates along dim 0, so the tokens go first (Megatron keeps its
-    # activations [T, B, D] throughout for this reason).
-    gathered = shard.new_empty(shard_tokens * dist.get_world_size(), batch, dim)
-    dist.all_gather_into_tensor(gathered, shard.transpose(0, 1).contiguous())
-    return gathered.transpose(0, 1).contiguous()
-
-
-def reduce_scatter_tokens(partial):
-    """[B, T, D] partial sums on every rank -> this rank's [B, T/W, D] tokens of their sum."""
-    batch, tokens, dim = partial.shape
-    # reduce_scatter_tensor splits along dim 0, so the tokens go first, as in all_gather_tokens.
-    shard = partial.new_empty(tokens // dist.get_world_size(), batch, dim)
-    dist.reduce_scatter_tensor(shard, partial.transpose(0, 1).contiguous())
-    return shard.transpose(0, 1).contiguous()
-
-
-# The operators, each a conjugate pair of collectives:
-#                               forward          backward
-#   f                           identity         all-reduce
-#   g                           all-reduce       identity
-#   f under --sequence-parallel all-gather       reduce-scatter
-#   g under --sequence-parallel reduce-scatter   all-gather
 
 
 class CopyToTensorParallel(torch.autograd.Function):
@@ -134,6 +104,240 @@ class ReduceFromTensorParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y_r = X·A_r: this rank's 1/W of a linear layer's output features (rows of nn.Linear's
+    [out, in] weight, and of its bias). Its input comes through f, which parallelize puts once on
+    the input of the attention (for q, k and v together) and of the MLP; its output stays split."""
+
+    shard_dims = {"weight": 0, "bias": 0}  # where full_state_dict joins the shards
+    parts = 1  # the output features are one matrix's (QKVParallelLinear: three side by side)
+
+    def __init__(self, linear):
+        super().__init__()
+        self.weight = nn.Parameter(shard_of(linear.weight, dim=0, parts=self.parts))
+        bias = linear.bias  # None for the key projection
+        self.bias = None if bias is None else nn.Parameter(shard_of(bias, dim=0, parts=self.parts))
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """Z = g(Y_r·B_r) + b = Σ_r Y_r·B_r + b: this rank's 1/W of a linear layer's input features
+    (columns of the weight), applied to the column-parallel layer's split output Y_r, then g sums
+    the W partial products. The bias is whole and added once, after g: added before it, the sum
+    would count it W times. That is why g lives here rather than in the block."""
+
+    shard_dims = {"weight": 1}  # where full_state_dict joins the shards; the bias is replicated
+    parts = 1  # full_state_dict reads it off every parallel linear
+
+    def __init__(self, linear, g):
+        super().__init__()
+        self.weight = nn.Parameter(shard_of(linear.weight, dim=1))
+        bias = linear.bias  # None with bias=False
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
+        self.g = g
+
+    def forward(self, y):
+        z = self.g(F.linear(y, self.weight))
+        return z if self.bias is None else z + self.bias
+
+
+# The split of the common ViT's block: q, k, v and fc1 by output features, proj and fc2 by input.
+PLAN = {
+    "attn.q": ColumnParallelLinear,
+    "attn.k": ColumnParallelLinear,
+    "attn.v": ColumnParallelLinear,
+    "attn.proj": RowParallelLinear,
+    "mlp.fc1": ColumnParallelLinear,
+    "mlp.fc2": RowParallelLinear,
+}
+
+
+def apply_f(f, module, inputs):
+    """A forward pre-hook (f bound by functools.partial) on the attention and on the MLP: f on
+    their input, the normed x, before their column-parallel layers. One f serves q, k and v, so
+    backward all-reduces their summed dX once, not thrice."""
+    (x,) = inputs
+    return f(x)
+
+
+def split_block(block, plan, f, g):
+    """Swap the block's linears named in `plan` for their split, in place (the same names, so the
+    same state_dict keys), and put f on the input of the sub-modules holding them (attn, mlp)."""
+    owners = {}  # the sub-modules holding split layers, each once, in plan order
+    for name, parallel_linear in plan.items():
+        owner_name, _, layer_name = name.rpartition(".")
+        owner = block.get_submodule(owner_name)
+        linear = owner.get_submodule(layer_name)
+        if parallel_linear is RowParallelLinear:  # g goes inside it, before its bias
+            setattr(owner, layer_name, RowParallelLinear(linear, g))
+        else:
+            setattr(owner, layer_name, parallel_linear(linear))
+        owners[owner_name] = owner
+    for owner in owners.values():
+        owner.register_forward_pre_hook(functools.partial(apply_f, f))
+
+
+def parallelize(
+    model,
+    device,
+    sequence_parallel=False,
+    plan=PLAN,
+    heads=None,
+    causal=False,
+    blocks=None,
+    embed=None,
+    head=None,
+):
+    """Split every block's linears in place as `plan` says; the embedding and the head stay
+    replicated (every rank sees the whole batch, so their gradients are the same everywhere).
+    `blocks`: model.blocks unless given. `heads` and `causal` are for a fused q, k, v, `embed` and
+    `head` for sequence parallelism: see their `### more:` parts. `device` is unused: the model is
+    already on it (the argument keeps every script's call the same)."""
+    f = CopyToTensorParallel.apply
+    g = ReduceFromTensorParallel.apply
+    if sequence_parallel:  # f and g on T/W tokens: `### more: sequence parallelism`
+        f = GatherToTensorParallel.apply
+        g = ReduceScatterFromTensorParallel.apply
+    blocks = model.blocks if blocks is None else blocks
+    for block in blocks:
+        split_block(block, plan, f, g)
+    if QKVParallelLinear in plan.values():  # `### more: q, k and v fused in one layer`
+        attend_local_heads_in(blocks, heads, causal)
+    if sequence_parallel:  # the embedding and head on all T tokens, the blocks on T/W
+        split_tokens(model, blocks, embed, head)
+    return model
+
+
+def join_shards(shards, dim, parts=1):
+    """The whole tensor again from the W ranks' shard_of(tensor, dim, parts), in its own order:
+    with parts=3, every rank's q rows, then every rank's k rows, then every rank's v rows."""
+    pieces = [shard.chunk(parts, dim) for shard in shards]  # pieces[rank][part]
+    return torch.cat([by_rank[part] for part in range(parts) for by_rank in pieces], dim)
+
+
+def full_state_dict(model):
+    """The model's plain state_dict on rank 0 (None elsewhere): each split parameter is gathered
+    to rank 0 and its shards joined as they were cut. Every rank walks the parameters in the same
+    order, so their gathers pair up."""
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    state = {}
+    for module_name, module in model.named_modules():
+        shard_dims = getattr(module, "shard_dims", {})  # only the parallel linears have them
+        for name, param in module.named_parameters(recurse=False):
+            tensor = param.detach()
+            if name in shard_dims:
+                shards = None  # dist.gather fills a list on the destination only
+                if rank == 0:
+                    shards = [torch.empty_like(tensor) for _ in range(world)]
+                dist.gather(tensor.contiguous(), shards, dst=0)
+                if rank == 0:
+                    tensor = join_shards(shards, shard_dims[name], module.parts)
+            state[f"{module_name}.{name}"] = tensor.cpu()
+    if rank != 0:
+        return None
+    # The keys are model.state_dict()'s, in its order, so the file is the plain model's, as ddp.py
+    # saves it.
+    return {key: state[key] for key in model.state_dict()}
+
+
+### more: q, k and v fused in one layer (GPT-2, nanoGPT), and a model's own names
+# GPT-2 and nanoGPT fuse q, k, v in one layer (c_attn: q, then k, then v) that their forward
+# splits by D into all H heads. Give parallelize their plan, `heads` (H) and `causal=True`, and
+# that attention runs attend_local_heads on this rank's H/W heads instead (scaled-dot-product;
+# its RowParallelLinear is the output projection):
+#   {"attn.c_attn": QKVParallelLinear, "attn.c_proj": RowParallelLinear,
+#    "mlp.c_fc": ColumnParallelLinear, "mlp.c_proj": RowParallelLinear}
+# Under other names give the modules themselves: `blocks` (nanoGPT: transformer.h), and for
+# --sequence-parallel the module whose output the first block takes, `embed` (nanoGPT's forward
+# adds wte's and wpe's outputs inline, so transformer.drop), and the module that takes the last
+# block's output, `head` (transformer.ln_f). Linears and norms with bias=False need nothing.
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """A ColumnParallelLinear for q, k and v fused in one layer (GPT-2's c_attn, 3D output
+    features: q, then k, then v): rank r keeps the rows of its H/W heads in each of the three, not
+    the r-th 1/W of the 3D rows, which would give rank 0 all of q and part of k. Its output is this
+    rank's q, k and v side by side, [B, T, 3D/W]."""
+
+    parts = 3
+
+
+def attend_local_heads_in(blocks, heads, causal):
+    """In every attention of `blocks` whose q, k, v are one QKVParallelLinear, attend_local_heads
+    in place of the model's own forward, which would split the fused output into all H heads."""
+    world = dist.get_world_size()
+    if heads is None or heads % world:
+        raise ValueError(f"heads={heads}: a fused q, k, v needs H divisible by the W ranks")
+    for block in blocks:
+        for attention in block.modules():
+            children = list(attention.children())
+            qkv = [child for child in children if isinstance(child, QKVParallelLinear)]
+            if not qkv:
+                continue
+            refuse_dropout(attention)
+            (proj,) = [child for child in children if isinstance(child, RowParallelLinear)]
+            local_heads = heads // world
+            attention.forward = functools.partial(
+                attend_local_heads, qkv[0], proj, local_heads, causal
+            )
+
+
+def refuse_dropout(attention):
+    """attend_local_heads has no dropout, so an attention asking for some is refused rather than
+    trained without it. Dropout under tensor parallelism needs random streams that differ over the
+    ranks for the split heads and agree for the whole activations (Megatron's RNG tracker)."""
+    for module in attention.modules():
+        if isinstance(module, nn.Dropout) and module.p > 0:
+            raise ValueError(f"attend_local_heads has no dropout: {module} in the attention")
+
+
+def attend_local_heads(qkv, proj, heads, causal, x):
+    """The forward of an attention whose q, k, v are one QKVParallelLinear `qkv`, over this rank's
+    `heads` (H/W). `proj`: the row-parallel output projection (g inside)."""
+    batch, tokens, _ = x.shape
+    q, k, v = qkv(x).chunk(3, dim=2)  # this rank's heads of each, [B, T, D/W]
+    # SDPA takes [batch, heads, tokens, head_dim]: the D/W features are this rank's heads.
+    q = q.view(batch, tokens, heads, -1).transpose(1, 2)
+    k = k.view(batch, tokens, heads, -1).transpose(1, 2)
+    v = v.view(batch, tokens, heads, -1).transpose(1, 2)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    y = y.transpose(1, 2).reshape(batch, tokens, -1)  # this rank's heads side by side again
+    return proj(y)
+
+
+### more: sequence parallelism (Korthikanti et al. 2022)
+# https://arxiv.org/abs/2205.05198, section 4.2.2: outside the split layers (norms, residuals)
+# every rank would hold the same [B, T, D] activations; each keeps only its T/W tokens of them
+# instead. The blocks' input and output are then token shards, so f must gather the tokens the
+# split layers need and g must leave each rank its T/W tokens of the sum (the paper names these
+# two operators g and ḡ):
+#                               forward          backward
+#   f under --sequence-parallel all-gather       reduce-scatter
+#   g under --sequence-parallel reduce-scatter   all-gather
+
+
+def all_gather_tokens(shard):
+    """Every rank's [B, T/W, D] tokens -> all [B, T, D] tokens, on every rank."""
+    batch, shard_tokens, dim = shard.shape
+    # all_gather_into_tensor concatenates along dim 0, so the tokens go first (Megatron keeps its
+    # activations [T, B, D] throughout for this reason).
+    gathered = shard.new_empty(shard_tokens * dist.get_world_size(), batch, dim)
+    dist.all_gather_into_tensor(gathered, shard.transpose(0, 1).contiguous())
+    return gathered.transpose(0, 1).contiguous()
+
+
+def reduce_scatter_tokens(partial):
+    """[B, T, D] partial sums on every rank -> this rank's [B, T/W, D] tokens of their sum."""
+    batch, tokens, dim = partial.shape
+    # reduce_scatter_tensor splits along dim 0, so the tokens go first, as in all_gather_tokens.
+    shard = partial.new_empty(tokens // dist.get_world_size(), batch, dim)
+    dist.reduce_scatter_tensor(shard, partial.transpose(0, 1).contiguous())
+    return shard.transpose(0, 1).contiguous()
 
 
 class GatherToTensorParallel(torch.autograd.Function):
@@ -190,119 +394,62 @@ class LeaveSequenceParallel(torch.autograd.Function):
         return shard_of(grad, dim=1)
 
 
-class ColumnParallelLinear(nn.Module):
-    """Y_r = X·A_r: this rank's 1/W of a linear layer's output features (rows of nn.Linear's
-    [out, in] weight, and of its bias). Its input comes through f, which parallelize puts once on
-    the input of the attention (for q, k and v together) and of the MLP; its output stays split."""
-
-    shard_dims = {"weight": 0, "bias": 0}  # where full_state_dict joins the shards
-    parts = 1  # the output features are one matrix's (QKVParallelLinear: three side by side)
-
-    def __init__(self, linear):
-        super().__init__()
-        self.weight = nn.Parameter(shard_of(linear.weight, dim=0, parts=self.parts))
-        bias = linear.bias  # None for the key projection
-        self.bias = None if bias is None else nn.Parameter(shard_of(bias, dim=0, parts=self.parts))
-
-    def forward(self, x):
-        return F.linear(x, self.weight, self.bias)
+def enter_sequence_parallel(embed, inputs, output):
+    """A forward hook on the embedding: what it returns replaces the embedding's output."""
+    return EnterSequenceParallel.apply(output)
 
 
-class QKVParallelLinear(ColumnParallelLinear):
-    """A ColumnParallelLinear for q, k and v fused in one layer (GPT-2's c_attn, 3D output
-    features: q, then k, then v): rank r keeps the rows of its H/W heads in each of the three, not
-    the r-th 1/W of the 3D rows, which would give rank 0 all of q and part of k. Its output is this
-    rank's q, k and v side by side, [B, T, 3D/W]."""
-
-    parts = 3
+def leave_sequence_parallel(head, inputs):
+    """A forward pre-hook on the head: what it returns replaces the head's input (a tensor rather
+    than a tuple stands for the one positional argument)."""
+    (shard,) = inputs
+    return LeaveSequenceParallel.apply(shard)
 
 
-class RowParallelLinear(nn.Module):
-    """Z = g(Y_r·B_r) + b = Σ_r Y_r·B_r + b: this rank's 1/W of a linear layer's input features
-    (columns of the weight), applied to the column-parallel layer's split output Y_r, then g sums
-    the W partial products. The bias is whole and added once, after g: added before it, the sum
-    would count it W times. That is why g lives here rather than in the block."""
-
-    shard_dims = {"weight": 1}  # where full_state_dict joins the shards; the bias is replicated
-    parts = 1
-
-    def __init__(self, linear, g):
-        super().__init__()
-        self.weight = nn.Parameter(shard_of(linear.weight, dim=1))
-        bias = linear.bias  # None with bias=False
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
-        self.g = g
-
-    def forward(self, y):
-        z = self.g(F.linear(y, self.weight))
-        return z if self.bias is None else z + self.bias
+def split_tokens(model, blocks, embed, head):
+    """The rest of --sequence-parallel, once the blocks are split with its f and g: the blocks run
+    on this rank's T/W tokens, the embedding and the head (model.embed, model.head unless given)
+    on all T, and the gradients of what the blocks hold whole are summed over the ranks."""
+    embed = model.embed if embed is None else embed
+    embed.register_forward_hook(enter_sequence_parallel)
+    head = model.head if head is None else head
+    head.register_forward_pre_hook(leave_sequence_parallel)
+    sum_partial_gradients(token_sharded_params(blocks))
 
 
-# The split of the common ViT's block: q, k, v and fc1 by output features, proj and fc2 by input.
-PLAN = {
-    "attn.q": ColumnParallelLinear,
-    "attn.k": ColumnParallelLinear,
-    "attn.v": ColumnParallelLinear,
-    "attn.proj": RowParallelLinear,
-    "mlp.fc1": ColumnParallelLinear,
-    "mlp.fc2": RowParallelLinear,
-}
+def token_sharded_params(blocks):
+    """Under --sequence-parallel, the parameters that see only this rank's T/W tokens: every block
+    parameter left whole (the norms, the row-parallel biases added after g's reduce-scatter). The
+    embedding and the head see all T tokens, a tied one too: their gradients are whole."""
+    params = []
+    for block in blocks:
+        for module in block.modules():
+            split = getattr(module, "shard_dims", {})  # only the parallel linears have them
+            for name, param in module.named_parameters(recurse=False):
+                if name not in split:
+                    params.append(param)
+    return params
 
 
-def apply_f(f, module, inputs):
-    """A forward pre-hook (f bound by functools.partial) on the attention and on the MLP: f on
-    their input, the normed x, before their column-parallel layers. One f serves q, k and v, so
-    backward all-reduces their summed dX once, not thrice."""
-    (x,) = inputs
-    return f(x)
+### more: the gradient sum of the parameters every rank holds whole, under sequence parallelism
+# Each rank's norms and row-parallel biases see only its T/W tokens, so their gradients are
+# partial sums that the ranks must add up before the optimizer steps.
 
 
-def attend_local_heads(qkv, proj, heads, causal, x):
-    """The forward of an attention whose q, k, v are one QKVParallelLinear `qkv`, over this rank's
-    `heads` (H/W), in place of the model's own, which splits the fused output by D and views it
-    with all H heads. `proj`: the row-parallel output projection (g inside)."""
-    batch, tokens, _ = x.shape
-    q, k, v = qkv(x).chunk(3, dim=2)  # this rank's heads of each, [B, T, D/W]
-    # SDPA takes [batch, heads, tokens, head_dim]: the D/W features are this rank's heads.
-    q = q.view(batch, tokens, heads, -1).transpose(1, 2)
-    k = k.view(batch, tokens, heads, -1).transpose(1, 2)
-    v = v.view(batch, tokens, heads, -1).transpose(1, 2)
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    y = y.transpose(1, 2).reshape(batch, tokens, -1)  # this rank's heads side by side again
-    return proj(y)
-
-
-def split_block(block, plan, f, g, heads, causal):
-    """Swap the block's linears named in `plan` for their split, in place (the same names, so the
-    same state_dict keys); f on the input of the sub-modules holding them; a fused q, k, v's
-    attention runs attend_local_heads on this rank's heads."""
-    owners = {}  # the sub-modules holding split layers (attn, mlp), each once, in plan order
-    for name, parallel_linear in plan.items():
-        owner_name, _, layer_name = name.rpartition(".")
-        owner = block.get_submodule(owner_name)
-        linear = owner.get_submodule(layer_name)
-        if parallel_linear is RowParallelLinear:
-            setattr(owner, layer_name, RowParallelLinear(linear, g))
-        else:
-            setattr(owner, layer_name, parallel_linear(linear))
-        owners[owner_name] = owner
-    for owner in owners.values():
-        owner.register_forward_pre_hook(functools.partial(apply_f, f))
-        children = list(owner.children())
-        qkv = [child for child in children if isinstance(child, QKVParallelLinear)]
-        if qkv:  # the attention of a fused q, k, v; its row-parallel layer is its projection
-            (proj,) = [child for child in children if isinstance(child, RowParallelLinear)]
-            local_heads = heads // dist.get_world_size()
-            owner.forward = functools.partial(attend_local_heads, qkv[0], proj, local_heads, causal)
+def sum_partial_gradients(params):
+    """A PartialGradientSum over `params`: its hooks on each of them."""
+    partial_sum = PartialGradientSum(params)
+    for param in params:
+        param.register_hook(functools.partial(partial_sum.hold, param))
+        param.register_post_accumulate_grad_hook(partial_sum.hook)
 
 
 class PartialGradientSum:
-    """Under --sequence-parallel the norms and the row-parallel biases see only this rank's T/W
-    tokens, so their gradients are partial sums. A tensor hook on each holds its partial gradient
-    back from .grad (autograd adds zeros); after the last has arrived, one flat all-reduce sums
-    them all over the ranks (as Megatron does: one collective rather than 6·depth small ones) and
-    adds the sums to .grad. Held back rather than summed in .grad: with several backward passes a
-    step (gradient accumulation) .grad also holds the earlier passes' sums, counted W times."""
+    """A tensor hook on each parameter holds its partial gradient back from .grad (autograd adds
+    zeros); after the last has arrived, one flat all-reduce sums them all over the ranks (as
+    Megatron does: one collective rather than 6·depth small ones) and adds the sums to .grad. Held
+    back rather than summed in .grad: with several backward passes a step (gradient accumulation)
+    .grad also holds the earlier passes' sums, counted W times."""
 
     def __init__(self, params):
         self.params = params
@@ -326,96 +473,6 @@ class PartialGradientSum:
             param.grad += grad.view_as(param)
 
 
-def token_sharded_params(blocks):
-    """Under --sequence-parallel, the parameters that see only this rank's T/W tokens: every block
-    parameter left whole (the norms, the row-parallel biases added after g's reduce-scatter). The
-    embedding and the head see all T tokens, a tied one too: their gradients are whole."""
-    params = []
-    for block in blocks:
-        for module in block.modules():
-            split = getattr(module, "shard_dims", {})  # only the parallel linears have them
-            for name, param in module.named_parameters(recurse=False):
-                if name not in split:
-                    params.append(param)
-    return params
-
-
-def enter_sequence_parallel(embed, inputs, output):
-    """A forward hook on the embedding: what it returns replaces the embedding's output."""
-    return EnterSequenceParallel.apply(output)
-
-
-def leave_sequence_parallel(head, inputs):
-    """A forward pre-hook on the head: what it returns replaces the head's input (a tensor rather
-    than a tuple stands for the one positional argument)."""
-    (shard,) = inputs
-    return LeaveSequenceParallel.apply(shard)
-
-
-def parallelize(
-    model,
-    device,
-    sequence_parallel=False,
-    plan=PLAN,
-    heads=None,
-    causal=False,
-    blocks=None,
-    embed=None,
-    head=None,
-):
-    """Split every block's linears in place as `plan` says; the embedding and the head stay
-    replicated (every rank sees the whole batch, so their gradients are the same everywhere).
-    `heads` (H) and `causal`: for a QKVParallelLinear's attention. `blocks`, `embed`, `head`:
-    model.blocks, model.embed, model.head unless given. `device` is unused: the model is already
-    on it (the argument keeps every script's call the same)."""
-    if QKVParallelLinear in plan.values() and (heads is None or heads % dist.get_world_size()):
-        raise ValueError(f"heads={heads}: a fused q, k, v needs H divisible by the W ranks")
-    if sequence_parallel:
-        f = GatherToTensorParallel.apply
-        g = ReduceScatterFromTensorParallel.apply
-    else:
-        f = CopyToTensorParallel.apply
-        g = ReduceFromTensorParallel.apply
-    blocks = model.blocks if blocks is None else blocks
-    for block in blocks:
-        split_block(block, plan, f, g, heads, causal)
-    if sequence_parallel:  # the blocks run on this rank's T/W tokens, the embedding and head on all
-        (model.embed if embed is None else embed).register_forward_hook(enter_sequence_parallel)
-        (model.head if head is None else head).register_forward_pre_hook(leave_sequence_parallel)
-        params = token_sharded_params(blocks)
-        partial_sum = PartialGradientSum(params)
-        for param in params:
-            param.register_hook(functools.partial(partial_sum.hold, param))
-            param.register_post_accumulate_grad_hook(partial_sum.hook)
-    return model
-
-
-def full_state_dict(model):
-    """The model's plain state_dict on rank 0 (None elsewhere): each split parameter is gathered
-    to rank 0 and its shards joined as they were cut. Every rank walks the parameters in the same
-    order, so their gathers pair up."""
-    rank = dist.get_rank()
-    world = dist.get_world_size()
-    state = {}
-    for module_name, module in model.named_modules():
-        shard_dims = getattr(module, "shard_dims", {})  # only the parallel linears have them
-        for name, param in module.named_parameters(recurse=False):
-            tensor = param.detach()
-            if name in shard_dims:
-                shards = None  # dist.gather fills a list on the destination only
-                if rank == 0:
-                    shards = [torch.empty_like(tensor) for _ in range(world)]
-                dist.gather(tensor.contiguous(), shards, dst=0)
-                if rank == 0:
-                    tensor = join_shards(shards, shard_dims[name], module.parts)
-            state[f"{module_name}.{name}"] = tensor.cpu()
-    if rank != 0:
-        return None
-    # The keys are model.state_dict()'s, in its order, so the file is the plain model's, as ddp.py
-    # saves it.
-    return {key: state[key] for key in model.state_dict()}
-
-
 ### more: gradient clipping over the shards
 # torch's clip_grad_norm_(model.parameters()) would clip each rank by the norm of its own shards:
 # a different factor on every rank, the replicated weights drifting apart.
@@ -429,7 +486,7 @@ def clip_grad_norm_(model, max_norm, group=None):
     gradient of them (under --sequence-parallel PartialGradientSum summed the norms' and row
     biases' partial ones in backward). Every rank gets the same norm and scales every gradient by
     the same factor, so the replicated weights stay equal. Returns the norm, as one process's
-    clip_grad_norm_ would."""
+    clip_grad_norm_ would (0 when no parameter has a gradient)."""
     split = set()  # the ids of the parallel linears' shards: only those modules have shard_dims
     for module in model.modules():
         shard_dims = getattr(module, "shard_dims", {})
@@ -438,8 +495,9 @@ def clip_grad_norm_(model, max_norm, group=None):
                 split.add(id(param))
     params = [param for param in model.parameters() if param.grad is not None]  # a tied weight once
     squares = [torch.linalg.vector_norm(param.grad) ** 2 for param in params]
-    split_squares = torch.zeros((), device=params[0].grad.device)
-    replicated_squares = torch.zeros((), device=params[0].grad.device)
+    device = next(model.parameters()).device  # every rank issues the all-reduce, grads or not
+    split_squares = torch.zeros((), device=device)
+    replicated_squares = torch.zeros((), device=device)
     for param, square in zip(params, squares, strict=True):
         if id(param) in split:
             split_squares += square

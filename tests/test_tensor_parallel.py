@@ -3,10 +3,14 @@ parameters as the one-process ddp.py run (SGD and AdamW, W=2, and W=3 with 6 hea
 --clip (W=2, SP) the parameters of ddp.py --clip in one process; the
 collectives the Meter measures from outside equal what this test works out from B, T, D and
 depth; each rank holds Ψr + Ψs/W parameters, counted here off the model; the dense file it saves
-loads in ddp.py with the same test accuracy; bad sizes are refused before any process group.
+loads in ddp.py with the same test accuracy; bad sizes are refused before any process group; in
+a world of one, a fused attention with dropout is refused and the clip takes a model without
+gradients.
 ZeRO-R's --checkpoint and --partition-activations are tested in test_tensor_parallel_zero_r.py."""
 
 import pytest
+import torch
+import torch.distributed as dist
 
 import common
 from helpers import SMALL, ddp_reference, ddp_references, launch_cases, max_diff, python
@@ -247,3 +251,32 @@ def test_refuses_before_any_process_group(world, argv, message):
     assert message in launch.stderr, launch.output
     assert launch.stderr.count("error:") == 1, launch.output
     assert "Traceback" not in launch.stderr, launch.output
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    """A Gloo process group of this test's process alone, for the section's functions."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_fused_attention_refuses_dropout_and_clip_takes_no_gradients(world_of_one):
+    """attend_local_heads has no dropout: a model asking for some is refused, not trained without
+    it. clip_grad_norm_ before any backward returns 0, as torch's does, instead of failing."""
+    import nanogpt_model
+    from copy_tensor_parallel import GPT2_PLAN
+
+    import tensor_parallel
+
+    config = nanogpt_model.GPTConfig(dropout=0.1)
+    gpt = nanogpt_model.GPT(config)
+    blocks = gpt.transformer.h
+    with pytest.raises(ValueError, match="attend_local_heads has no dropout"):
+        tensor_parallel.parallelize(
+            gpt, None, False, GPT2_PLAN, heads=config.n_head, causal=True, blocks=blocks
+        )
+    args = common.parse_args(common.get_parser("test"), CFG)
+    model = tensor_parallel.parallelize(common.build_model(args), torch.device("cpu"))
+    assert isinstance(model.blocks[0].attn.q, tensor_parallel.ColumnParallelLinear)
+    assert tensor_parallel.clip_grad_norm_(model, 1.0).item() == 0.0
