@@ -149,7 +149,7 @@ def check_args(args, world):
         f"--grad-accum {args.grad_accum} must be >= 1 and divide the {samples_per_rank} samples "
         "each rank gets per step",
     )
-    # The load-balancing gradient is added inside backward (expert_parallel.AuxLossScaler), where
+    # The load-balancing gradient is added inside backward (common/moe.py's AuxLossScaler), where
     # GradScaler's factor S never multiplies it, yet unscale_ divides it by S: it would shrink.
     common.check(
         not args.experts or args.amp != "fp16",
@@ -305,10 +305,8 @@ def run(args):
             meter=meter,
             formula=formula(psi, world, args),
         )
-        # DDP's C++ reducer owns a reference to the process group. Free it while the group
-        # is up, so that leaving the group ends the group, not the reducer: the reducer's
-        # teardown waits for Gloo's threads while holding the GIL that a thread finishing
-        # its last all-reduce needs, and the process hangs at exit (pytorch#56297).
+        # Free DDP before leaving the group: its reducer holds the group and, freed after it,
+        # waits for Gloo's threads while holding the GIL that one of them needs (pytorch#56297).
         del model, meter
         gc.collect()
     finally:

@@ -23,7 +23,6 @@ Papers: Lepikhin et al. 2020, "GShard", https://arxiv.org/abs/2006.16668; Fedus 
 """
 
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -32,109 +31,35 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
 import common
+from common.moe import MoE
 
 SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
-# common.model builds the ViT's MoE blocks from the module expert_parallel: run as the script
-# (__main__, or __mp_main__ in a spawned rank), this file is that module, or the blocks' MoE
-# would be another class than the one parallelize looks for (a no-op when imported by name).
-sys.modules["expert_parallel"] = sys.modules[__name__]
 
 
 ### begin: Expert parallel
-# Model contract: every block's MLP is this section's MoE, built over E expert modules of your
-# own (any [N, D] -> [N, D] module, e.g. your MLP): block.mlp = MoE(dim, [MLP(dim) for _ in
-# range(E)], top_k, aux_loss, forwards_per_step), where forwards_per_step is the count of forwards
-# whose losses one optimizer step sums, each divided by it (gradient accumulation, micro-batches).
-# The MoE takes [B, T, D] and returns one tensor of that shape, as an MLP does; its balance loss
-# needs nothing of the loop. parallelize finds the MoE layers wherever they sit in the model; every
-# other parameter is dense and lives in one of the units hook_optimizer is given in forward order
-# (by default model.embed, model.blocks, model.head), used in that unit's forward only. E divisible
-# by the expert group's size. hook_optimizer makes a process group (dist.new_group) for the dense
-# all-reduces: every rank of the world calls it, in the same order as its other new groups.
+# Model contract: the MoE layers are instances of MoE (common/moe.py's, imported above; import your
+# own MoE class under that name instead), wherever they sit in the model. An MoE layer routes its
+# tokens itself and calls `self.experts(tokens [N, D], chosen [N, K], weights [N, K])` -> [N, D]
+# (chosen: the K experts each token picked; the result: the weighted sum of their outputs), where
+# `self.experts` is a list of E expert modules that parallelize swaps for this rank's E/W; its
+# `forwards_per_step` is the backward passes one optimizer step sums (accumulation, micro-batches).
+# Every other parameter is dense, in one of the units hook_optimizer is given in forward order
+# (model.embed, model.blocks, model.head by default) and used in that unit's forward only.
+# parallelize's `group` holds the experts (None: the world; its size divides E). hook_optimizer
+# makes a process group for the dense all-reduces: every rank of the world calls it, in the same
+# order as its other new groups. Clip with the section's clip_grad_norm_, not torch's. Your model's
+# units, the all-reduces during backward on a group of their own, and clipping: the `### more:`
+# parts after the core.
 
-
-class Experts(nn.ModuleList):
-    """E expert modules, called with the routing: tokens [N, D], the expert each token picked in
-    each of its K slots [N, K] and the slots' weights [N, K] -> sum over k of weights[:, k] times
-    the output of expert chosen[:, k] on the token, [N, D].
-
-    All experts run in this process, each on its tokens in token order; parallelize swaps in an
-    ExpertParallel, called the same way, that sends each token to the rank owning its expert.
-    Every expert runs, also on no token, so each always has a gradient (zero if it got no token),
-    as DDP and ZeRO expect of every parameter. One host sync (the tokens per expert) per layer."""
-
-    def forward(self, tokens, chosen, weights):
-        num_tokens, top_k = chosen.shape
-        slots = chosen.reshape(-1)  # [N * K]: the expert of each (token, slot)
-        by_expert = slots.argsort(stable=True)  # slots grouped by expert, token order kept
-        # tokens per expert: scatter_add_, not bincount, which waits for the device on CUDA
-        per_expert = torch.zeros(len(self), dtype=torch.long, device=slots.device)
-        per_expert.scatter_add_(0, slots, torch.ones_like(slots))
-        inputs = tokens[by_expert // top_k].split(per_expert.tolist())  # the one host sync
-        outputs = torch.cat([expert(x) for expert, x in zip(self, inputs, strict=True)])
-        outputs = torch.empty_like(outputs).index_copy(0, by_expert, outputs)  # slot order again
-        return (weights.unsqueeze(-1) * outputs.view(num_tokens, top_k, -1)).sum(1)
-
-
-class AuxLossScaler(torch.autograd.Function):
-    """Returns x unchanged; in backward also gives `aux` the gradient `scale` (Megatron-LM's
-    MoEAuxLossAutoScaler), as if aux * scale had been added to the loss the loop backpropagates."""
-
-    @staticmethod
-    def forward(ctx, x, aux, scale):
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, grad.new_full((), ctx.scale), None
-
-
-class MoE(nn.Module):
-    """Mixture of experts in place of the MLP: a linear router scores the E experts for each token;
-    each token goes to its top K, mixed by the softmax over the K chosen scores. No capacity limit,
-    no dropped token: the output does not depend on how tokens are grouped into batches or ranks.
-
-    Load balance: DeepSeek-V3's sequence-wise auxiliary loss, per sample (an image, a sequence) of
-    T tokens: f_i = E/(K*T) * (the sample's tokens routed to expert i; no gradient), P_i = the mean
-    over its tokens of the router's full softmax for expert i; aux = coef * sum_i f_i * P_i,
-    averaged over the samples. A per-sample mean is what makes it exact across ranks and
-    micro-batches: a batch-wise (Switch) loss over the whole batch would make W=2 differ from W=1.
-    The loop's loss stays the task's (and so does the printed train loss): the aux term's gradient
-    is added in backward by AuxLossScaler, attached to the routing weights, scaled by
-    1/forwards_per_step because the loop divides each micro-batch's loss by the micro-batch count
-    (gradient accumulation, pipeline micro-batches); averaging the gradients over ranks does the
-    rest."""
-
-    def __init__(self, dim, experts, top_k, aux_loss=0.0, forwards_per_step=1):
-        super().__init__()
-        experts = Experts(experts)
-        self.top_k = top_k
-        self.aux_loss = aux_loss
-        self.forwards_per_step = forwards_per_step
-        self.router = nn.Linear(dim, len(experts), bias=False)
-        self.experts = experts
-
-    def forward(self, x):
-        batch, tokens_per_sample, dim = x.shape
-        tokens = x.reshape(batch * tokens_per_sample, dim)
-        logits = self.router(tokens)  # [B*T, E]
-        top_logits, chosen = logits.topk(self.top_k, dim=-1)
-        weights = top_logits.softmax(-1)
-        if self.training and self.aux_loss and torch.is_grad_enabled():
-            aux = self.balance_loss(logits, chosen, batch, tokens_per_sample)
-            weights = AuxLossScaler.apply(weights, aux, 1.0 / self.forwards_per_step)
-        return self.experts(tokens, chosen, weights).view(batch, tokens_per_sample, dim)
-
-    def balance_loss(self, logits, chosen, batch, tokens_per_sample):
-        """coef * sum_i f_i * P_i per sample, averaged over the samples (the class docstring)."""
-        E = logits.shape[-1]
-        K = self.top_k
-        T = tokens_per_sample
-        routed = F.one_hot(chosen, E).view(batch, T * K, E).sum(1)  # [B, E] tokens per expert
-        f = routed * (E / (K * T))  # no gradient: counts
-        P = logits.softmax(-1).view(batch, T, E).mean(1)
-        return self.aux_loss * (f * P).sum(-1).mean()
+# GShard (Lepikhin et al. 2020, https://arxiv.org/abs/2006.16668) and Switch Transformers (Fedus
+# et al. 2021, https://arxiv.org/abs/2101.03961): each rank holds the dense part whole and E/W
+# experts; each token travels to the ranks of the experts the router picked for it, and back.
+#
+#   tokens ─ router ─ sort by expert ─ all-to-all ─ this rank's E/W experts ─ all-to-all ─ Σ w·out
+#                                      (dispatch)                             (combine)
+#
+# The dense gradients are averaged over the ranks as DDP's are; an expert's gradient is already
+# whole on its owner: the all-to-alls brought it every token routed to that expert.
 
 
 class AllToAll(torch.autograd.Function):
@@ -271,47 +196,7 @@ def expert_params(model):
     return [p for layer in moe_layers(model) for p in layer.experts.parameters()]
 
 
-def dense_buckets(model, units=None):
-    """The dense parameters in the order backward finishes them, one bucket per unit (units: the
-    model's modules in forward order; None: model.embed, the blocks, model.head): the head, the
-    blocks from last to first (attention, norms, router: not the experts), the embedding, each as
-    (the unit's place in forward order, its parameters). A parameter two units share (an embedding
-    tied to the output head) goes in the bucket of the one nearest the input: its gradient is
-    whole only once backward has reached that unit; a unit left with no parameter of its own (an
-    output head holding only the tied weight) has none."""
-    if units is None:
-        units = [model.embed, *model.blocks, model.head]
-    placed = {id(p) for p in expert_params(model)}  # each parameter in one bucket at most
-    buckets = []
-    for place, unit in enumerate(units):
-        bucket = [p for p in unit.parameters() if id(p) not in placed]
-        placed.update(id(p) for p in bucket)
-        if bucket:
-            buckets.append((place, bucket))
-    outside = [p for p in model.parameters() if id(p) not in placed]
-    if outside:
-        raise ValueError("every dense parameter must live in one of the units")
-    return buckets[::-1]  # backward's order
-
-
-def own_group(data_group=None):
-    """A process group over data_group's ranks (None: the world) for the averager alone. Every rank
-    of the world makes every data group's copy, in the same order, as new_group requires; each
-    keeps its own."""
-    mine = dist.get_process_group_ranks(data_group or dist.group.WORLD)
-    every = [mine]
-    if data_group is not None:  # the other ranks' data groups, which this rank must make too
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
-    made = None
-    for ranks in sorted({tuple(ranks) for ranks in every}):
-        group = dist.new_group(list(ranks))
-        if list(ranks) == mine:
-            made = group
-    return made
-
-
-class GradientAverager:
+class StepAverager:
     """Averages every gradient over the W data-parallel ranks before the step, as DDP would.
 
     The data-parallel ranks (data_group; None: the world) each train on their slice of the batch
@@ -319,57 +204,115 @@ class GradientAverager:
     the ranks that hold the same experts as this one, one in each copy of the expert group (None:
     one copy, the expert group is every data-parallel rank).
 
-    The dense gradients: all-reduced like DDP's, bucket by bucket during backward, on a process
-    group of the averager's own (own_group): one NCCL communicator runs its operations in turn, so
-    on the all-to-alls' group each bucket would hold up the next MoE layer's backward all-to-all;
-    on its own it can travel while backward runs the blocks before it (not measured on GPUs here).
-    A bucket starts where every rank starts it, whatever gradients it got (NCCL wants the same
-    order on every rank, across communicators too; a parameter used on some ranks only must not
-    move it): when backward reaches the output of the nearest MoE layer before its unit, in the
-    step's last backward pass, else at the step; a parameter with no gradient by then sends zeros.
-    By then backward has finished the unit (autograd runs the nodes made later in forward first,
-    accumulating gradients first of all); a gradient that comes later is an error.
-
-    The expert gradients need no all-reduce within the expert group: the all-to-alls already
-    brought every token routed to an expert, from every rank of the group, to its one owner; with
-    several copies, one all-reduce over replica_group adds the other copies'. Each rank's loss is
-    the mean over its slice, so what the owner then holds is the sum of W ranks' mean gradients, W
-    times the gradient of the global batch's mean: only the scale, 1/W, is missing."""
+    The dense gradients: all-reduced and divided by W as DDP's, one flat bucket per unit, on a
+    process group of the averager's own (own_group). The expert gradients need no all-reduce within
+    the expert group: the all-to-alls already brought every token routed to an expert, from every
+    rank of the group, to its one owner; with several copies, one all-reduce over replica_group
+    adds the other copies'. Each rank's loss is the mean over its slice, so what the owner then
+    holds is the sum of W ranks' mean gradients, W times the gradient of the global batch's mean:
+    only the scale, 1/W, is missing."""
 
     def __init__(self, model, data_group=None, replica_group=None, units=None):
-        self.group = own_group(data_group)
+        self.group = own_group(data_group)  # `### more: the dense all-reduces' own process group`
         self.replica_group = replica_group
         self.world = dist.get_world_size(data_group)
         copies = 1 if replica_group is None else dist.get_world_size(replica_group)
-        layers = moe_layers(model)
-        if self.world != layers[0].experts.world * copies:
+        expert_group_size = moe_layers(model)[0].experts.world
+        if self.world != expert_group_size * copies:
             raise ValueError(
-                f"{self.world} data-parallel ranks are not {layers[0].experts.world} ranks of "
+                f"{self.world} data-parallel ranks are not {expert_group_size} ranks of "
                 f"the expert group times {copies} copies of it: pass replica_group, the ranks "
                 "that hold this rank's experts"
             )
-        self.backward_passes = layers[0].forwards_per_step  # per optimizer step
-        places = dense_buckets(model, units)
-        self.buckets = [bucket for _, bucket in places]
+        # One bucket of dense parameters per unit, in the order backward finishes them (each with
+        # its unit's place, which bucket_starts reads): `### more: the dense parameters of your
+        # model's units, a bucket each`.
+        self.buckets = [bucket for _, bucket in dense_buckets(model, units)]
         self.experts = expert_params(model)
-        units = units if units is not None else [model.embed, *model.blocks, model.head]
-        # place[m]: the unit (its place in forward order) holding MoE layer m
-        place = [
-            next(i for i, unit in enumerate(units) if any(mod is layer for mod in unit.modules()))
-            for layer in layers
-        ]
-        # starts[m]: the buckets that start when backward reaches layer m's output: those of
-        # the units after m's and before the next MoE layer's (the rest start in wait)
-        self.starts = [[] for _ in layers]
-        for index, (unit, _) in enumerate(places):
-            before = [m for m in range(len(layers)) if place[m] < unit]
-            if before:
-                self.starts[before[-1]].append(index)
+        self.in_flight = []  # (flat gradients, all-reduce work) per launched bucket, in order
+
+    def launch(self, index):
+        # Buckets start in backward's order on every rank: the next one is the count in flight.
+        assert index == len(self.in_flight), (index, len(self.in_flight))
+        bucket = self.buckets[index]
+        # A parameter that got no gradient sends zeros: the bucket has the same size everywhere.
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
+        flat = torch.cat([grad.reshape(-1) for grad in grads])
+        work = dist.all_reduce(flat, group=self.group, async_op=True)
+        self.in_flight.append((flat, work))
+
+    def wait(self, optimizer, args, kwargs):
+        """The optimizer's step pre-hook (hence its arguments, unused): start the buckets that
+        backward has not started (all of them, but for `### more: the dense all-reduces during
+        backward`), finish the all-reduces, then scale."""
+        for index in range(len(self.in_flight), len(self.buckets)):
+            self.launch(index)
+        for bucket, (flat, work) in zip(self.buckets, self.in_flight, strict=True):
+            work.wait()
+            flat.div_(self.world)
+            sizes = [p.numel() for p in bucket]
+            for param, grad in zip(bucket, flat.split(sizes), strict=True):
+                param.grad = grad.view_as(param)  # a view of the bucket: no copy
+        expert_grads = [p.grad for p in self.experts if p.grad is not None]
+        if self.replica_group is not None:
+            for grad in expert_grads:
+                dist.all_reduce(grad, group=self.replica_group)
+        for grad in expert_grads:
+            grad.div_(self.world)
+        self.in_flight = []  # ready for the next step's backward
+
+
+def hook_optimizer(model, optimizer, data_group=None, replica_group=None, units=None):
+    """Before each step, every gradient averaged over the data-parallel ranks (data_group, None:
+    the world; replica_group, the ranks holding this rank's experts, None: no other; units, the
+    modules holding the dense parameters in forward order, None: model.embed, model.blocks,
+    model.head). Beside data parallelism on a DeviceMesh ("dp", "ep"): parallelize's group is
+    mesh["ep"].get_group(), replica_group mesh["dp"].get_group(), data_group the world. The dense
+    all-reduces run on a new group over data_group's ranks: every rank of the world calls
+    hook_optimizer, in the same order."""
+    # A StepAverager whose buckets start during backward: `### more: the dense all-reduces
+    # started during backward`.
+    averager = GradientAverager(model, data_group, replica_group, units)
+    optimizer.register_step_pre_hook(averager.wait)
+    model.grad_averager = averager  # for clip_grad_norm_, which must average first
+
+
+def full_state_dict(model):
+    """The plain state_dict of the whole model, every rank's experts gathered on the world's rank 0
+    (None elsewhere); every rank of the world calls it."""
+    local = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    if dist.get_rank() != 0:
+        dist.gather_object(local, None, dst=0)
+        return None
+    parts = [None] * dist.get_world_size()
+    dist.gather_object(local, parts, dst=0)
+    return {k: v for part in parts for k, v in part.items()}
+
+
+### more: the dense all-reduces started during backward, bucket by bucket
+# As DDP's buckets do (Li et al. 2020, https://arxiv.org/abs/2006.15704), a unit's all-reduce
+# travels while backward runs the units before it. A bucket starts where every rank starts it,
+# whatever gradients it got (NCCL wants the same order on every rank, across communicators too; a
+# parameter used on some ranks only must not move it): when backward reaches the output of the
+# nearest MoE layer before its unit, in the step's last backward pass, else at the step; a
+# parameter with no gradient by then sends zeros. By then backward has finished the unit: autograd
+# runs the nodes made later in forward first, and accumulates gradients first of all. A gradient
+# that comes later (a parameter used outside its unit) is an error, not a wrong average.
+
+
+class GradientAverager(StepAverager):
+    """A StepAverager whose buckets start during backward, each where backward reaches the output
+    of the nearest MoE layer before its unit (bucket_starts), the same point on every rank."""
+
+    def __init__(self, model, data_group=None, replica_group=None, units=None):
+        super().__init__(model, data_group, replica_group, units)
+        layers = moe_layers(model)
+        self.backward_passes = layers[0].forwards_per_step  # per optimizer step
+        self.starts = bucket_starts(model, units)
         self.passes = [0] * len(layers)  # backward passes that reached each layer this step
         # This step's gradients are averaged already (clip_grad_norm_ waited before the step's
         # hook): the hook must not average them again.
         self.averaged = False
-        self.in_flight = []  # (flat gradients, all-reduce work) per launched bucket, in order
         for m, layer in enumerate(layers):
             layer.register_forward_hook(self.output_hook(m))
         for index, bucket in enumerate(self.buckets):
@@ -412,65 +355,85 @@ class GradientAverager:
 
         return grad_ready
 
-    def launch(self, index):
-        # Buckets start in backward's order on every rank: the next one is the count in flight.
-        assert index == len(self.in_flight), (index, len(self.in_flight))
-        bucket = self.buckets[index]
-        # A parameter that got no gradient sends zeros: the bucket has the same size everywhere.
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
-        flat = torch.cat([grad.reshape(-1) for grad in grads])
-        work = dist.all_reduce(flat, group=self.group, async_op=True)
-        self.in_flight.append((flat, work))
-
     def wait(self, optimizer, args, kwargs):
-        """The optimizer's step pre-hook (hence its arguments, unused): start the buckets left (the
-        units before the first MoE layer), finish the all-reduces, then scale. Once a step: a
-        second call (the hook after clip_grad_norm_) does nothing."""
+        """StepAverager's, once a step: a second call (the hook after clip_grad_norm_) does
+        nothing."""
         if self.averaged:
             return
-        for index in range(len(self.in_flight), len(self.buckets)):
-            self.launch(index)
-        for bucket, (flat, work) in zip(self.buckets, self.in_flight, strict=True):
-            work.wait()
-            flat.div_(self.world)
-            sizes = [p.numel() for p in bucket]
-            for param, grad in zip(bucket, flat.split(sizes), strict=True):
-                param.grad = grad.view_as(param)  # a view of the bucket: no copy
-        expert_grads = [p.grad for p in self.experts if p.grad is not None]
-        if self.replica_group is not None:
-            for grad in expert_grads:
-                dist.all_reduce(grad, group=self.replica_group)
-        for grad in expert_grads:
-            grad.div_(self.world)
-        # Ready for the next step's backward.
-        self.passes = [0] * len(self.passes)
-        self.in_flight = []
+        super().wait(optimizer, args, kwargs)
+        self.passes = [0] * len(self.passes)  # ready for the next step's backward
         self.averaged = True
 
 
-def hook_optimizer(model, optimizer, data_group=None, replica_group=None, units=None):
-    """Before each step, every gradient averaged over the data-parallel ranks (GradientAverager:
-    data_group, None: the world; replica_group, the ranks holding this rank's experts, None: no
-    other; units, the modules holding the dense parameters in forward order, None: model.embed,
-    model.blocks, model.head). Beside data parallelism on a DeviceMesh ("dp", "ep"): parallelize's
-    group is mesh["ep"].get_group(), replica_group mesh["dp"].get_group(), data_group the world.
-    The dense all-reduces run on a new group over data_group's ranks: every rank of the world
-    calls hook_optimizer, in the same order."""
-    averager = GradientAverager(model, data_group, replica_group, units)
-    optimizer.register_step_pre_hook(averager.wait)
-    model.grad_averager = averager  # for clip_grad_norm_, which must average first
+def bucket_starts(model, units=None):
+    """starts[m]: the buckets (their indices in dense_buckets' order) that start when backward
+    reaches MoE layer m's output: those of the units after m's and before the next MoE layer's.
+    The buckets of the units before the first MoE layer are in none: they start at the step."""
+    if units is None:
+        units = [model.embed, *model.blocks, model.head]
+    layers = moe_layers(model)
+    # place[m]: the unit (its place in forward order) holding MoE layer m
+    place = [
+        next(i for i, unit in enumerate(units) if any(mod is layer for mod in unit.modules()))
+        for layer in layers
+    ]
+    starts = [[] for _ in layers]
+    for index, (unit, _) in enumerate(dense_buckets(model, units)):
+        before = [m for m in range(len(layers)) if place[m] < unit]
+        if before:
+            starts[before[-1]].append(index)
+    return starts
 
 
-def full_state_dict(model):
-    """The plain state_dict of the whole model, every rank's experts gathered on the world's rank 0
-    (None elsewhere); every rank of the world calls it."""
-    local = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    if dist.get_rank() != 0:
-        dist.gather_object(local, None, dst=0)
-        return None
-    parts = [None] * dist.get_world_size()
-    dist.gather_object(local, parts, dst=0)
-    return {k: v for part in parts for k, v in part.items()}
+### more: the dense all-reduces' own process group
+# One NCCL communicator runs its operations in turn: on the all-to-alls' group each bucket would
+# hold up the next MoE layer's backward all-to-all; on a group of its own it can travel while
+# backward runs the blocks before it (not measured on GPUs here).
+
+
+def own_group(data_group=None):
+    """A process group over data_group's ranks (None: the world) for the averager alone. Every rank
+    of the world makes every data group's copy, in the same order, as new_group requires; each
+    keeps its own."""
+    mine = dist.get_process_group_ranks(data_group or dist.group.WORLD)
+    every = [mine]
+    if data_group is not None:  # the other ranks' data groups, which this rank must make too
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+    made = None
+    for ranks in sorted({tuple(ranks) for ranks in every}):
+        group = dist.new_group(list(ranks))
+        if list(ranks) == mine:
+            made = group
+    return made
+
+
+### more: the dense parameters of your model's units, a bucket each
+# Any model: the units are its modules in forward order (nanoGPT: wte, wpe, *h, ln_f, lm_head),
+# and a parameter two units share (a tied embedding) is handled.
+
+
+def dense_buckets(model, units=None):
+    """The dense parameters in the order backward finishes them, one bucket per unit (units: the
+    model's modules in forward order; None: model.embed, the blocks, model.head): the head, the
+    blocks from last to first (attention, norms, router: not the experts), the embedding, each as
+    (the unit's place in forward order, its parameters). A parameter two units share (an embedding
+    tied to the output head) goes in the bucket of the one nearest the input: its gradient is
+    whole only once backward has reached that unit; a unit left with no parameter of its own (an
+    output head holding only the tied weight) has none."""
+    if units is None:
+        units = [model.embed, *model.blocks, model.head]
+    placed = {id(p) for p in expert_params(model)}  # each parameter in one bucket at most
+    buckets = []
+    for place, unit in enumerate(units):
+        bucket = [p for p in unit.parameters() if id(p) not in placed]
+        placed.update(id(p) for p in bucket)
+        if bucket:
+            buckets.append((place, bucket))
+    outside = [p for p in model.parameters() if id(p) not in placed]
+    if outside:
+        raise ValueError("every dense parameter must live in one of the units")
+    return buckets[::-1]  # backward's order
 
 
 ### more: gradient clipping over the expert group

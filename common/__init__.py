@@ -3,7 +3,8 @@
     messages.py  log a line from rank 0, or fail with one clear error
     launch.py    the shared flags, the launcher (torchrun or --nproc), the backend and device
     data.py      MNIST or the synthetic digits as Datasets, the exact evaluation loader
-    model.py     the Vision Transformer every script trains (its MoE layer: expert_parallel.py's)
+    model.py     the Vision Transformer every script trains
+    moe.py       its mixture-of-experts layer (router, experts, balance loss), for --experts
     training.py  the optimizer, the learning-rate schedule, checkpoint files
     meter.py     the measuring instrument, attached from outside the technique
     mesh_traffic.py  the Meter's traffic split by DeviceMesh dimension (nd_parallel.py)

@@ -4,6 +4,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from common.moe import MoE
+
 IMAGE, CLASSES = 28, 10
 
 
@@ -77,14 +79,6 @@ class Block(nn.Module):
         self.attn = Attention(dim, heads)
         self.norm2 = nn.LayerNorm(dim)
         if experts:
-            # The MoE layer (router, experts, balance loss) lives in expert_parallel.py's
-            # technique section, so that the section can be copied alone; imported here, when a
-            # block needs it, as the scripts' folder is on sys.path (importing it at the top
-            # would be circular: expert_parallel.py imports common). When expert_parallel.py is
-            # the running script (__main__), this loads its text once more as a module: the same
-            # classes, which its parallelize takes as it takes any MoE.
-            from expert_parallel import MoE
-
             hidden = mlp_ratio * dim
             self.mlp = MoE(
                 dim, [MLP(dim, hidden) for _ in range(experts)], top_k, aux_loss, forwards_per_step

@@ -1,4 +1,4 @@
-"""Copy cases for expert_parallel.py: its section's MoE layer (router, experts, balance loss) in
+"""Copy cases for expert_parallel.py: common/moe.py's MoE layer (router, experts, balance loss) in
 place of each block's MLP of the second model, E=4 experts of CausalLM's own MLP, top-2, and the
 experts spread over the W=2 ranks (2 on each) while every rank trains on its slice of each
 micro-batch (data parallel over the same ranks); the same on nanoGPT's model (`nanogpt_cases`),
@@ -30,6 +30,7 @@ from causal_lm import (
 )
 
 import expert_parallel
+from common.moe import MoE
 
 CPU = torch.device("cpu")
 EXPERTS = 4
@@ -38,13 +39,13 @@ AUX_LOSS = 0.05  # the balance loss's coefficient: large enough to move the rout
 
 
 def moe_causal_lm(forwards_per_step):
-    """CausalLM with each block's mlp the section's MoE over EXPERTS copies of CausalLM's MLP. The
-    MoE divides its balance loss by `forwards_per_step`, as the loop divides its loss."""
+    """CausalLM with each block's mlp an MoE over EXPERTS copies of CausalLM's MLP. The MoE divides
+    its balance loss by `forwards_per_step`, as the loop divides its loss."""
     model = CausalLM()  # seeds the generator: the same experts in every process
     for block in model.blocks:
         dim = block.ln_2.normalized_shape[0]
         experts = [MLP(dim) for _ in range(EXPERTS)]
-        block.mlp = expert_parallel.MoE(dim, experts, TOP_K, AUX_LOSS, forwards_per_step)
+        block.mlp = MoE(dim, experts, TOP_K, AUX_LOSS, forwards_per_step)
         block.mlp.apply(init_weights)
     return model
 
@@ -105,23 +106,21 @@ def cases(batches, rank, world, folder):
 
 # The model as nanoGPT has it (tests/nanogpt_model.py), trained by its own recipe: (x, y) batches,
 # its configure_optimizers, gradient accumulation, clipping before every step. Every block's mlp
-# is the section's MoE, set from outside as a user would; the class stays as it is.
+# is an MoE (common/moe.py's), set from outside as a user would; the class stays as it is.
 
 NANOGPT_CASES = ["expert_parallel-sgd", "expert_parallel-adamw"]
 
 
 def moe_nanogpt():
-    """nanoGPT's GPT with each block's mlp the section's MoE over EXPERTS copies of nanoGPT's own
-    MLP (its Block calls self.mlp(self.ln_2(x)) and adds the one tensor it gets back, which the
-    MoE gives), initialised as GPT initialises its own MLP. The MoE divides its balance loss by
-    the backward passes a step, as nanoGPT's loop divides its loss."""
+    """nanoGPT's GPT with each block's mlp an MoE over EXPERTS copies of nanoGPT's own MLP (its
+    Block calls self.mlp(self.ln_2(x)) and adds the one tensor it gets back, which the MoE gives),
+    initialised as GPT initialises its own MLP. The MoE divides its balance loss by the backward
+    passes a step, as nanoGPT's loop divides its loss."""
     model = nanogpt_model.model()  # seeds the generator: the same experts in every process
     config = model.config
     for block in model.transformer.h:
         experts = [nanogpt_model.MLP(config) for _ in range(EXPERTS)]
-        block.mlp = expert_parallel.MoE(
-            config.n_embd, experts, TOP_K, AUX_LOSS, nanogpt_model.ACCUMULATE
-        )
+        block.mlp = MoE(config.n_embd, experts, TOP_K, AUX_LOSS, nanogpt_model.ACCUMULATE)
         block.mlp.apply(model._init_weights)
         for name, param in block.mlp.named_parameters():
             if name.endswith("c_proj.weight"):  # GPT-2's scaled init of the residual projections

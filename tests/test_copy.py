@@ -246,7 +246,7 @@ def test_amp_bf16_equals_one_process_bf16(copies):
 
 @pytest.mark.parametrize("optim", OPTIMS)
 def test_expert_parallel_equals_one_process(copies, optim):
-    """expert_parallel.py's MoE layer (E=4 of CausalLM's MLP, top-2, its balance loss) in place of
+    """common/moe.py's MoE layer (E=4 of CausalLM's MLP, top-2, its balance loss) in place of
     every block's MLP, the experts split over the two ranks, each rank on its slice of every
     micro-batch: the parameters of one process holding every expert; each rank held 2 of the 4
     experts of every block (the split, which one process training alone would not show)."""

@@ -117,7 +117,7 @@ def test_equals_one_process(copies, module, case):
 # cases only.
 @pytest.mark.parametrize("module, optim", [("expert_parallel", o) for o in nanogpt_model.OPTIMS])
 def test_expert_parallel_split_the_experts(copies, module, optim):
-    """The section's MoE (E=4 of nanoGPT's MLP, top-2, balance loss) in every block's mlp: each
+    """common/moe.py's MoE (E=4 of nanoGPT's MLP, top-2, balance loss) in every block's mlp: each
     rank held 2 of the 4 experts of every block (the split, which equal parameters alone would not
     show), and the one-process reference of that model learned and clipped every step."""
     _, results = copies

@@ -1,4 +1,4 @@
-"""expert_parallel.py and its section's mixture-of-experts layer: experts spread over W ranks end
+"""expert_parallel.py and common/moe.py's mixture-of-experts layer: experts spread over W ranks end
 with the parameters of one ddp.py process with the same --experts --top-k; the dispatch/combine
 equals a loop over experts (output and gradients, an expert that receives no token included) and
 waits for the device once per layer; the dense gradients' all-reduces start during backward, on
@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import common
 from common.meter import _group_name
+from common.moe import Experts
 from helpers import SMALL, ddp_reference, ddp_references, fork_launch, launch_cases, max_diff, ok
 
 CFG = SMALL + ["--experts", "4", "--top-k", "2"]  # E=4, K=2
@@ -228,7 +229,7 @@ def _dispatch_worker(rank, world, port):
     try:
         E, K, N, D = 4, 2, 37 + 5 * rank, 8
         torch.manual_seed(0)  # the same experts on every rank
-        experts = expert_parallel.Experts(common.MLP(D, 16) for _ in range(E))
+        experts = Experts(common.MLP(D, 16) for _ in range(E))
         torch.manual_seed(1 + rank)  # this rank's tokens and routing
         h, out_grad = torch.randn(N, D), torch.randn(N, D)
         never_one = torch.tensor([0, 2, 3])
