@@ -8,8 +8,8 @@ into a head split for attention, and back. DDP's all-reduce sums the ranks' grad
     rank 1   KV1   KV0   KV3   KV2    and receives the next one from rank r-1, and attends to the
     rank 2   KV2   KV1   KV0   KV3    block in hand while the next one travels: at step s, rank r
     rank 3   KV3   KV2   KV1   KV0    holds rank (r - s) mod W's block.
-    Ulysses, W = 2:  q, k, v [B, T/2, H, d]  ==all-to-all==>  [B, T, H/2, d]: SDPA on all tokens,
-    (a rank's tokens)  out   [B, T/2, H, d]  <==all-to-all==  [B, T, H/2, d]  half the heads
+    Ulysses, W = 2:  q, k, v [B, H, T/2, d]  ==all-to-all==>  [B, H/2, T, d]: SDPA on all tokens,
+    (a rank's tokens)  out   [B, H, T/2, d]  <==all-to-all==  [B, H/2, T, d]  half the heads
 
 Memory per rank (fp32, AdamW): 16Ψ, as DDP; attention saves 4·a·B·T·D/W + 4·B·H·T/W bytes a block
 (a = 5 for ring, 6 for Ulysses), never the T x T scores. Communication per step, per block: ring
@@ -42,125 +42,40 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 ### begin: Context parallel
 # Model contract: the blocks (`blocks=`, `model.blocks` by default), each `attn` with q, k, v,
-# proj (nn.Linear) and head_dim; for another attention, pass parallelize `attention=` a module
-# built as attention(block.attn, method, group, causal, zigzag) that keeps the model's projections
-# and calls `context_attention` where the model called F.scaled_dot_product_attention (GPT-2's
-# fused c_attn, as nanoGPT's CausalSelfAttention has it: GPT2Attention, below). The same weights
-# on every rank; every rank feeds the same batch.
-# causal=False (the ViT): `model.embed` (proj on patch² pixels, pos [1, T, D], patch), `model.head`
-# (fc applied to norm(x).mean(1)); parallelize splits the patches and sums the pooled mean.
-# causal=True (a decoder LM, an output per token): split each (x, y) batch with
-# `split_batch(x, y, group, zigzag)`, embed this rank's x at the positions it returns (not
-# 0..T/W: tests/copy_context_parallel.py's RankGPT), and take the loss over the whole sequence:
-# `causal_lm_loss(logits, y, group, ignore_index)`. Tokens that are their own targets make their
-# y with `next_token_targets(tokens, ignore_index)` first.
+# proj (nn.Linear) and head_dim; `model.embed` (proj on patch² pixels, pos [1, T, D], patch) and
+# `model.head` (fc applied to norm(x).mean(1)). The same weights on every rank; every rank feeds
+# the same batch. Another attention is passed to parallelize as `attention=` (GPT-2's fused
+# c_attn: GPT2Attention, below); a decoder language model passes causal=True and splits its own
+# (x, y) batches (split_batch and causal_lm_loss, below).
 
 
 def token_positions(tokens, rank, world, zigzag=False):
-    """The positions, in a sequence of `tokens`, of the tokens rank holds. Contiguous: the rank's
-    run of T/W. Zig-zag: T cut into 2W chunks, rank r holds chunks r and 2W-1-r, so that under a
-    causal mask every rank has as many (query, key) pairs to compute (W = 2: chunks 0+3, 1+2)."""
-    chunks = 2 * world if zigzag else world
-    if tokens % chunks:
-        raise ValueError(f"{tokens} tokens do not split into {chunks} equal chunks")
-    size = tokens // chunks
-    mine = [rank, chunks - 1 - rank] if zigzag else [rank]
-    return torch.cat([torch.arange(chunk * size, (chunk + 1) * size) for chunk in mine])
-
-
-@functools.lru_cache
-def positions_on(device, tokens, rank, world, zigzag=False):
-    """token_positions on `device`, made once per sequence length, rank and split: moving a new
-    CPU tensor to the GPU at every call would wait for the copy (a host sync)."""
-    return token_positions(tokens, rank, world, zigzag).to(device)
-
-
-def split_tokens(batch, group=None, zigzag=False):
-    """[B, T] -> (this rank's [B, T/W] tokens, their positions [T/W] in the sequence)."""
-    group = group or dist.group.WORLD
-    rank = dist.get_rank(group)
-    world = dist.get_world_size(group)
-    positions = positions_on(batch.device, batch.shape[1], rank, world, zigzag)
-    return batch[:, positions], positions
-
-
-def next_token_targets(tokens, ignore_index=-100):
-    """The y of a batch of tokens that are their own targets, [B, T]: y[:, t] = tokens[:, t + 1],
-    shifted on the whole sequence before any split (a rank's last token's successor may live on
-    another rank); the last position has none."""
-    targets = torch.full_like(tokens, ignore_index)
-    targets[:, :-1] = tokens[:, 1:]
-    return targets
-
-
-def check_same_shapes(x, y, group):
-    """Raise the same ValueError on every rank unless every rank holds [B, T] inputs and targets
-    of one shape. One all-reduce of the shapes, before the ring: a rank raising alone would leave
-    the others waiting in the ring until the backend gives up ("Connection closed by peer")."""
-    sizes = [x.dim(), y.dim(), x.shape[0], x.shape[-1], y.shape[0], y.shape[-1]]
-    local = torch.tensor(sizes, device=x.device)
-    bounds = torch.cat([local, -local])  # the maxima, and minus the minima
-    dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
-    largest = bounds[:6].tolist()
-    smallest = (-bounds[6:]).tolist()
-    if largest != smallest:
-        raise ValueError(
-            f"the ranks feed batches of different shapes: (x.dim, y.dim, x [B, T], y [B, T]) "
-            f"from {smallest} to {largest}; every rank must feed the same [B, T] x and y"
-        )
-    if sizes[:2] != [2, 2] or sizes[2:4] != sizes[4:]:
-        raise ValueError(f"x {list(x.shape)} and y {list(y.shape)}: both must be [B, T]")
-
-
-def split_batch(x, y, group=None, zigzag=False):
-    """(x, y), [B, T] each, y[:, t] the target of x[:, t] (nanoGPT's y: x shifted by one) ->
-    this rank's x and y, [B, T/W] each, split alike, and their positions [T/W] in the sequence:
-    embed x at these positions. Every rank checks the shapes the same way (check_same_shapes)."""
-    group = group or dist.group.WORLD
-    check_same_shapes(x, y, group)
-    x, positions = split_tokens(x, group, zigzag)
-    return x, y[:, positions], positions
-
-
-def visible_part(query_rank, key_rank, tokens, causal, zigzag):
-    """What this rank's queries see of key_rank's K/V block: (query rows, key columns, whether
-    the causal mask applies inside) or None when the block lies wholly in their future. tokens:
-    T/W a rank. A rank's tokens are in sequence order, so its own block takes the causal mask."""
-    everything = slice(None)
-    if not causal:
-        return everything, everything, False
-    if key_rank == query_rank:
-        return everything, everything, True
-    if not zigzag:  # an earlier rank's block is wholly past, a later one's wholly future
-        return (everything, everything, False) if key_rank < query_rank else None
-    early = slice(0, tokens // 2)  # chunk r
-    late = slice(tokens // 2, None)  # chunk 2W-1-r
-    if key_rank < query_rank:  # its early chunk precedes both of ours, its late one follows both
-        return everything, early, False
-    return late, everything, False  # both its chunks precede our late chunk, follow our early one
-
-
-@functools.lru_cache
-def future_mask(device, queries, keys):
-    """True above the diagonal of a rank's own [T/W, T/W] score block: a key after the query.
-    Made once per size and device, as the positions are."""
-    return torch.ones(queries, keys, dtype=torch.bool, device=device).triu_(1)
+    """The positions, in a sequence of `tokens`, of the T/W tokens `rank` holds: its contiguous
+    run, or with zigzag the two chunks that balance a causal mask (zigzag_positions, below)."""
+    if zigzag:
+        return zigzag_positions(tokens, rank, world)
+    if tokens % world:
+        raise ValueError(f"{tokens} tokens do not split into {world} equal chunks")
+    size = tokens // world
+    return torch.arange(rank * size, (rank + 1) * size)
 
 
 class RingPass:
-    """Start passing `blocks` to the next rank of the ring and receiving as many from the previous
-    one; wait() returns the received blocks, in the order of `blocks`. Sends and receives go in one
-    batch_isend_irecv: on NCCL a send blocks until its peer posts the matching receive, so every
-    rank must post both."""
+    """Send each of `blocks` ({name: tensor}) to the next rank of the ring and receive one of each
+    from the previous rank; wait() returns the received tensors under the same names. The sends
+    and receives go in one batch_isend_irecv: on NCCL a send blocks until its peer posts the
+    matching receive, so every rank must post both at once."""
 
     def __init__(self, blocks, group):
         rank = dist.get_rank(group)
         world = dist.get_world_size(group)
         next_rank = dist.get_global_rank(group, (rank + 1) % world)
         previous_rank = dist.get_global_rank(group, (rank - 1) % world)
-        self.received = [torch.empty_like(block) for block in blocks]
-        sends = [dist.P2POp(dist.isend, block, next_rank, group) for block in blocks]
-        receives = [dist.P2POp(dist.irecv, block, previous_rank, group) for block in self.received]
+        self.received = {name: torch.empty_like(block) for name, block in blocks.items()}
+        sends = [dist.P2POp(dist.isend, block, next_rank, group) for block in blocks.values()]
+        receives = [
+            dist.P2POp(dist.irecv, block, previous_rank, group) for block in self.received.values()
+        ]
         self.requests = []
         # batch_isend_irecv refuses an empty list, and backward's last step at W = 2 (or any step
         # at W = 1) has nothing to pass.
@@ -184,14 +99,13 @@ class RingPass:
 # Ulysses, which needs no merge, calls SDPA.
 
 
-def merge_block(q_scaled, kv_block, masked, out, row_max, row_sum):
-    """Online softmax: fold one K/V block into this rank's running O, m and l, in place (the
-    rows of them the block reaches: views of forward's tensors)."""
+def merge_block(q_scaled, kv_block, out, row_max, row_sum, mask=None):
+    """Online softmax: fold one K/V block into this rank's running O, m and l, in place."""
     key, value = kv_block.float()
     with torch.autocast(q_scaled.device.type, enabled=False):  # fp32 scores, as O, m and l
         scores = q_scaled @ key.mT  # S_j
-    if masked:
-        scores.masked_fill_(future_mask(scores.device, *scores.shape[-2:]), -float("inf"))
+    if mask is not None:
+        scores.masked_fill_(mask, -float("inf"))
     new_max = torch.maximum(row_max, scores.amax(-1, keepdim=True))  # m'
     # What was summed under the old max is rescaled to the new one, e^(m - m') <= 1: no exponent
     # ever exceeds 0, so nothing overflows however large the scores.
@@ -205,38 +119,33 @@ def merge_block(q_scaled, kv_block, masked, out, row_max, row_sum):
 
 
 class RingAttention(torch.autograd.Function):
-    """softmax(q·kᵀ/√d)·v over the whole sequence; q, k, v and the output: [B, H, T/W, d],
-    this rank's tokens (in the order token_positions gives). Forward is the online softmax over the
-    ring (the formulas in the module docstring); backward is flash attention's, one K/V block at a
-    time, recomputing each block's softmax from the saved log-sum-exp. causal: each block pair
-    computes only what visible_part says, in forward and backward alike."""
+    """Ring attention (Liu et al. 2023, https://arxiv.org/abs/2310.01889): softmax(q·kᵀ/√d)·v
+    over the whole sequence for this rank's queries; q, k, v and the output: [B, H, T/W, d], this
+    rank's tokens (in the order token_positions gives). Forward merges the K/V blocks with the
+    online softmax as they come round the ring, each step's block attended to while the next one
+    travels; backward is flash attention's, one K/V block at a time, recomputing each block's
+    softmax from the saved log-sum-exp."""
 
     @staticmethod
     def forward(ctx, q, k, v, group, causal=False, zigzag=False):
         rank = dist.get_rank(group)
         world = dist.get_world_size(group)
-        q_scaled = q.float() * q.shape[-1] ** -0.5  # fp32 from here on (merge_block's comment)
-        kv_block = torch.stack([k, v])  # one message per step: the K/V block in hand
+        q_scaled = q.float() * q.shape[-1] ** -0.5  # fp32 from here on (why: above merge_block)
+        kv_block = torch.stack([k, v])  # the K/V block in hand: one message per step
         out = torch.zeros_like(q_scaled)  # O; q's layout: proj then reads it without a copy
         row_max = q_scaled.new_full((*q.shape[:-1], 1), -float("inf"))  # m
         row_sum = q_scaled.new_zeros((*q.shape[:-1], 1))  # l
-        for step in range(world):  # at step s the block in hand is rank (r - s) mod W's
-            last_step = step == world - 1
-            if not last_step:
-                transfer = RingPass([kv_block], group)  # the next block travels meanwhile
-            part = visible_part(rank, (rank - step) % world, q.shape[-2], causal, zigzag)
-            if part is not None:  # step 0, this rank's own block, always has a part
-                rows, cols, masked = part
-                merge_block(
-                    q_scaled[..., rows, :],
-                    kv_block[..., cols, :],
-                    masked,
-                    out[..., rows, :],
-                    row_max[..., rows, :],
-                    row_sum[..., rows, :],
-                )
-            if not last_step:
-                kv_block = transfer.wait()[0]
+        for step in range(world):
+            owner = (rank - step) % world  # the rank whose K/V block is in hand
+            passing_on = step < world - 1  # the last block goes no further
+            if passing_on:
+                transfer = RingPass({"kv": kv_block}, group)  # the next block travels meanwhile
+            if causal:
+                merge_causal_block(q_scaled, kv_block, out, row_max, row_sum, rank, owner, zigzag)
+            else:
+                merge_block(q_scaled, kv_block, out, row_max, row_sum)
+            if passing_on:
+                kv_block = transfer.wait()["kv"]
         out = (out / row_sum).to(q.dtype)  # the one cast: a no-op in fp32
         log_sum_exp = row_max + row_sum.log()
         ctx.save_for_backward(q, k, v, out, log_sum_exp)
@@ -256,136 +165,66 @@ class RingAttention(torch.autograd.Function):
         # Softmax's backward needs rowsum(P ∘ dP) over the whole row; it equals rowsum(dO ∘ O)
         # (FlashAttention-2's D), known before any block comes by.
         grad_dot_out = (grad_out * out.float()).sum(-1, keepdim=True)
-        kv_block = torch.stack([k, v])
+        kv_block = torch.stack([k, v])  # the K/V block in hand, round the ring again
         grad_q = torch.zeros_like(q_scaled)
         # A block's dK/dV is a sum over every rank's queries. Its owner keeps its own share from
-        # step 0; the other shares are added up on the way: a partial sum follows the K/V block
-        # round the ring one step behind, then makes a last hop home. Block 0 at W = 4:
-        #     step 1   rank 1 holds KV0: partial = rank 1's share
-        #     step 2   rank 2 holds KV0, receives the partial from rank 1, adds its share
-        #     step 3   rank 3 holds KV0, receives the partial from rank 2, adds its share
-        #     after    rank 3 sends the partial home: rank 0 adds it to its share from step 0
-        grad_kv_home = None  # this rank's share of its own block's dK/dV
-        grad_kv_partial = None  # last step's block, summed over the ranks it has visited
+        # step 0; the other shares add up in a sum that follows the block round the ring one step
+        # behind it (a rank knows its share only once it has attended to the block), then makes
+        # a last hop home. Block 0 at W = 4:
+        #     step 1   rank 1 holds KV0: the sum is rank 1's share
+        #     step 2   rank 2 holds KV0, receives the sum from rank 1, adds its share
+        #     step 3   rank 3 holds KV0, receives the sum from rank 2, adds its share
+        #     after    rank 3 sends the sum home: rank 0 adds it to its share from step 0
+        grad_kv_own = None  # this rank's share of its own block's dK/dV
+        grad_kv_sum = None  # the dK/dV of the block attended to last, summed over its visits
         for step in range(world):
-            sending_kv = step < world - 1  # the last block in hand goes nowhere
-            sending_partial = step >= 2  # step 1 made the first partial sum
-            outgoing = []
-            if sending_kv:
-                outgoing.append(kv_block)
-            if sending_partial:
-                outgoing.append(grad_kv_partial)
-            transfer = RingPass(outgoing, group)
-            # A block wholly in this rank's future gets a zero share, yet its partial sum still
-            # travels: every rank passes the same messages at every step.
-            grad_kv = torch.zeros_like(kv_block, dtype=torch.float32)
-            part = visible_part(rank, (rank - step) % world, q.shape[-2], ctx.causal, ctx.zigzag)
-            if part is not None:
-                rows, cols, masked = part
-                grad_q_share, grad_kv_share = block_backward(
-                    q_scaled[..., rows, :],
-                    kv_block[..., cols, :],
-                    grad_out[..., rows, :],
-                    log_sum_exp[..., rows, :],
-                    grad_dot_out[..., rows, :],
-                    masked,
+            owner = (rank - step) % world
+            sending = {}
+            if step < world - 1:  # the last block goes no further
+                sending["kv"] = kv_block
+            if step >= 2:  # step 1 started the first sum; the next rank now holds its block
+                sending["grad_kv"] = grad_kv_sum
+            transfer = RingPass(sending, group)
+            if ctx.causal:
+                grad_q_share, grad_kv_share = causal_block_backward(
+                    q_scaled, kv_block, grad_out, log_sum_exp, grad_dot_out, rank, owner, ctx.zigzag
                 )
-                grad_q[..., rows, :] += grad_q_share
-                grad_kv[..., cols, :] = grad_kv_share
-            incoming = transfer.wait()  # as outgoing: [next K/V block], [the previous partial]
+            else:
+                grad_q_share, grad_kv_share = block_backward(
+                    q_scaled, kv_block, grad_out, log_sum_exp, grad_dot_out
+                )
+            grad_q += grad_q_share
+            received = transfer.wait()
             if step == 0:
-                grad_kv_home = grad_kv
+                grad_kv_own = grad_kv_share
             elif step == 1:
-                grad_kv_partial = grad_kv  # the first rank the block visits after its owner
-            else:  # the partial sum of the ranks before this one, for the same block
-                grad_kv_partial = grad_kv + incoming[-1]
-            if sending_kv:
-                kv_block = incoming[0]
-        if world > 1:  # the last partial sum goes home: W - 1 dK/dV hops in all
-            grad_kv_home = grad_kv_home + RingPass([grad_kv_partial], group).wait()[0]
-        grad_k, grad_v = grad_kv_home.to(k.dtype)
+                grad_kv_sum = grad_kv_share  # the first rank the block visits after its owner
+            else:  # the previous rank's sum for the same block
+                grad_kv_sum = grad_kv_share + received["grad_kv"]
+            if "kv" in received:
+                kv_block = received["kv"]
+        if world > 1:  # the last sum goes home: W - 1 dK/dV hops in all
+            grad_kv_own = grad_kv_own + RingPass({"grad_kv": grad_kv_sum}, group).wait()["grad_kv"]
+        grad_k, grad_v = grad_kv_own.to(k.dtype)
         return grad_q.to(q.dtype), grad_k, grad_v, None, None, None
 
 
-def block_backward(q_scaled, kv_block, grad_out, log_sum_exp, grad_dot_out, masked=False):
+def block_backward(q_scaled, kv_block, grad_out, log_sum_exp, grad_dot_out, mask=None):
     """Flash attention's backward for one K/V block: this rank's queries' share of dQ and the
     block's [dK, dV] from this rank's queries. The block's softmax P = e^(S - lse), as in forward
-    (0 where `masked` hides a future key); dS = P ∘ (dO·Vᵀ - rowsum(dO ∘ O));
+    (0 where `mask` hides a key); dS = P ∘ (dO·Vᵀ - rowsum(dO ∘ O));
     dQ = dS·K/√d, dK = dSᵀ·Q/√d, dV = Pᵀ·dO."""
     scale = q_scaled.shape[-1] ** -0.5
     key, value = kv_block.float()
     with torch.autocast(q_scaled.device.type, enabled=False):  # fp32, as forward's merge_block
         scores = q_scaled @ key.mT
-        if masked:
-            scores.masked_fill_(future_mask(scores.device, *scores.shape[-2:]), -float("inf"))
+        if mask is not None:
+            scores.masked_fill_(mask, -float("inf"))
         probs = scores.sub_(log_sum_exp).exp_()
         grad_scores = (grad_out @ value.mT).sub_(grad_dot_out).mul_(probs)
         grad_q = grad_scores @ key * scale
         grad_kv = torch.stack([grad_scores.mT @ q_scaled, probs.mT @ grad_out])
     return grad_q, grad_kv
-
-
-def all_to_all(x, group, scatter_dim, gather_dim):
-    """Cut x into W chunks along `scatter_dim` and send chunk j to rank j; join the W chunks
-    received (chunk j from rank j) along `gather_dim`."""
-    world = dist.get_world_size(group)
-    outgoing = torch.stack(x.chunk(world, scatter_dim))
-    incoming = torch.empty_like(outgoing)
-    dist.all_to_all_single(incoming, outgoing, group=group)
-    return torch.cat(incoming.unbind(0), gather_dim)
-
-
-class AllToAll(torch.autograd.Function):
-    """Ulysses' all-to-all: a token split becomes a head split, or back. Its gradient goes the
-    opposite way: the reverse all-to-all."""
-
-    @staticmethod
-    def forward(ctx, x, group, scatter_dim, gather_dim):
-        ctx.group = group
-        ctx.scatter_dim = scatter_dim
-        ctx.gather_dim = gather_dim
-        return all_to_all(x, group, scatter_dim, gather_dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_to_all(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
-
-
-# Ulysses' tensors are [B, tokens, heads, d]: dimension 1 is the tokens, 2 the heads.
-
-
-def tokens_to_heads(x, group):
-    """[B, T/W, H, d], this rank's tokens -> [B, T, H/W, d], all tokens of this rank's heads."""
-    return AllToAll.apply(x, group, 2, 1)
-
-
-def heads_to_tokens(x, group):
-    """[B, T, H/W, d] -> [B, T/W, H, d]: back to this rank's tokens, every head."""
-    return AllToAll.apply(x, group, 1, 2)
-
-
-def ulysses_attention(q, k, v, group, causal=False, zigzag=False):
-    """[B, H, T/W, d] in and out, as SDPA; SDPA sees all T tokens of H/W heads. The all-to-all
-    gathers the tokens rank by rank: with the zig-zag split they are put in sequence order for
-    SDPA (is_causal needs it) and back after."""
-    world = dist.get_world_size(group)
-    q, k, v = (tokens_to_heads(x.transpose(1, 2), group).transpose(1, 2) for x in (q, k, v))
-    reorder = zigzag and causal  # without a mask, attention does not care about the order
-    if reorder:
-        gathered, in_sequence = gathered_order(q.device, q.shape[-2], world)
-        q, k, v = (x[..., in_sequence, :] for x in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # [B, H/W, T, d]
-    if reorder:
-        out = out[..., gathered, :]  # back to the gathered order
-    return heads_to_tokens(out.transpose(1, 2), group).transpose(1, 2)
-
-
-@functools.lru_cache
-def gathered_order(device, tokens, world):
-    """(the sequence position of each token as the all-to-all gathers the zig-zag split, rank by
-    rank; the order that sorts them), on device, made once per sequence length (no host sync)."""
-    gathered = torch.cat([token_positions(tokens, r, world, zigzag=True) for r in range(world)])
-    return gathered.to(device), gathered.argsort().to(device)
 
 
 def context_attention(q, k, v, method, group, causal=False, zigzag=False):
@@ -431,8 +270,8 @@ class LocalPatchEmbed(nn.Module):
         self.proj = embed.proj
         self.pos = embed.pos
         self.patch = embed.patch
-        # token_positions: a run of the T patches, or two chunks. Moved to the parameters' device
-        # once: a CPU index moved at every call would wait for the copy (a host sync).
+        # Moved to the parameters' device once: a CPU index moved at every call would wait for
+        # the copy (a host sync).
         self.positions = positions.to(embed.pos.device)
 
     def forward(self, img):
@@ -448,8 +287,10 @@ class LocalPatchEmbed(nn.Module):
 class SumOverRanks(torch.autograd.Function):
     """Forward: the all-reduced sum, the same on every rank. Backward: W·grad, with no
     communication. Every rank computes the same loss from the same sum, so each already holds
-    grad; the factor W makes up for DDP's average over ranks (÷W), which here averages not W
-    copies of one gradient but W shares of it, one per rank's tokens (see parallelize)."""
+    grad, and sends it back through its own tokens only: each rank's weight gradients are its
+    tokens' share of the whole. DDP averages the ranks' gradients (÷W); the factor W turns that
+    average of the W shares into their sum, the whole gradient. (A weight after the sum, the
+    classifier's, gets the same whole gradient on every rank: its average is itself.)"""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -463,55 +304,6 @@ class SumOverRanks(torch.autograd.Function):
         return grad * ctx.world, None
 
 
-def causal_lm_loss(logits, targets, group=None, ignore_index=-100):
-    """The cross-entropy averaged over every rank's valid targets (split_batch's y), the same
-    value on every rank: one process's mean over the whole sequence, however unevenly the
-    ignored targets fall on the ranks. One all-reduce of [sum, count, bad targets per rank]."""
-    group = group or dist.group.WORLD
-    rank = dist.get_rank(group)
-    world = dist.get_world_size(group)
-    vocab = logits.shape[-1]
-    valid = targets != ignore_index
-    out_of_range = valid & ((targets < 0) | (targets >= vocab))
-    # A target out of range (-100 to a model that ignores -1) would raise in cross_entropy on its
-    # rank alone, and the others would wait in the all-reduce: each rank counts its bad targets in
-    # that all-reduce instead, and every rank raises the same error.
-    bad = torch.zeros(world, device=logits.device)
-    bad[rank] = out_of_range.sum()
-    safe_targets = targets.masked_fill(out_of_range, ignore_index)
-    loss_sum = F.cross_entropy(
-        logits.flatten(0, -2), safe_targets.flatten(), ignore_index=ignore_index, reduction="sum"
-    )
-    count = (valid & ~out_of_range).sum().to(loss_sum.dtype)
-    total = SumOverRanks.apply(torch.cat([torch.stack([loss_sum, count]), bad]), group)
-    bad_ranks = total[2:].nonzero().flatten().tolist()  # a host sync: the error must be known
-    if bad_ranks:
-        raise ValueError(
-            f"targets outside [0, {vocab}) that are not ignore_index={ignore_index}, on rank(s) "
-            f"{bad_ranks} of the group: pass the ignore_index your targets use"
-        )
-    return total[0] / total[1]
-
-
-def own_group(group):
-    """A new process group over group's ranks, for attention's sends and receives (or Ulysses'
-    all-to-alls) alone. One NCCL communicator runs its operations in turn: on DDP's, the ring's
-    backward transfers would wait behind DDP's bucket all-reduces. new_group must be called by
-    every rank of the world for every group, in the same order: a subgroup's ranks are learnt
-    from every rank (all_gather_object) and each rank makes them all, keeping its own."""
-    mine = dist.get_process_group_ranks(group)
-    every = [mine]
-    if len(mine) < dist.get_world_size():  # the other ranks' groups, which this rank makes too
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
-    made = None
-    for ranks in sorted({tuple(ranks) for ranks in every}):
-        new = dist.new_group(list(ranks))
-        if list(ranks) == mine:
-            made = new
-    return made
-
-
 def parallelize(
     model,
     device,
@@ -522,18 +314,19 @@ def parallelize(
     attention=ContextParallelAttention,
     blocks=None,
 ):
-    """Every rank keeps the whole model and runs it on its T/W tokens of every sample: a
-    contiguous run, or (zigzag) chunks r and 2W-1-r of 2W, which balances causal attention.
-    blocks: the modules whose `attn` attends over the sequence (model.blocks when None).
-    Attention talks on a process group of its own over group's ranks (own_group), DDP on group:
-    every rank of the world calls parallelize, in the same order as its other new groups."""
+    """Every rank keeps the whole model and runs it on its T/W tokens of every sample (which ones:
+    token_positions). blocks: the modules whose `attn` attends over the sequence (model.blocks
+    when None). Every rank of the world calls parallelize, in the same order as its other new
+    groups: it makes attention's own process group (own_group)."""
     group = group or dist.group.WORLD
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
     attention_group = own_group(group)
     for block in model.blocks if blocks is None else blocks:
         block.attn = attention(block.attn, method, attention_group, causal, zigzag)
-    if not causal:  # the ViT: split the patches here, sum the pooled mean over ranks
+    # A language model (causal) splits its own batches and sums its loss over the ranks:
+    # split_batch and causal_lm_loss, below. The ViT's patches are split here.
+    if not causal:
         tokens = model.embed.pos.shape[1]
         model.embed = LocalPatchEmbed(model.embed, token_positions(tokens, rank, world, zigzag))
 
@@ -544,9 +337,7 @@ def parallelize(
             return SumOverRanks.apply(local_mean / world, group)
 
         model.head.fc.register_forward_pre_hook(mean_over_all_tokens)
-    # A weight's gradient is a sum over all tokens; each rank holds its own tokens' part, times W
-    # (SumOverRanks' backward, in the pooled mean or in causal_lm_loss; the classifier's is whole
-    # on every rank). DDP's all-reduce / W then leaves the whole gradient on every rank.
+    # DDP's average of the ranks' gradients is the whole gradient: SumOverRanks says why.
     return DDP(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
@@ -558,6 +349,269 @@ def parallelize(
 def full_state_dict(model):
     """The plain state_dict of the model: every rank holds it whole."""
     return {k: v.detach().cpu() for k, v in model.module.state_dict().items()}
+
+
+### more: Ulysses, the other method: all-to-all from the token split to a head split and back
+
+
+def all_to_all(x, group, scatter_dim, gather_dim):
+    """Cut x into W chunks along `scatter_dim` and send chunk j to rank j; join the W chunks
+    received (chunk j from rank j) along `gather_dim`."""
+    world = dist.get_world_size(group)
+    sent = torch.stack(x.chunk(world, scatter_dim))
+    received = torch.empty_like(sent)
+    dist.all_to_all_single(received, sent, group=group)
+    return torch.cat(received.unbind(0), gather_dim)
+
+
+class AllToAll(torch.autograd.Function):
+    """Ulysses' all-to-all: a token split becomes a head split, or back. Its gradient goes the
+    opposite way: the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x, group, scatter_dim, gather_dim):
+        ctx.group = group
+        ctx.scatter_dim = scatter_dim
+        ctx.gather_dim = gather_dim
+        return all_to_all(x, group, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_to_all(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
+
+
+# Ulysses' tensors are laid out as SDPA takes them, [B, heads, tokens, d]: dimension 1 is the
+# heads, 2 the tokens.
+
+
+def tokens_to_heads(x, group):
+    """[B, H, T/W, d], every head of this rank's tokens -> [B, H/W, T, d], all tokens of this
+    rank's heads."""
+    return AllToAll.apply(x, group, 1, 2)
+
+
+def heads_to_tokens(x, group):
+    """[B, H/W, T, d] -> [B, H, T/W, d]: back to this rank's tokens, every head."""
+    return AllToAll.apply(x, group, 2, 1)
+
+
+def ulysses_attention(q, k, v, group, causal=False, zigzag=False):
+    """DeepSpeed-Ulysses (Jacobs et al. 2023, https://arxiv.org/abs/2309.14509): [B, H, T/W, d]
+    in and out, as SDPA; SDPA sees all T tokens of H/W heads. The all-to-all gathers the tokens
+    rank by rank: in sequence order, unless they were split zig-zag."""
+    q, k, v = (tokens_to_heads(x, group) for x in (q, k, v))
+    if causal and zigzag:
+        out = zigzag_causal_sdpa(q, k, v, dist.get_world_size(group))
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return heads_to_tokens(out, group)
+
+
+### more: causal masking (a decoder language model) and the zig-zag split that balances it
+# A query sees only the keys at or before it. Split contiguously, rank 0's queries see one block
+# and rank W-1's all W, so the ring runs at the last rank's pace. Zig-zag gives every rank an
+# early chunk and a late one, and every rank the same work.
+
+
+def zigzag_positions(tokens, rank, world):
+    """T cut into 2W chunks: rank r holds chunk r (its early chunk) and chunk 2W-1-r (its late
+    chunk), in that order. W = 2: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2."""
+    chunks = 2 * world
+    if tokens % chunks:
+        raise ValueError(f"{tokens} tokens do not split into {chunks} equal chunks")
+    size = tokens // chunks
+    late_chunk = chunks - 1 - rank
+    early = torch.arange(rank * size, (rank + 1) * size)
+    late = torch.arange(late_chunk * size, (late_chunk + 1) * size)
+    return torch.cat([early, late])
+
+
+def causal_part(rank, owner, local_tokens, zigzag, device):
+    """What this rank's queries see of the K/V block of rank `owner`: (query rows, key columns, a
+    mask of the scores to hide or None), or None when it lies wholly in their future. A rank's
+    tokens are in sequence order, so its own block takes the causal mask within."""
+    everything = slice(None)
+    if owner == rank:
+        return everything, everything, future_mask(device, local_tokens, local_tokens)
+    if not zigzag:
+        # Split contiguously, an earlier rank's tokens all precede this rank's, and a later
+        # rank's all follow them.
+        if owner < rank:
+            return everything, everything, None
+        return None
+    # Split zig-zag, each rank holds its early chunk, then its late chunk (zigzag_positions).
+    early = slice(0, local_tokens // 2)
+    late = slice(local_tokens // 2, None)
+    if owner < rank:
+        # The owner's early chunk precedes both of this rank's chunks, and its late chunk
+        # follows both: all of this rank's queries see the owner's early keys.
+        return everything, early, None
+    # Both of the owner's chunks follow this rank's early chunk and precede its late one: only
+    # this rank's late queries see them, all of them.
+    return late, everything, None
+
+
+@functools.lru_cache
+def future_mask(device, queries, keys):
+    """True above the diagonal of a rank's own [T/W, T/W] score block: a key after the query.
+    Made once per size and device, as LocalPatchEmbed's positions are."""
+    return torch.ones(queries, keys, dtype=torch.bool, device=device).triu_(1)
+
+
+def merge_causal_block(q_scaled, kv_block, out, row_max, row_sum, rank, owner, zigzag):
+    """merge_block on the part of the block that this rank's queries see (causal_part)."""
+    part = causal_part(rank, owner, q_scaled.shape[-2], zigzag, q_scaled.device)
+    if part is None:
+        return
+    rows, cols, mask = part
+    merge_block(
+        q_scaled[..., rows, :],
+        kv_block[..., cols, :],
+        out[..., rows, :],
+        row_max[..., rows, :],
+        row_sum[..., rows, :],
+        mask,
+    )
+
+
+def causal_block_backward(
+    q_scaled, kv_block, grad_out, log_sum_exp, grad_dot_out, rank, owner, zigzag
+):
+    """block_backward on the part of the block that this rank's queries see (causal_part), its
+    shares zero elsewhere. A block wholly in this rank's future gets a zero dK/dV share, yet its
+    sum still travels: every rank passes the same messages at every step."""
+    grad_q_share = torch.zeros_like(q_scaled)
+    grad_kv_share = torch.zeros_like(kv_block, dtype=torch.float32)
+    part = causal_part(rank, owner, q_scaled.shape[-2], zigzag, q_scaled.device)
+    if part is not None:
+        rows, cols, mask = part
+        grad_q_part, grad_kv_part = block_backward(
+            q_scaled[..., rows, :],
+            kv_block[..., cols, :],
+            grad_out[..., rows, :],
+            log_sum_exp[..., rows, :],
+            grad_dot_out[..., rows, :],
+            mask,
+        )
+        grad_q_share[..., rows, :] = grad_q_part
+        grad_kv_share[..., cols, :] = grad_kv_part
+    return grad_q_share, grad_kv_share
+
+
+def zigzag_causal_sdpa(q, k, v, world):
+    """Causal SDPA on [B, H/W, T, d] tokens that the all-to-all gathered rank by rank from the
+    zig-zag split: is_causal needs them in sequence order, so they are put in it and back after."""
+    gathered, in_sequence = gathered_order(q.device, q.shape[-2], world)
+    q, k, v = (x[..., in_sequence, :] for x in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return out[..., gathered, :]
+
+
+@functools.lru_cache
+def gathered_order(device, tokens, world):
+    """(gathered, in_sequence) on `device`, made once per sequence length as LocalPatchEmbed's
+    positions are. The all-to-all gathers the zig-zag split rank by rank: `gathered` holds each
+    gathered token's position in the sequence, so x_in_sequence[gathered] is in the gathered
+    order; `in_sequence` sorts them by position, so x_gathered[in_sequence] is in sequence order."""
+    gathered = torch.cat([zigzag_positions(tokens, r, world) for r in range(world)])
+    in_sequence = gathered.argsort()
+    return gathered.to(device), in_sequence.to(device)
+
+
+### more: a language model's (x, y) batches, its loss over every rank's tokens, errors alike
+# causal=True (a decoder language model, an output per token): split each (x, y) batch with
+# `split_batch(x, y, group, zigzag)`, embed this rank's x at the positions it returns (not
+# 0..T/W: tests/copy_context_parallel.py's RankGPT), and take the loss over the whole sequence:
+# `causal_lm_loss(logits, y, group, ignore_index)`. Tokens that are their own targets make their
+# y with `next_token_targets(tokens, ignore_index)` first. A rank that raises alone would leave
+# the others waiting in the ring until the backend gives up ("Connection closed by peer"), so
+# every check here is made alike on every rank, from an all-reduce.
+
+
+@functools.lru_cache
+def positions_on(device, tokens, rank, world, zigzag=False):
+    """token_positions on `device`, made once per sequence length, rank and split, as
+    LocalPatchEmbed's positions are."""
+    return token_positions(tokens, rank, world, zigzag).to(device)
+
+
+def split_tokens(batch, group=None, zigzag=False):
+    """[B, T] -> (this rank's [B, T/W] tokens, their positions [T/W] in the sequence)."""
+    group = group or dist.group.WORLD
+    rank = dist.get_rank(group)
+    world = dist.get_world_size(group)
+    positions = positions_on(batch.device, batch.shape[1], rank, world, zigzag)
+    return batch[:, positions], positions
+
+
+def next_token_targets(tokens, ignore_index=-100):
+    """The y of a batch of tokens that are their own targets, [B, T]: y[:, t] = tokens[:, t + 1],
+    shifted on the whole sequence before any split (a rank's last token's successor may live on
+    another rank); the last position has none."""
+    targets = torch.full_like(tokens, ignore_index)
+    targets[:, :-1] = tokens[:, 1:]
+    return targets
+
+
+def check_same_shapes(x, y, group):
+    """Raise the same ValueError on every rank unless every rank holds [B, T] inputs and targets
+    of one shape, from one all-reduce of the shapes before the ring."""
+    sizes = [x.dim(), y.dim(), x.shape[0], x.shape[-1], y.shape[0], y.shape[-1]]
+    local = torch.tensor(sizes, device=x.device)
+    # One MAX all-reduce gives both bounds: the largest of -size is minus the smallest size.
+    bounds = torch.cat([local, -local])
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
+    bounds = bounds.tolist()  # the one host sync: the error must be known here
+    largest = bounds[:6]
+    smallest = [-bound for bound in bounds[6:]]
+    if largest != smallest:
+        raise ValueError(
+            f"the ranks feed batches of different shapes: (x.dim, y.dim, x [B, T], y [B, T]) "
+            f"from {smallest} to {largest}; every rank must feed the same [B, T] x and y"
+        )
+    if sizes[:2] != [2, 2] or sizes[2:4] != sizes[4:]:
+        raise ValueError(f"x {list(x.shape)} and y {list(y.shape)}: both must be [B, T]")
+
+
+def split_batch(x, y, group=None, zigzag=False):
+    """(x, y), [B, T] each, y[:, t] the target of x[:, t] (nanoGPT's y: x shifted by one) ->
+    this rank's x and y, [B, T/W] each, split alike, and their positions [T/W] in the sequence:
+    embed x at these positions."""
+    group = group or dist.group.WORLD
+    check_same_shapes(x, y, group)
+    x, positions = split_tokens(x, group, zigzag)
+    return x, y[:, positions], positions
+
+
+def causal_lm_loss(logits, targets, group=None, ignore_index=-100):
+    """The cross-entropy averaged over every rank's valid targets (split_batch's y), the same
+    value on every rank: one process's mean over the whole sequence, however unevenly the
+    ignored targets fall on the ranks. One all-reduce of [sum, count, bad targets per rank]."""
+    group = group or dist.group.WORLD
+    rank = dist.get_rank(group)
+    world = dist.get_world_size(group)
+    vocab = logits.shape[-1]
+    valid = targets != ignore_index
+    out_of_range = valid & ((targets < 0) | (targets >= vocab))
+    # A target out of range (-100 to a model that ignores -1) would raise in cross_entropy on its
+    # rank alone: each rank counts its bad targets in the all-reduce instead, and every rank
+    # raises the same error.
+    bad = torch.zeros(world, device=logits.device)
+    bad[rank] = out_of_range.sum()
+    safe_targets = targets.masked_fill(out_of_range, ignore_index)
+    loss_sum = F.cross_entropy(
+        logits.flatten(0, -2), safe_targets.flatten(), ignore_index=ignore_index, reduction="sum"
+    )
+    count = (valid & ~out_of_range).sum().to(loss_sum.dtype)
+    total = SumOverRanks.apply(torch.cat([torch.stack([loss_sum, count]), bad]), group)
+    bad_per_rank = total[2:].tolist()  # the one host sync: the error must be known here
+    bad_ranks = [r for r, bad_count in enumerate(bad_per_rank) if bad_count]
+    if bad_ranks:
+        raise ValueError(
+            f"targets outside [0, {vocab}) that are not ignore_index={ignore_index}, on rank(s) "
+            f"{bad_ranks} of the group: pass the ignore_index your targets use"
+        )
+    return total[0] / total[1]
 
 
 ### more: GPT-2's fused attention (nanoGPT's CausalSelfAttention) as it is
@@ -587,6 +641,28 @@ class GPT2Attention(nn.Module):
         q, k, v = (t.view(shape).transpose(1, 2) for t in self.c_attn(x).split(D, dim=2))
         y = context_attention(q, k, v, self.method, self.group, self.causal, self.zigzag)
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, local_tokens, D)))
+
+
+### more: attention on a process group of its own, apart from DDP's (for NCCL)
+
+
+def own_group(group):
+    """A new process group over group's ranks, for attention's sends and receives (or Ulysses'
+    all-to-alls) alone. One NCCL communicator runs its operations in turn: on DDP's, the ring's
+    backward transfers would wait behind DDP's bucket all-reduces. new_group must be called by
+    every rank of the world for every group, in the same order: a subgroup's ranks are learnt
+    from every rank (all_gather_object) and each rank makes them all, keeping its own."""
+    mine = dist.get_process_group_ranks(group)
+    every = [mine]
+    if len(mine) < dist.get_world_size():  # the other ranks' groups, which this rank makes too
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+    made = None
+    for ranks in sorted({tuple(ranks) for ranks in every}):
+        new = dist.new_group(list(ranks))
+        if list(ranks) == mine:
+            made = new
+    return made
 
 
 ### end: Context parallel
@@ -776,10 +852,8 @@ def run(args):
             meter=meter,
             formula=formula(psi, world, args),
         )
-        # DDP's C++ reducer owns a reference to the process group. Free it while the group
-        # is up, so that leaving the group ends the group, not the reducer: the reducer's
-        # teardown waits for Gloo's threads while holding the GIL that a thread finishing
-        # its last all-reduce needs, and the process hangs at exit (pytorch#56297).
+        # Free DDP before leaving the group: its reducer holds the group and, freed after it,
+        # waits for Gloo's threads while holding the GIL that one of them needs (pytorch#56297).
         del model, meter
         gc.collect()
     finally:

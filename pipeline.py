@@ -16,8 +16,8 @@ Memory per rank (fp32, AdamW): 16Ψ_s bytes for the stage's Ψ_s ≈ Ψ/p parame
 micro-batch in flight: m (gpipe), p-s on stage s (1f1b), 1 (naive). Communication per step: 2m
 messages of B/m·T·D fp32 per stage boundary. Synchronous (one step per batch): exact. Papers:
 Huang et al. 2018, "GPipe: Efficient Training of Giant Neural Networks using Pipeline Parallelism",
-https://arxiv.org/abs/1811.06965; 1F1B: Harlap et al. 2018, "PipeDream: Fast and Efficient
-Pipeline Parallel DNN Training", https://arxiv.org/abs/1806.03377. docs/techniques.md#pipelines
+https://arxiv.org/abs/1811.06965; 1F1B (PipeDream-Flush): Narayanan et al. 2021, "Memory-Efficient
+Pipeline-Parallel DNN Training", https://arxiv.org/abs/2006.09503. docs/techniques.md#pipelines
 
     torchrun --standalone --nproc_per_node=2 pipeline.py --schedule 1f1b --microbatches 4
     python pipeline.py --nproc 4 --schedule gpipe --microbatches 8
@@ -39,46 +39,27 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 
 ### begin: Pipeline
-# Model contract: what runs on each stage is the model's own parts, named by the user in a Parts:
-# `blocks`, the dotted name of the model's list of blocks ([B, T, D] -> [B, T, D]), cut into p
-# contiguous stages; `first`, the names of the modules the first stage runs before the blocks, and
-# `embed(stage, inputs) -> [B, T, D]`, how it runs them; `last` and `head(stage, x) -> what the
-# loss takes`, likewise after the blocks on the last stage. A stage holds each module under its
-# name in the model, so `embed` and `head` read as the model's forward does (stage.transformer.wte)
-# and the stage's state_dict has the model's own keys. The defaults are the common ViT's (embed,
-# blocks, head). The same weights are built on every rank. A float [B/m, T, D] crosses each stage
+# Model contract: the model's embedding, its list of blocks ([B, T, D] -> [B, T, D]), cut into p
+# contiguous stages, and its head, named in a Parts: the common ViT's embed, blocks and head by
+# default. The same weights are built on every rank. A float [B/m, T, D] crosses each stage
 # boundary: (T, D) is parallelize's activation_shape, model.embed.pos's [1, T, D] by default. The
-# loss is train_step's loss_fn(output, targets), cross-entropy by default. A weight the first and
-# the last modules share (GPT-2's wte.weight, lm_head.weight) gets a copy of its own on the last
-# stage (stage.tied). The optimizer is built on the stage: its named_parameters() are the model's,
-# so a recipe that reads only them (nanoGPT's configure_optimizers, called on the stage) builds
-# the stage's groups, the copy in the group a weight-decay split by shape puts its original in.
-# Clipping: this section's clip_grad_norm_(stage, max_norm), over all stages (a stage's own is not
-# the model's norm).
-
-
-class Parts(NamedTuple):
-    """The model's parts a pipeline runs, by name (see the Model contract)."""
-
-    blocks: str = "blocks"
-    first: tuple = ("embed",)
-    embed: Callable = lambda stage, inputs: stage.embed(inputs)
-    last: tuple = ("head",)
-    head: Callable = lambda stage, x: stage.head(x)
+# loss is train_step's loss_fn(output, targets), cross-entropy by default. The pipeline is every
+# rank of the world. Clip with the section's clip_grad_norm_, not torch's. Evaluation and the
+# checkpoint, a language model's parts by name, a weight its first and last stage share (GPT-2's
+# tied embedding) and clipping: the `### more:` parts after the core.
 
 
 class Stage(torch.nn.Module):
-    """Stage `index` of `num_stages` (s of p): blocks s·d/p .. (s+1)·d/p - 1, with the first
-    modules on the first stage and the last ones on the last. Each module sits under its name in
-    the whole model, so the stage's state_dict has the model's keys. `tied`: the stage's copy of
-    each weight the first and the last modules share, on the first and the last stage
-    (parallelize's)."""
+    """Stage `index` of `num_stages` (s of p): blocks s·d/p .. (s+1)·d/p - 1, with the embedding
+    before them on the first stage and the head after them on the last. Each module sits under its
+    name in the whole model (block 5 stays blocks.5), so the stage's state_dict has the model's
+    keys."""
 
     def __init__(
         self, model, index, num_stages, activation_shape=None, parts=None, activation_dtype=None
     ):
         super().__init__()
-        self.parts = parts or Parts()
+        self.parts = parts or Parts()  # the ViT's by default: `### more: a language model's parts`
         self.index = index
         self.num_stages = num_stages
         self.is_first = index == 0
@@ -93,32 +74,18 @@ class Stage(torch.nn.Module):
         if self.is_last:
             held += self.parts.last
         for name in held:
-            self.hold(model, name)
-        # A sample's activation is (T, D): it crosses a stage boundary into an empty tensor here.
+            hold(self, model, name)  # at the same dotted path in the stage as in the model
         if activation_shape is None:
             activation_shape = model.embed.pos.shape[1:]
         self.activation_shape = tuple(activation_shape)
         # In the parameters' dtype by default: a model converted to bf16 sends bf16.
         self.activation_dtype = activation_dtype or next(model.parameters()).dtype
-        self.tied = []
-        self.tied_group = None
 
     def empty(self, samples, device):
         """A receive buffer for `samples` samples' activations or their gradients, in the dtype
         the peer sends: on NCCL another dtype posts another byte count (a hang or garbage)."""
         shape = (samples, *self.activation_shape)
         return torch.empty(shape, dtype=self.activation_dtype, device=device)
-
-    def hold(self, model, name):
-        """Hold the model's module `name` (a dotted path) at the same path in this stage, inside
-        empty modules standing for the ones around it that the stage does not hold whole."""
-        owner = self
-        *path, leaf = name.split(".")
-        for part in path:
-            if part not in dict(owner.named_children()):
-                owner.add_module(part, torch.nn.Module())
-            owner = owner.get_submodule(part)
-        owner.add_module(leaf, model.get_submodule(name))
 
     def forward(self, x):
         if self.is_first:
@@ -134,68 +101,27 @@ def parallelize(model, device, activation_shape=None, parts=None, activation_dty
     """Keep this rank's stage, on its device; the rest of the model is dropped. activation_shape:
     (T, D) of one sample's activation between stages (default: model.embed.pos's), in
     activation_dtype (default: the parameters' dtype, bf16 for a bf16 model); parts: what
-    runs where (a Parts; default: the common ViT's).
-
-    A weight tied between the first modules (first stage) and the last ones (last stage) cannot be
-    one tensor on two ranks. As in Megatron-LM, the last stage gets a copy of its own, equal to the
-    first stage's (every rank built the same weights), and the two stages, its "embedding group",
-    sum their gradients after each step's backward (all_reduce_tied): both copies take the same
-    step, the tied weight's."""
-    parts = parts or Parts()
+    runs where (a Parts; default: the common ViT's)."""
     num_stages = dist.get_world_size()
-    tied_names = tied_weights(model, parts) if num_stages > 1 else []  # one stage holds both ends
     stage = Stage(model, dist.get_rank(), num_stages, activation_shape, parts, activation_dtype)
-    if tied_names:
-        # dist.new_group must be called by every rank, the ranks outside the group too.
-        stage.tied_group = dist.new_group([0, num_stages - 1])
-    if stage.is_first:
-        stage.tied = [model.get_parameter(name) for name in tied_names]
-    if stage.is_last:
-        stage.tied = [untie(stage, name) for name in tied_names]
+    tie_first_and_last(stage, model)  # `### more: a weight tied across the first and the last`
     return stage.to(device)
 
 
-def tied_weights(model, parts):
-    """The names, in the model, of the last modules' parameters that the first modules hold too
-    (GPT-2's lm_head.weight, which is transformer.wte.weight)."""
-    first_parameters = set()
-    for name in parts.first:
-        first_parameters.update(model.get_submodule(name).parameters())
-    tied = []
-    for name in parts.last:
-        for param_name, param in model.get_submodule(name).named_parameters():
-            if param in first_parameters:
-                tied.append(f"{name}.{param_name}")
-    return tied
-
-
-def untie(module, name):
-    """Give `module` a copy of its parameter `name` (a dotted path) of its own; return the copy."""
-    owner_name, _, attribute = name.rpartition(".")
-    owner = module.get_submodule(owner_name)
-    copy = torch.nn.Parameter(owner.get_parameter(attribute).detach().clone())
-    setattr(owner, attribute, copy)
-    return copy
-
-
-def all_reduce_tied(stage):
-    """The first and the last stage: each copy of a tied weight has its stage's part of the
-    weight's gradient (the embedding's use, the head's); both take their sum. At the same point on
-    both, after the step's last backward. The other stages hold no copy and do nothing."""
-    for weight in stage.tied:
-        dist.all_reduce(weight.grad, group=stage.tied_group)
-
-
+# Stage s's actions for one batch of m micro-batches: `warmup` forwards, then one forward and one
+# backward at a time, then the backwards left (the docstring draws them on the ranks' timelines):
+#
+#   naive  F0 B0 F1 B1 .. F(m-1) B(m-1)            warmup 0: one micro-batch in the pipeline
+#   gpipe  F0 F1 .. F(m-1) B0 B1 .. B(m-1)         warmup m: all the forwards, then the backwards
+#   1f1b   F0 .. F(w-1) Fw B0 F(w+1) B1 .. B(m-1)  warmup w = p-s-1: what fills the stages after s
 def schedule(name, micro_batches, num_stages, index):
     """Stage `index`'s actions for one batch, in order: ("F", i) and ("B", i) for micro-batch i.
-    First `warmup` forwards, then one forward one backward, then the backwards left. 1f1b runs
-    p-s-1 forwards ahead on stage s, what the stages after it need to fill up, so it never holds
-    more than p-s micro-batches in flight; gpipe runs all m ahead; naive none."""
+    1f1b never holds more than p-s micro-batches in flight on stage s; gpipe holds all m."""
     if name == "naive":
         warmup = 0
-    elif name == "gpipe":
+    elif name == "gpipe":  # Huang et al. 2018, GPipe: https://arxiv.org/abs/1811.06965
         warmup = micro_batches
-    else:  # 1f1b
+    else:  # 1f1b: Narayanan et al. 2021, PipeDream-Flush: https://arxiv.org/abs/2006.09503
         warmup = min(num_stages - index - 1, micro_batches)
     actions = [("F", i) for i in range(warmup)]
     for i in range(micro_batches - warmup):
@@ -231,11 +157,7 @@ def train_step(stage, x, y, schedule_name, micro_batches, loss_fn=F.cross_entrop
     loss = torch.zeros((), device=x.device)
     kept = {}  # micro-batch -> (its input, its output), kept for its backward
     sends = []  # the last action's output, which goes out with the next action's receive
-    if stage.is_last:
-        # A tied copy's gradient from an earlier train_step of this optimizer step is in the first
-        # stage's copy too (all_reduce_tied summed it there): dropped here, the sum counts it once.
-        for weight in stage.tied:
-            weight.grad = None
+    drop_summed_copies(stage)  # for a tied weight's copy: see its `### more:` part
     for action, i in schedule(schedule_name, micro_batches, stage.num_stages, stage.index):
         if action == "F":
             if stage.is_first:
@@ -270,8 +192,11 @@ def train_step(stage, x, y, schedule_name, micro_batches, loss_fn=F.cross_entrop
             output.backward(grad)
             sends = [] if stage.is_first else [(dist.isend, activation.grad, stage.index - 1)]
     p2p(sends)  # the last backward's gradient: stage s-1 receives it in its own last backward
-    all_reduce_tied(stage)
+    all_reduce_tied(stage)  # the two copies of a tied weight: see its `### more:` part
     return loss
+
+
+### more: evaluation and the checkpoint (infer for evaluate(), full_state_dict for --save)
 
 
 @torch.no_grad()
@@ -297,6 +222,105 @@ def full_state_dict(model):
     if parts is None:
         return None
     return {name: tensor for part in parts for name, tensor in part.items()}
+
+
+### more: a language model's parts, by name (Parts, hold)
+# A language model names its parts otherwise (nanoGPT: transformer.wte, transformer.h, lm_head)
+# and runs code of its own around its blocks. A Parts names them: `blocks`, the dotted name of
+# the model's list of blocks; `first`, the modules the first stage runs before the blocks, and
+# `embed(stage, inputs) -> [B, T, D]`, how it runs them; `last` and `head(stage, x) -> what the
+# loss takes`, likewise after the blocks on the last stage. A stage holds each module under its
+# name in the model, so `embed` and `head` read as the model's forward does (stage.transformer.wte)
+# and the stage's state_dict has the model's own keys. The optimizer is built on the stage: its
+# named_parameters() are the model's, so a recipe that reads only them (nanoGPT's
+# configure_optimizers, called on the stage) builds the stage's groups.
+
+
+class Parts(NamedTuple):
+    """The model's parts a pipeline runs, by name; the defaults are the common ViT's."""
+
+    blocks: str = "blocks"
+    first: tuple = ("embed",)
+    embed: Callable = lambda stage, inputs: stage.embed(inputs)
+    last: tuple = ("head",)
+    head: Callable = lambda stage, x: stage.head(x)
+
+
+def hold(stage, model, name):
+    """Hold the model's module `name` (a dotted path) at the same path in `stage`, inside empty
+    modules standing for the ones around it that the stage does not hold whole."""
+    owner = stage
+    *path, leaf = name.split(".")
+    for part in path:
+        if part not in dict(owner.named_children()):
+            owner.add_module(part, torch.nn.Module())
+        owner = owner.get_submodule(part)
+    owner.add_module(leaf, model.get_submodule(name))
+
+
+### more: a weight tied across the first and the last stage (GPT-2's wte.weight, lm_head.weight)
+# A tied weight cannot be one tensor on two ranks. As in Megatron-LM, the last stage gets a copy
+# of its own (stage.tied), equal to the first stage's (every rank built the same weights), and the
+# two stages, its "embedding group", sum their gradients after each step's backward
+# (all_reduce_tied): both copies take the same step, the tied weight's. A weight-decay split by
+# shape puts the last stage's copy in the group of its original's shape there.
+
+
+def tie_first_and_last(stage, model):
+    """parallelize's, on every rank: `stage.tied`, the stage's copies of the tied weights (on the
+    first and the last stage; none elsewhere), and `stage.tied_group`, the two stages' group."""
+    stage.tied = []
+    stage.tied_group = None
+    # A world of one holds both ends of a tied weight in its one stage: nothing to keep equal.
+    tied_names = tied_weights(model, stage.parts) if stage.num_stages > 1 else []
+    if not tied_names:
+        return
+    # dist.new_group must be called by every rank, the ranks outside the group too.
+    stage.tied_group = dist.new_group([0, stage.num_stages - 1])
+    if stage.is_first:
+        stage.tied = [model.get_parameter(name) for name in tied_names]
+    if stage.is_last:
+        stage.tied = [untie(stage, name) for name in tied_names]
+
+
+def tied_weights(model, parts):
+    """The names, in the model, of the last modules' parameters that the first modules hold too
+    (GPT-2's lm_head.weight, which is transformer.wte.weight)."""
+    first_parameters = set()
+    for name in parts.first:
+        first_parameters.update(model.get_submodule(name).parameters())
+    tied = []
+    for name in parts.last:
+        for param_name, param in model.get_submodule(name).named_parameters():
+            if param in first_parameters:
+                tied.append(f"{name}.{param_name}")
+    return tied
+
+
+def untie(module, name):
+    """Give `module` a copy of its parameter `name` (a dotted path) of its own; return the copy."""
+    owner_name, _, attribute = name.rpartition(".")
+    owner = module.get_submodule(owner_name)
+    copy = torch.nn.Parameter(owner.get_parameter(attribute).detach().clone())
+    setattr(owner, attribute, copy)
+    return copy
+
+
+def drop_summed_copies(stage):
+    """Before train_step's backwards, on the last stage: a tied copy's gradient from an earlier
+    train_step of this optimizer step is in the first stage's copy too (all_reduce_tied summed it
+    there), so it is dropped here and the next sum counts it once."""
+    if stage.is_last:
+        for weight in stage.tied:
+            weight.grad = None
+
+
+def all_reduce_tied(stage):
+    """The first and the last stage: each copy of a tied weight has its stage's part of the
+    weight's gradient (the embedding's use, the head's); both take their sum. At the same point on
+    both, after the step's last backward. The other stages hold no copy and do nothing."""
+    for weight in stage.tied:
+        dist.all_reduce(weight.grad, group=stage.tied_group)
 
 
 ### more: gradient clipping over the stages

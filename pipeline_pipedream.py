@@ -37,42 +37,27 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 
 ### begin: Pipeline
-# Model contract: what runs on each stage is the model's own parts, named by the user in a Parts:
-# `blocks`, the dotted name of the model's list of blocks ([B, T, D] -> [B, T, D]), cut into p
-# contiguous stages; `first`, the names of the modules the first stage runs before the blocks, and
-# `embed(stage, inputs) -> [B, T, D]`, how it runs them; `last` and `head(stage, x) -> logits`,
-# likewise after the blocks on the last stage. A stage holds each module under its name in the
-# model, so `embed` and `head` read as the model's forward does (stage.transformer.wte) and the
-# stage's state_dict has the model's own keys. The defaults are the common ViT's (embed, blocks,
-# head). The same weights are built on every rank. A float [B/m, T, D] crosses each stage
-# boundary: (T, D) is parallelize's activation_shape, model.embed.pos's [1, T, D] by default.
-# Cross-entropy loss. No weight shared by the first and the last modules (a tied embedding is
-# refused: see parallelize). No gradient clipping: each stage steps after each of its backwards,
-# at its own times, so no step has a norm over all stages (check_args refuses --clip).
-
-
-class Parts(NamedTuple):
-    """The model's parts a pipeline runs, by name (see the Model contract)."""
-
-    blocks: str = "blocks"
-    first: tuple = ("embed",)
-    embed: Callable = lambda stage, inputs: stage.embed(inputs)
-    last: tuple = ("head",)
-    head: Callable = lambda stage, x: stage.head(x)
+# Model contract: the model's embedding, its list of blocks ([B, T, D] -> [B, T, D]), cut into p
+# contiguous stages, and its head, named in a Parts: the common ViT's embed, blocks and head by
+# default. The same weights are built on every rank. A float [B/m, T, D] crosses each stage
+# boundary: (T, D) is parallelize's activation_shape, model.embed.pos's [1, T, D] by default. The
+# loss is cross-entropy. The pipeline is every rank of the world. No gradient clipping: each stage
+# steps after each of its backwards, at its own times, so no step has a norm over all stages
+# (check_args refuses --clip). Evaluation and the checkpoint, a language model's parts by name,
+# and the refusal of a weight the first and the last stage share: the `### more:` parts.
 
 
 class Stage(torch.nn.Module):
-    """Stage `index` of `num_stages` (s of p): blocks s·d/p .. (s+1)·d/p - 1, with the first
-    modules on the first stage and the last ones on the last. Each module sits under its name in
-    the whole model, so the stage's state_dict has the model's keys. `tied`: the stage's copy of
-    each weight the first and the last modules share, on the first and the last stage
-    (parallelize's)."""
+    """Stage `index` of `num_stages` (s of p): blocks s·d/p .. (s+1)·d/p - 1, with the embedding
+    before them on the first stage and the head after them on the last. Each module sits under its
+    name in the whole model (block 5 stays blocks.5), so the stage's state_dict has the model's
+    keys."""
 
     def __init__(
         self, model, index, num_stages, activation_shape=None, parts=None, activation_dtype=None
     ):
         super().__init__()
-        self.parts = parts or Parts()
+        self.parts = parts or Parts()  # the ViT's by default: `### more: a language model's parts`
         self.index = index
         self.num_stages = num_stages
         self.is_first = index == 0
@@ -87,8 +72,7 @@ class Stage(torch.nn.Module):
         if self.is_last:
             held += self.parts.last
         for name in held:
-            self.hold(model, name)
-        # A sample's activation is (T, D): it crosses a stage boundary into an empty tensor here.
+            hold(self, model, name)  # at the same dotted path in the stage as in the model
         if activation_shape is None:
             activation_shape = model.embed.pos.shape[1:]
         self.activation_shape = tuple(activation_shape)
@@ -105,17 +89,6 @@ class Stage(torch.nn.Module):
         shape = (samples, *self.activation_shape)
         return torch.empty(shape, dtype=self.activation_dtype, device=device)
 
-    def hold(self, model, name):
-        """Hold the model's module `name` (a dotted path) at the same path in this stage, inside
-        empty modules standing for the ones around it that the stage does not hold whole."""
-        owner = self
-        *path, leaf = name.split(".")
-        for part in path:
-            if part not in dict(owner.named_children()):
-                owner.add_module(part, torch.nn.Module())
-            owner = owner.get_submodule(part)
-        owner.add_module(leaf, model.get_submodule(name))
-
     def forward(self, x):
         if self.is_first:
             x = self.parts.embed(self, x)
@@ -130,37 +103,21 @@ def parallelize(model, device, activation_shape=None, parts=None, activation_dty
     """Keep this rank's stage, on its device; the rest of the model is dropped. activation_shape:
     (T, D) of one sample's activation between stages (default: model.embed.pos's), in
     activation_dtype (default: the parameters' dtype, bf16 for a bf16 model); parts: what
-    runs where (a Parts; default: the common ViT's). A weight tied between the first and the last
-    modules is refused: pipeline.py gives the last stage a copy and sums the two copies' gradients
-    before each step, but here the first and the last stage step after each micro-batch's backward
-    at different times, each with its own stashed versions."""
-    parts = parts or Parts()
-    tied_names = tied_weights(model, parts)
-    if dist.get_world_size() > 1 and tied_names:
-        raise ValueError(
-            f"the first and the last modules share {tied_names}: pipeline_pipedream.py cannot "
-            "keep a tied weight's two stages in step; untie it, or use pipeline.py"
-        )
-    stage = Stage(
-        model, dist.get_rank(), dist.get_world_size(), activation_shape, parts, activation_dtype
-    )
+    runs where (a Parts; default: the common ViT's)."""
+    num_stages = dist.get_world_size()
+    refuse_tied_weights(model, parts or Parts(), num_stages)  # `### more: a tied weight, refused`
+    stage = Stage(model, dist.get_rank(), num_stages, activation_shape, parts, activation_dtype)
     return stage.to(device)
 
 
-def tied_weights(model, parts):
-    """The names, in the model, of the last modules' parameters that the first modules hold too
-    (GPT-2's lm_head.weight, which is transformer.wte.weight)."""
-    first_parameters = set()
-    for name in parts.first:
-        first_parameters.update(model.get_submodule(name).parameters())
-    tied = []
-    for name in parts.last:
-        for param_name, param in model.get_submodule(name).named_parameters():
-            if param in first_parameters:
-                tied.append(f"{name}.{param_name}")
-    return tied
-
-
+# Stage s's actions on the stream of micro-batches, batch after batch with no flush between them
+# (Harlap et al. 2018, PipeDream: https://arxiv.org/abs/1806.03377): 1F1B's w = p-s-1 forwards
+# ahead, then one forward and one backward at a time, across the batches' boundaries too; only the
+# run's final batch drains the backwards left.
+#
+#   batch 1   F0 .. F(w-1) Fw B0 F(w+1) B1 .. F(m-1) B(m-1-w)
+#   batch 2   F(m) B(m-w) F(m+1) B(m+1-w) ..              batch 1's last w backwards run here
+#   final     .. F(e-1) B(e-1-w) B(e-w) .. B(e-1)         e = the stream's end: the drain
 def schedule(micro_batches, num_stages, index, first, final):
     """Stage `index`'s actions on this batch, micro-batches first .. first+m-1 of the stream, in
     order: ("F", j) then ("B", j-w), w = p-s-1 the forwards stage s runs ahead of its backwards
@@ -262,6 +219,9 @@ def train_step(stage, x, y, micro_batches, optimizer, final=False):
     return loss
 
 
+### more: evaluation and the checkpoint (infer for evaluate(), full_state_dict for --save)
+
+
 @torch.no_grad()
 def infer(stage, x):
     """The whole batch through the stages in turn: the logits on the last stage, None on the
@@ -285,6 +245,71 @@ def full_state_dict(model):
     if parts is None:
         return None
     return {name: tensor for part in parts for name, tensor in part.items()}
+
+
+### more: a language model's parts, by name (Parts, hold)
+# A language model names its parts otherwise (nanoGPT: transformer.wte, transformer.h, lm_head)
+# and runs code of its own around its blocks. A Parts names them: `blocks`, the dotted name of
+# the model's list of blocks; `first`, the modules the first stage runs before the blocks, and
+# `embed(stage, inputs) -> [B, T, D]`, how it runs them; `last` and `head(stage, x) -> what the
+# loss takes`, likewise after the blocks on the last stage. A stage holds each module under its
+# name in the model, so `embed` and `head` read as the model's forward does (stage.transformer.wte)
+# and the stage's state_dict has the model's own keys. The optimizer is built on the stage: its
+# named_parameters() are the model's, so a recipe that reads only them (nanoGPT's
+# configure_optimizers, called on the stage) builds the stage's groups.
+
+
+class Parts(NamedTuple):
+    """The model's parts a pipeline runs, by name; the defaults are the common ViT's."""
+
+    blocks: str = "blocks"
+    first: tuple = ("embed",)
+    embed: Callable = lambda stage, inputs: stage.embed(inputs)
+    last: tuple = ("head",)
+    head: Callable = lambda stage, x: stage.head(x)
+
+
+def hold(stage, model, name):
+    """Hold the model's module `name` (a dotted path) at the same path in `stage`, inside empty
+    modules standing for the ones around it that the stage does not hold whole."""
+    owner = stage
+    *path, leaf = name.split(".")
+    for part in path:
+        if part not in dict(owner.named_children()):
+            owner.add_module(part, torch.nn.Module())
+        owner = owner.get_submodule(part)
+    owner.add_module(leaf, model.get_submodule(name))
+
+
+### more: a tied weight, refused (GPT-2's wte.weight, lm_head.weight)
+# pipeline.py gives the last stage a copy of a weight the first and the last stage share and sums
+# the two copies' gradients before each step, but here the first and the last stage step after
+# each micro-batch's backward at different times, each with its own stashed versions.
+
+
+def refuse_tied_weights(model, parts, num_stages):
+    """parallelize's, before the stage is built: a ValueError naming the weights the first and the
+    last modules share, in a world of more than one stage."""
+    tied_names = tied_weights(model, parts)
+    if num_stages > 1 and tied_names:
+        raise ValueError(
+            f"the first and the last modules share {tied_names}: pipeline_pipedream.py cannot "
+            "keep a tied weight's two stages in step; untie it, or use pipeline.py"
+        )
+
+
+def tied_weights(model, parts):
+    """The names, in the model, of the last modules' parameters that the first modules hold too
+    (GPT-2's lm_head.weight, which is transformer.wte.weight)."""
+    first_parameters = set()
+    for name in parts.first:
+        first_parameters.update(model.get_submodule(name).parameters())
+    tied = []
+    for name in parts.last:
+        for param_name, param in model.get_submodule(name).named_parameters():
+            if param in first_parameters:
+                tied.append(f"{name}.{param_name}")
+    return tied
 
 
 ### end: Pipeline

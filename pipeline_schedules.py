@@ -39,41 +39,22 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 
 ### begin: Pipeline
-# Model contract: what runs on each stage is the model's own parts, named by the user in a Parts:
-# `blocks`, the dotted name of the model's list of blocks ([B, T, D] -> [B, T, D]), cut into p
-# contiguous stages; `first`, the names of the modules the first stage runs before the blocks, and
-# `embed(stage, inputs) -> [B, T, D]`, how it runs them; `last` and `head(stage, x) -> what the
-# loss takes`, likewise after the blocks on the last stage. A stage holds each module under its
-# name in the model, so `embed` and `head` read as the model's forward does (stage.transformer.wte)
-# and the stage's state_dict has the model's own keys. The defaults are the common ViT's (embed,
-# blocks, head). The same weights are built on every rank. A float [B/m, T, D] crosses each stage
+# Model contract: the model's embedding, its list of blocks ([B, T, D] -> [B, T, D]), cut into p
+# contiguous stages, and its head, named in a Parts: the common ViT's embed, blocks and head by
+# default. The same weights are built on every rank. A float [B/m, T, D] crosses each stage
 # boundary: (T, D) is parallelize's activation_shape, model.embed.pos's [1, T, D] by default. The
-# loss is train_step's loss_fn(output, targets), cross-entropy by default. A weight the first and
-# the last modules share (GPT-2's wte.weight, lm_head.weight) gets a copy of its own on the last
-# stage (stage.tied). The optimizer is built on the stage: its named_parameters() are the model's,
-# so a recipe that reads only them (nanoGPT's configure_optimizers, called on the stage) builds
-# the stage's groups, the copy in the group a weight-decay split by shape puts its original in.
-# Clipping: this section's clip_grad_norm_(stage, max_norm), over all stages (a stage's own is not
-# the model's norm).
-
-
-class Parts(NamedTuple):
-    """The model's parts a pipeline runs, by name (see the Model contract)."""
-
-    blocks: str = "blocks"
-    first: tuple = ("embed",)
-    embed: Callable = lambda stage, inputs: stage.embed(inputs)
-    last: tuple = ("head",)
-    head: Callable = lambda stage, x: stage.head(x)
+# loss is train_step's loss_fn(output, targets), cross-entropy by default. The pipeline is every
+# rank of the world. Clip with the section's clip_grad_norm_, not torch's. Evaluation and the
+# checkpoint, a language model's parts by name, a weight its first and last stage share (GPT-2's
+# tied embedding) and clipping: the `### more:` parts after the core.
 
 
 class Stage(torch.nn.Module):
     """Stage `index` of `num_stages` (s of p), holding `num_chunks` (V) chunks: its chunk v is
     global chunk c = v·p + s of the C = V·p the blocks are cut into (blocks
     c·d/C .. (c+1)·d/C - 1), with the first modules before global chunk 0 and the last ones after
-    chunk C-1. Each module sits under its name in the whole model, so the stage's state_dict has
-    the model's keys. `tied`: the stage's copy of each weight the first and the last modules share,
-    on the first and the last stage (parallelize's)."""
+    chunk C-1. Each module sits under its name in the whole model (block 5 stays blocks.5), so the
+    stage's state_dict has the model's keys."""
 
     def __init__(
         self,
@@ -86,7 +67,7 @@ class Stage(torch.nn.Module):
         activation_dtype=None,
     ):
         super().__init__()
-        self.parts = parts or Parts()
+        self.parts = parts or Parts()  # the ViT's by default: `### more: a language model's parts`
         self.index = index
         self.num_stages = num_stages
         self.num_chunks = num_chunks
@@ -109,32 +90,18 @@ class Stage(torch.nn.Module):
         if self.is_last:
             held += self.parts.last
         for name in held:
-            self.hold(model, name)
-        # A sample's activation is (T, D): it crosses a chunk boundary into an empty tensor here.
+            hold(self, model, name)  # at the same dotted path in the stage as in the model
         if activation_shape is None:
             activation_shape = model.embed.pos.shape[1:]
         self.activation_shape = tuple(activation_shape)
         # In the parameters' dtype by default: a model converted to bf16 sends bf16.
         self.activation_dtype = activation_dtype or next(model.parameters()).dtype
-        self.tied = []
-        self.tied_group = None
 
     def empty(self, samples, device):
         """A receive buffer for `samples` samples' activations or their gradients, in the dtype
         the peer sends: on NCCL another dtype posts another byte count (a hang or garbage)."""
         shape = (samples, *self.activation_shape)
         return torch.empty(shape, dtype=self.activation_dtype, device=device)
-
-    def hold(self, model, name):
-        """Hold the model's module `name` (a dotted path) at the same path in this stage, inside
-        empty modules standing for the ones around it that the stage does not hold whole."""
-        owner = self
-        *path, leaf = name.split(".")
-        for part in path:
-            if part not in dict(owner.named_children()):
-                owner.add_module(part, torch.nn.Module())
-            owner = owner.get_submodule(part)
-        owner.add_module(leaf, model.get_submodule(name))
 
     def is_first_chunk(self, chunk):
         return self.is_first and chunk == 0
@@ -158,66 +125,28 @@ def parallelize(
     """Keep this rank's chunks, on its device; the rest of the model is dropped. activation_shape:
     (T, D) of one sample's activation between stages (default: model.embed.pos's), in
     activation_dtype (default: the parameters' dtype, bf16 for a bf16 model); parts: what
-    runs where (a Parts; default: the common ViT's).
-
-    A weight tied between the first modules (first stage) and the last ones (last stage) cannot be
-    one tensor on two ranks. As in Megatron-LM, the last stage gets a copy of its own, equal to the
-    first stage's (every rank built the same weights), and the two stages, its "embedding group",
-    sum their gradients after each step's backward (all_reduce_tied): both copies take the same
-    step, the tied weight's."""
-    parts = parts or Parts()
+    runs where (a Parts; default: the common ViT's)."""
     num_stages = dist.get_world_size()
-    tied_names = tied_weights(model, parts) if num_stages > 1 else []  # one stage holds both ends
     stage = Stage(
         model, dist.get_rank(), num_stages, num_chunks, activation_shape, parts, activation_dtype
     )
-    if tied_names:
-        # dist.new_group must be called by every rank, the ranks outside the group too.
-        stage.tied_group = dist.new_group([0, num_stages - 1])
-    if stage.is_first:
-        stage.tied = [model.get_parameter(name) for name in tied_names]
-    if stage.is_last:
-        stage.tied = [untie(stage, name) for name in tied_names]
+    tie_first_and_last(stage, model)  # `### more: a weight tied across the first and the last`
     return stage.to(device)
 
 
-def tied_weights(model, parts):
-    """The names, in the model, of the last modules' parameters that the first modules hold too
-    (GPT-2's lm_head.weight, which is transformer.wte.weight)."""
-    first_parameters = set()
-    for name in parts.first:
-        first_parameters.update(model.get_submodule(name).parameters())
-    tied = []
-    for name in parts.last:
-        for param_name, param in model.get_submodule(name).named_parameters():
-            if param in first_parameters:
-                tied.append(f"{name}.{param_name}")
-    return tied
-
-
-def untie(module, name):
-    """Give `module` a copy of its parameter `name` (a dotted path) of its own; return the copy."""
-    owner_name, _, attribute = name.rpartition(".")
-    owner = module.get_submodule(owner_name)
-    copy = torch.nn.Parameter(owner.get_parameter(attribute).detach().clone())
-    setattr(owner, attribute, copy)
-    return copy
-
-
-def all_reduce_tied(stage):
-    """The first and the last stage: each copy of a tied weight has its stage's part of the
-    weight's gradient (the embedding's use, the head's); both take their sum. At the same point on
-    both, after the step's last backward. The other stages hold no copy and do nothing."""
-    for weight in stage.tied:
-        dist.all_reduce(weight.grad, group=stage.tied_group)
-
-
+# Stage s's actions for one batch of m micro-batches: `warmup` forwards, then one forward and one
+# backward at a time, then the backwards left (the docstring draws them on the ranks' timelines):
+#
+#   1f1b   F0 .. F(w-1) Fw B0 F(w+1) B1 .. B(m-1)  warmup w = p-s-1: what fills the stages after s
+#   zb-h1  1f1b's, W(k-s) after Bk, the last s Ws at the end of stage s: `### more: zero bubble`
+#   interleaved   V chunks a rank, in an order of its own: `### more: interleaved 1F1B`
 def schedule(name, micro_batches, num_stages, index, num_chunks=1):
     """Stage `index`'s steps for one batch: lists of actions (F | B | W, micro-batch, chunk), whose
     sends go out in one group with the next step's receives. 1f1b as in pipeline.py, one action a
     step; zb-h1 is 1f1b with the Ws put in by with_weight_passes; interleaved has its own order."""
     if name == "interleaved":
         return interleaved(micro_batches, num_stages, index, num_chunks)
+    # 1f1b: Narayanan et al. 2021, PipeDream-Flush: https://arxiv.org/abs/2006.09503
     warmup = min(num_stages - index - 1, micro_batches)
     actions = [("F", i, 0) for i in range(warmup)]
     for i in range(micro_batches - warmup):
@@ -227,56 +156,6 @@ def schedule(name, micro_batches, num_stages, index, num_chunks=1):
     if name == "zb-h1":
         actions = with_weight_passes(actions, micro_batches, index)
     return [[action] for action in actions]
-
-
-def with_weight_passes(actions, micro_batches, index):
-    """ZB-H1: stage s runs W of micro-batch k-s right after its k-th B and the last s Ws at the
-    end. 1F1B leaves stage s idle about s backwards at the end (the later stages drain first): the
-    Ws held back fill that, the others fill the steady state's waits for gradients.
-
-    What a W costs here: train_step's W is a second backward from the output, through the graph
-    B kept (retain_graph), with the stage's parameters as its inputs; autograd recomputes every
-    input gradient between the output and the first block's weights to get there. So W costs
-    about a whole backward (~2F) and B about half of one (~F): a micro-batch's backward costs
-    ~1.5 times 1F1B's. On a GPU, where the stages are busy rather than waiting, expect zb-h1 to
-    run slower than 1f1b unless the bubble it removes, about (p-1)/(m+p-1) of the step, is more
-    than that extra third of each micro-batch's work. Qi et al.'s W, and torch.distributed.
-    pipelining's (stage_backward_weight), start from the intermediate gradients B kept and compute
-    only the weights' gradients (~F)."""
-    scheduled = []
-    backwards = 0
-    for action in actions:
-        scheduled.append(action)
-        if action[0] == "B":
-            if backwards >= index:
-                scheduled.append(("W", backwards - index, 0))
-            backwards += 1
-    scheduled += [("W", i, 0) for i in range(micro_batches - index, micro_batches)]
-    return scheduled
-
-
-def interleaved(micro_batches, num_stages, index, num_chunks):
-    """Megatron-LM's interleaved 1F1B: the forwards in rounds of p micro-batches, chunk 0 then
-    chunk 1 .. (a round goes around the ranks V times, like one pipeline V times deeper), the
-    backwards in the same rounds with the chunks reversed. Stage s runs 2(p-s-1) + (V-1)·p
-    forwards ahead (all of them when m = p), Megatron's count of what keeps it busy until the
-    first gradient comes back; then steps of one forward and one backward; then the rest."""
-    forwards = []  # (micro-batch, chunk) in the order this rank runs them
-    for forward_index in range(micro_batches * num_chunks):
-        round_index, position = divmod(forward_index, num_stages * num_chunks)
-        chunk, offset = divmod(position, num_stages)
-        forwards.append((round_index * num_stages + offset, chunk))
-    backwards = [(i, num_chunks - 1 - chunk) for i, chunk in forwards]
-    total = len(forwards)
-    if micro_batches == num_stages:  # Megatron-LM's special case: every forward first
-        warmup = total
-    else:
-        warmup = min(2 * (num_stages - index - 1) + (num_chunks - 1) * num_stages, total)
-    steady = zip(forwards[warmup:], backwards[: total - warmup], strict=True)
-    steps = [[("F", *forward)] for forward in forwards[:warmup]]
-    steps += [[("F", *forward), ("B", *backward)] for forward, backward in steady]
-    steps += [[("B", *backward)] for backward in backwards[total - warmup :]]
-    return steps
 
 
 def p2p(ops):
@@ -327,11 +206,7 @@ def train_step(stage, x, y, schedule_name, micro_batches, loss_fn=F.cross_entrop
     received = {}  # (action, micro-batch, chunk) -> the tensor its input arrives in
     kept = {}  # (micro-batch, chunk) -> (its input, its output), kept for its B (zb-h1: its W)
     output_grads = {}  # zb-h1: (micro-batch, chunk) -> the gradient its B went back with, for W
-    if stage.is_last:
-        # A tied copy's gradient from an earlier train_step of this optimizer step is in the first
-        # stage's copy too (all_reduce_tied summed it there): dropped here, the sum counts it once.
-        for weight in stage.tied:
-            weight.grad = None
+    drop_summed_copies(stage)  # for a tied weight's copy: see its `### more:` part
     # The first step's inputs come alone: no step before it has sends to pair them with.
     p2p(receives(stage, steps[0], inputs, received))
     for step, next_step in zip(steps, [*steps[1:], []], strict=True):
@@ -369,8 +244,67 @@ def train_step(stage, x, y, schedule_name, micro_batches, loss_fn=F.cross_entrop
                 _, output = kept.pop((i, chunk))
                 output.backward(output_grads.pop((i, chunk)), inputs=list(stage.parameters()))
         p2p(sends + receives(stage, next_step, inputs, received))
-    all_reduce_tied(stage)
+    all_reduce_tied(stage)  # the two copies of a tied weight: see its `### more:` part
     return loss
+
+
+### more: interleaved 1F1B (Narayanan et al. 2021, Megatron-LM)
+
+
+def interleaved(micro_batches, num_stages, index, num_chunks):
+    """Megatron-LM's interleaved 1F1B: the forwards in rounds of p micro-batches, chunk 0 then
+    chunk 1 .. (a round goes around the ranks V times, like one pipeline V times deeper), the
+    backwards in the same rounds with the chunks reversed. Stage s runs 2(p-s-1) + (V-1)·p
+    forwards ahead (all of them when m = p), Megatron's count of what keeps it busy until the
+    first gradient comes back; then steps of one forward and one backward; then the rest."""
+    forwards = []  # (micro-batch, chunk) in the order this rank runs them
+    for forward_index in range(micro_batches * num_chunks):
+        round_index, position = divmod(forward_index, num_stages * num_chunks)
+        chunk, offset = divmod(position, num_stages)
+        forwards.append((round_index * num_stages + offset, chunk))
+    backwards = [(i, num_chunks - 1 - chunk) for i, chunk in forwards]
+    total = len(forwards)
+    if micro_batches == num_stages:  # Megatron-LM's special case: every forward first
+        warmup = total
+    else:
+        warmup = min(2 * (num_stages - index - 1) + (num_chunks - 1) * num_stages, total)
+    steady = zip(forwards[warmup:], backwards[: total - warmup], strict=True)
+    steps = [[("F", *forward)] for forward in forwards[:warmup]]
+    steps += [[("F", *forward), ("B", *backward)] for forward, backward in steady]
+    steps += [[("B", *backward)] for backward in backwards[total - warmup :]]
+    return steps
+
+
+### more: zero bubble (ZB-H1, Qi et al. 2024): the backward split into B and W
+
+
+def with_weight_passes(actions, micro_batches, index):
+    """ZB-H1: stage s runs W of micro-batch k-s right after its k-th B and the last s Ws at the
+    end. 1F1B leaves stage s idle about s backwards at the end (the later stages drain first): the
+    Ws held back fill that, the others fill the steady state's waits for gradients.
+
+    What a W costs here: train_step's W is a second backward from the output, through the graph
+    B kept (retain_graph), with the stage's parameters as its inputs; autograd recomputes every
+    input gradient between the output and the first block's weights to get there. So W costs
+    about a whole backward (~2F) and B about half of one (~F): a micro-batch's backward costs
+    ~1.5 times 1F1B's. On a GPU, where the stages are busy rather than waiting, expect zb-h1 to
+    run slower than 1f1b unless the bubble it removes, about (p-1)/(m+p-1) of the step, is more
+    than that extra third of each micro-batch's work. Qi et al.'s W, and torch.distributed.
+    pipelining's (stage_backward_weight), start from the intermediate gradients B kept and compute
+    only the weights' gradients (~F)."""
+    scheduled = []
+    backwards = 0
+    for action in actions:
+        scheduled.append(action)
+        if action[0] == "B":
+            if backwards >= index:
+                scheduled.append(("W", backwards - index, 0))
+            backwards += 1
+    scheduled += [("W", i, 0) for i in range(micro_batches - index, micro_batches)]
+    return scheduled
+
+
+### more: evaluation and the checkpoint (infer for evaluate(), full_state_dict for --save)
 
 
 @torch.no_grad()
@@ -396,6 +330,105 @@ def full_state_dict(model):
     if parts is None:
         return None
     return {name: tensor for part in parts for name, tensor in part.items()}
+
+
+### more: a language model's parts, by name (Parts, hold)
+# A language model names its parts otherwise (nanoGPT: transformer.wte, transformer.h, lm_head)
+# and runs code of its own around its blocks. A Parts names them: `blocks`, the dotted name of
+# the model's list of blocks; `first`, the modules the first stage runs before the blocks, and
+# `embed(stage, inputs) -> [B, T, D]`, how it runs them; `last` and `head(stage, x) -> what the
+# loss takes`, likewise after the blocks on the last stage. A stage holds each module under its
+# name in the model, so `embed` and `head` read as the model's forward does (stage.transformer.wte)
+# and the stage's state_dict has the model's own keys. The optimizer is built on the stage: its
+# named_parameters() are the model's, so a recipe that reads only them (nanoGPT's
+# configure_optimizers, called on the stage) builds the stage's groups.
+
+
+class Parts(NamedTuple):
+    """The model's parts a pipeline runs, by name; the defaults are the common ViT's."""
+
+    blocks: str = "blocks"
+    first: tuple = ("embed",)
+    embed: Callable = lambda stage, inputs: stage.embed(inputs)
+    last: tuple = ("head",)
+    head: Callable = lambda stage, x: stage.head(x)
+
+
+def hold(stage, model, name):
+    """Hold the model's module `name` (a dotted path) at the same path in `stage`, inside empty
+    modules standing for the ones around it that the stage does not hold whole."""
+    owner = stage
+    *path, leaf = name.split(".")
+    for part in path:
+        if part not in dict(owner.named_children()):
+            owner.add_module(part, torch.nn.Module())
+        owner = owner.get_submodule(part)
+    owner.add_module(leaf, model.get_submodule(name))
+
+
+### more: a weight tied across the first and the last stage (GPT-2's wte.weight, lm_head.weight)
+# A tied weight cannot be one tensor on two ranks. As in Megatron-LM, the last stage gets a copy
+# of its own (stage.tied), equal to the first stage's (every rank built the same weights), and the
+# two stages, its "embedding group", sum their gradients after each step's backward
+# (all_reduce_tied): both copies take the same step, the tied weight's. A weight-decay split by
+# shape puts the last stage's copy in the group of its original's shape there.
+
+
+def tie_first_and_last(stage, model):
+    """parallelize's, on every rank: `stage.tied`, the stage's copies of the tied weights (on the
+    first and the last stage; none elsewhere), and `stage.tied_group`, the two stages' group."""
+    stage.tied = []
+    stage.tied_group = None
+    # A world of one holds both ends of a tied weight in its one stage: nothing to keep equal.
+    tied_names = tied_weights(model, stage.parts) if stage.num_stages > 1 else []
+    if not tied_names:
+        return
+    # dist.new_group must be called by every rank, the ranks outside the group too.
+    stage.tied_group = dist.new_group([0, stage.num_stages - 1])
+    if stage.is_first:
+        stage.tied = [model.get_parameter(name) for name in tied_names]
+    if stage.is_last:
+        stage.tied = [untie(stage, name) for name in tied_names]
+
+
+def tied_weights(model, parts):
+    """The names, in the model, of the last modules' parameters that the first modules hold too
+    (GPT-2's lm_head.weight, which is transformer.wte.weight)."""
+    first_parameters = set()
+    for name in parts.first:
+        first_parameters.update(model.get_submodule(name).parameters())
+    tied = []
+    for name in parts.last:
+        for param_name, param in model.get_submodule(name).named_parameters():
+            if param in first_parameters:
+                tied.append(f"{name}.{param_name}")
+    return tied
+
+
+def untie(module, name):
+    """Give `module` a copy of its parameter `name` (a dotted path) of its own; return the copy."""
+    owner_name, _, attribute = name.rpartition(".")
+    owner = module.get_submodule(owner_name)
+    copy = torch.nn.Parameter(owner.get_parameter(attribute).detach().clone())
+    setattr(owner, attribute, copy)
+    return copy
+
+
+def drop_summed_copies(stage):
+    """Before train_step's backwards, on the last stage: a tied copy's gradient from an earlier
+    train_step of this optimizer step is in the first stage's copy too (all_reduce_tied summed it
+    there), so it is dropped here and the next sum counts it once."""
+    if stage.is_last:
+        for weight in stage.tied:
+            weight.grad = None
+
+
+def all_reduce_tied(stage):
+    """The first and the last stage: each copy of a tied weight has its stage's part of the
+    weight's gradient (the embedding's use, the head's); both take their sum. At the same point on
+    both, after the step's last backward. The other stages hold no copy and do nothing."""
+    for weight in stage.tied:
+        dist.all_reduce(weight.grad, group=stage.tied_group)
 
 
 ### more: gradient clipping over the stages

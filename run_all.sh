@@ -83,6 +83,8 @@ RUNS=(
   "quick|zero stage 3|ranks|zero.py --stage 3|"
   "all|zero stage 1|ranks|zero.py --stage 1|"
   "all|zero stage 2|ranks|zero.py --stage 2|"
+  # DeepSpeed is optional (requirements-deepspeed.txt): the row runs where it is installed
+  "quick|deepspeed_zero stage 3|ranks|deepspeed_zero.py --stage 3|"
   "quick|zero_offload stage 3 disk|ranks|zero_offload.py --stage 3 $DISK|"
   "all|zero_offload stage 3 cpu|ranks|zero_offload.py --stage 3 --offload cpu|"
   "quick|fsdp|ranks|fsdp.py|"
@@ -191,10 +193,15 @@ fi
 
 failed=()
 : > "$LOGS/results"
+deepspeed=$(python -c 'import importlib.util; print(importlib.util.find_spec("deepspeed") is not None)')
 for entry in "${RUNS[@]}"; do
   IFS='|' read -r tier name launcher cmd why <<< "$entry"
   [ "$tier" = all ] && [ "$ALL" = 0 ] && continue
   [ -n "${ONLY:-}" ] && ! grep -qE "$ONLY" <<< "$name" && continue
+  if [[ $name == deepspeed* ]] && [ "$deepspeed" != True ]; then
+    echo "skip  $name: DeepSpeed is not installed (pip install -r requirements-deepspeed.txt)" >&2
+    continue
+  fi
   log="$LOGS/$(tr -c 'A-Za-z0-9=\n' '_' <<< "$name").log"
   flags=("${COMMON[@]}" "${CLIP[@]}")
   [ "$name" = pipeline_pipedream ] && flags=("${COMMON[@]}")   # it refuses --clip

@@ -41,105 +41,58 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 ### begin: ZeRO
 # Model contract: `units`, parallelize's argument, are the modules ZeRO flattens, in the order
-# forward runs them (nanoGPT: [wte, wpe, *h, ln_f, lm_head]); together they hold every parameter
-# of the model, each in one unit (else parallelize raises: a module left out would stay whole and
-# a weight tied into it silently untied); forward calls each unit's forward once, which returns
-# one tensor (stage 3 gathers the unit around it and around its backward), and the model's own
-# code around them (positions, dropout, the loss) runs as it is; every parameter gets a gradient
-# in every backward; the same weights on every rank's device. After parallelize, model.parameters()
-# are this rank's shards (count Ψ before it, for MFU), and model.state_dict() refuses: the model's
-# own keys, whole, come from full_state_dict. Supported: a parameter shared by two units (GPT-2's
-# lm_head.weight is wte.weight: flattened once, in the first unit, its gradients summed by
-# autograd; at stage 3 that unit is gathered for the other's forward and backward too; a unit
-# holding only tied parameters, nanoGPT's lm_head, has nothing to flatten of its own); optimizer
-# parameter groups (parallelize's param_groups: each unit lays its parameters out group by group
-# and cuts its shard where the groups meet); several backward passes per step (gradient
-# accumulation: each one's averaged shard is added up). The optimizer: built after parallelize
-# over model.zero.param_groups, with the user's class, and the old one dropped (see parallelize):
-# ZeRO-3 saves memory only once nothing else holds the model's original parameters. Clipping:
-# this section's clip_grad_norm_(model, max_norm), between backward and step. Offloaded, the
-# master shard is cut into the same pieces, each stepped with its group's hyperparameters.
+# forward runs them (the ViT: [embed, *blocks, head]); together they hold every parameter of the
+# model, each in one unit. Forward calls each unit's forward once, which returns one tensor (stage
+# 3 gathers the unit around it and around its backward); every parameter gets a gradient in every
+# backward; the same weights on every rank's device. ZeRO talks on the default process group, the
+# world. After parallelize, model.parameters() are this rank's shards (count Ψ before it, for
+# MFU): build the optimizer over model.zero.param_groups, drop the old one (see parallelize), call
+# hook_optimizer; save with full_state_dict, clip with this section's clip_grad_norm_. What a
+# language model needs besides (tied weights, optimizer groups, gradient accumulation) follows the
+# core, each in a `### more:` part.
 
 
 class Unit:
-    """One module's parameters as views into a single flat buffer, and this rank's shard of it.
+    """One module's parameters as views into a single flat buffer, and this rank's shard of it:
+    ZeRO's partitioning (Rajbhandari et al. 2019, section 5, https://arxiv.org/abs/1910.02054).
 
-    flat    N = W·S elements: the parameters one after another, group by group, then zeros up to a
-            multiple of W
+    flat    N = W·S elements: the parameters one after another, then zeros up to a multiple of W
     shard   flat[r·S:(r+1)·S]: what this rank's optimizer steps. At stage 3 it is a copy, so that
             `flat` can be freed whenever the unit is not in use.
-    pieces  (group, its slice of the shard, nn.Parameter): the shard cut where the optimizer's
-            parameter groups meet, the module's only parameters now (one piece with one group)
+    pieces  (group, its slice of the shard, nn.Parameter): the module's only parameters now; for
+            one optimizer group, one piece: the whole shard
     """
 
     @torch.no_grad()  # copying the parameters in must not make `flat` part of autograd's graph
     def __init__(self, name, module, rank, world, stage, placed, group_of):
-        """placed: Parameter -> (unit, state_dict key, tensor now in its place), for the parameters
-        earlier units flattened (this one adds its own); group_of: Parameter -> optimizer group."""
-        self.tied = []  # (state_dict key, key of the same parameter in the earlier unit holding it)
-        self.borrowed = []  # the earlier units holding a parameter this module uses too
-        named_params = self.take_tied(name, module, placed)  # and the module's own parameters
-        # group by group (a stable sort: one group keeps the module's order), so that each group's
-        # elements are one range of flat and meet this rank's shard in one range
-        named_params.sort(key=lambda named: group_of[named[1]])
+        """name: the module's name in the model, its parameters' state_dict keys. placed and
+        group_of: the tied weights and the optimizer groups of the user's units (their `### more:`
+        part below)."""
+        # the module's parameters, but those an earlier unit flattened (tied), in flat's order
+        named_params = own_parameters(self, name, module, placed, group_of)
         numel = sum(param.numel() for _, param in named_params)
         self.shard_numel = (numel + world - 1) // world  # S: numel / W, rounded up
-        # the parameters' dtype and device; a unit holding only tied parameters (nanoGPT's lm_head)
-        # has nothing to flatten: no elements, never gathered or reduced
+        # a unit holding only tied parameters (nanoGPT's lm_head) has none to take dtype and device
+        # from: it has no elements, and is never gathered or reduced
         like = named_params[0][1] if named_params else torch.empty(0)
         self.flat = like.new_zeros(world * self.shard_numel)
         self.params = []  # (state_dict key, the tensor in the parameter's place, offset in flat)
-        group_end = {}  # group -> where its range of flat ends
         offset = 0
         for param_name, param in named_params:
             view = self.flat[offset : offset + param.numel()].view_as(param)
             view.copy_(param)
             tensor = replace_with_view(module, param_name, view)
             self.params.append((f"{name}.{param_name}", tensor, offset))
-            placed[param] = (self, f"{name}.{param_name}", tensor)
             offset += param.numel()
-            group_end[group_of[param]] = offset
-        if named_params:
-            _, last_param = named_params[-1]
-            group_end[group_of[last_param]] = self.flat.numel()  # the padding: the last group's
-        shard = self.flat[rank * self.shard_numel : (rank + 1) * self.shard_numel]
+        self.shard = self.flat[rank * self.shard_numel : (rank + 1) * self.shard_numel]
         if stage == 3:
-            shard = shard.clone()
-        self.shard = shard
-        self.pieces = self.cut(group_end, rank)
-        module.shards = nn.ParameterList([piece for _, _, piece in self.pieces])  # registered
+            self.shard = self.shard.clone()
+        self.pieces = cut_into_pieces(self, named_params, group_of, rank)
+        # an attribute of the module, so that model.parameters() yields the pieces from now on
+        module.shards = nn.ParameterList([piece for _, _, piece in self.pieces])
         self.flat_grad = None  # the unit's whole gradient, while it exists (always, at stage 1)
         self.grad_shard = None  # this rank's shard of the averaged gradient, until the step
         self.grads_arrived = 0  # how many of its parameters' gradients this backward has produced
-
-    def take_tied(self, name, module, placed):
-        """A parameter an earlier unit flattened (tied: GPT-2's lm_head.weight is wte.weight) gets
-        that unit's tensor here too, so that autograd sums its two gradients into one; return the
-        module's other parameters, this unit's own."""
-        own = []
-        for param_name, param in list(module.named_parameters()):  # the loop edits module
-            if param in placed:
-                owner, owner_key, tensor = placed[param]
-                put_tensor(module, param_name, tensor)
-                self.tied.append((f"{name}.{param_name}", owner_key))
-                self.borrowed.append(owner)
-            else:
-                own.append((param_name, param))
-        return own
-
-    def cut(self, group_end, rank):
-        """The shard cut where the groups meet: a piece per group whose range overlaps it."""
-        pieces = []
-        shard_start = rank * self.shard_numel
-        group_start = 0
-        for group, end in group_end.items():
-            low = max(group_start, shard_start) - shard_start
-            high = min(end, shard_start + self.shard_numel) - shard_start
-            if low < high:
-                own = slice(low, high)
-                pieces.append((group, own, nn.Parameter(self.shard[own])))
-            group_start = end
-        return pieces
 
     def is_whole(self):
         """Stage 3: whether `flat` has its memory (gathered, or being gathered into)."""
@@ -158,53 +111,171 @@ class Unit:
         self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
 
 
-def replace_with_view(module, name, view):
-    """Put a new leaf tensor whose .data is `view` where the parameter `name` was, and return it.
+class ZeRO:
+    """The engine, kept at model.zero. Its hooks reduce-scatter each unit's gradient as soon as the
+    unit's backward is done and, at stage 3, gather each unit's parameters just before forward or
+    backward needs them and free them right after; before_step / after_step wrap the step."""
 
-    Why not the view itself: a view shares its version counter with `flat`, so it would count every
-    write into `flat`, and stage 3 writes into `flat` again before the backward (the all-gather).
-    Autograd would then refuse the tensors it saved in the forward as modified in place. Setting
-    .data keeps the new tensor's own version counter, which no write into `flat` moves."""
-    tensor = torch.empty(0, dtype=view.dtype, device=view.device, requires_grad=True)
-    tensor.data = view
-    put_tensor(module, name, tensor)
-    return tensor
+    def __init__(self, model, device, stage, modules, param_groups):
+        self.device = device  # where clip_grad_norm_ adds up the squares
+        self.stage = stage
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        check_units(model, modules)
+        # the model's own Parameters, about to be replaced: hook_optimizer checks that none stays
+        self.originals = [(name, weakref.ref(param)) for name, param in model.named_parameters()]
+        self.reducing = None  # (unit, output, work): the reduce-scatter in flight, at most one
+        self.gathering = {}  # unit index -> work: stage 3's all-gathers in flight
+        name_of = {module: name for name, module in model.named_modules()}
+        group_of = optimizer_group_of(model, param_groups)
+        placed = {}  # each Parameter -> (unit, key): where it was flattened, for a later tie
+        self.units = []
+        for index, module in enumerate(modules):
+            unit = Unit(name_of[module], module, self.rank, self.world, stage, placed, group_of)
+            self.units.append(unit)
+            for _, tensor, offset in unit.params:
+                hook = functools.partial(self.gradient_arrived, unit, offset)
+                tensor.register_post_accumulate_grad_hook(hook)
+            if stage == 3:
+                unit.free()
+                module.register_forward_pre_hook(functools.partial(self.before_forward, index))
+                module.register_forward_hook(functools.partial(self.after_forward, index))
+                hook_borrowed(self, index, module)
+        # the optimizer's groups, their hyperparameters kept, their parameters the shards' pieces
+        self.param_groups = groups_over_pieces(param_groups, self.units)
+
+    # stage 3 (the paper's P_p): a unit is whole only around its forward and its backward
+
+    def before_forward(self, index, module, args):
+        self.gather(index)
+        prefetch(self, index + 1)
+
+    def after_forward(self, index, module, args, output):
+        self.units[index].free()
+        if output.requires_grad:  # training: the gradient reaching this output starts its backward
+            output.register_hook(functools.partial(self.before_backward, index))
+
+    def before_backward(self, index, grad):
+        self.gather(index)
+        prefetch(self, index - 1)  # backward runs the units in reverse
+
+    @torch.no_grad()  # writes the parameters' values beneath autograd, as an optimizer step does
+    def gather(self, index):
+        """Unit `index` whole: all-gathered from the W ranks' shards, unless it is whole already,
+        or its all-gather is on its way (prefetched): then that is waited for."""
+        unit = self.units[index]
+        if index in self.gathering:
+            self.gathering.pop(index).wait()
+        elif not unit.is_whole() and unit.params:
+            unit.allocate()
+            dist.all_gather_into_tensor(unit.flat, unit.shard)
+
+    # every stage (P_g from stage 2 on): a unit's gradient is reduce-scattered once it is whole
+
+    @torch.no_grad()
+    def gradient_arrived(self, unit, offset, tensor):
+        """Autograd has put `tensor`'s gradient in .grad: move it into the unit's flat gradient. The
+        model contract gives every parameter a gradient in every backward, so the unit's gradient
+        is complete when all of its parameters' have arrived (a tied one's once, summed)."""
+        if unit.grads_arrived == 0:
+            self.start_flat_grad(unit)
+        unit.flat_grad[offset : offset + tensor.numel()].copy_(tensor.grad.flatten())
+        tensor.grad = None  # the flat gradient holds it now: autograd's copy can go
+        unit.grads_arrived += 1
+        if unit.grads_arrived == len(unit.params):
+            unit.grads_arrived = 0  # ready for the next backward
+            self.reduce_scatter(unit)
+
+    def start_flat_grad(self, unit):
+        """The unit's first gradient of this backward: a flat gradient to collect them in."""
+        keep_earlier_backward(self, unit)
+        if unit.flat_grad is None:
+            unit.flat_grad = unit.flat.new_zeros(unit.flat.numel())  # the padding stays zero
+
+    def reduce_scatter(self, unit):
+        """Start reduce-scattering the unit's gradient: rank r gets shard r of the average."""
+        self.finish_reduce_scatter()  # one at a time: at most two whole gradients exist at once
+        unit.flat_grad.div_(self.world)  # Σ_ranks grad/W: the global batch's mean gradient, as DDP
+        output = average_buffer(self, unit)  # S elements, for this rank's shard of the average
+        work = dist.reduce_scatter_tensor(output, unit.flat_grad, async_op=True)
+        self.reducing = (unit, output, work)
+        if self.stage == 3:
+            unit.free()  # all its gradients are in: backward reads its parameters no more
+
+    def finish_reduce_scatter(self):
+        """Wait for the reduce-scatter in flight, if any, and add its average to the unit's gradient
+        shard (the sum over this step's backward passes, as .grad sums them without ZeRO); from
+        stage 2 on, drop the whole gradient it read."""
+        if self.reducing is None:
+            return
+        unit, output, work = self.reducing
+        work.wait()
+        self.reducing = None
+        if unit.grad_shard is None:
+            unit.grad_shard = output
+        else:
+            unit.grad_shard += output  # gradient accumulation: a later backward of the same step
+        if self.stage >= 2:
+            unit.flat_grad = None  # only this rank's shard of the gradient stays
+
+    # the step (P_os, every stage): each rank steps its own shards
+
+    def before_step(self):
+        self.finish_reduce_scatter()  # the backward's last: the first unit's
+        for unit in self.units:
+            # none: handed already (clip_grad_norm_ ran), or a unit with nothing flattened
+            if unit.grad_shard is not None:
+                for _, own, piece in unit.pieces:
+                    piece.grad = unit.grad_shard[own]
+                unit.grad_shard = None  # the optimizer's now: zero_grad(set_to_none=True) frees it
+
+    @torch.no_grad()
+    def after_step(self):
+        """Stages 1-2: the next forward needs every unit whole and updated everywhere. The shard is
+        flat's own slice r, so the all-gather fills the rest of flat around it. (Stage 3 gathers
+        each unit when it is needed.)"""
+        for unit in self.units:
+            if self.stage < 3 and unit.params:
+                dist.all_gather_into_tensor(unit.flat, unit.shard)
 
 
-def put_tensor(module, name, tensor):
-    """`tensor`, a plain attribute, where the parameter `name` was: the unit's shard is the
-    parameter from now on."""
-    owner_name, _, attribute = name.rpartition(".")
-    owner = module.get_submodule(owner_name)
-    delattr(owner, attribute)
-    setattr(owner, attribute, tensor)
+def parallelize(model, device, stage, param_groups=None, offload="none", directory=None, *, units):
+    """ZeRO at `stage`, in place: the engine goes to model.zero and model.parameters() become the
+    shards (the CPU master shards with offload "cpu"); make the optimizer over them, then
+    hook_optimizer(model, optimizer). The model is already on `device` (the skeleton's argument;
+    on a GPU the CPU buffers are pinned). `param_groups`: the optimizer's groups over the model's
+    parameters (dicts with "params" and hyperparameters, such as weight_decay); then make the
+    optimizer over model.zero.param_groups, the same groups over the shards. Offload "cpu", or
+    "disk" into `directory`. `units`: the modules to flatten, in forward order (the contract).
+
+    The optimizer, rebuilt with the user's class, the old one dropped (else it keeps the model's
+    original parameters alive):
+        model = parallelize(model, device, 3, optimizer.param_groups, units=units)
+        optimizer = type(optimizer)(model.zero.param_groups)
+        hook_optimizer(model, optimizer)"""
+    model.zero = ZeROOffload(model, device, stage, units, param_groups, offload, directory)
+    model.register_state_dict_pre_hook(refuse_state_dict)
+    return model
 
 
-@torch.no_grad()
-def move_master_to_cpu(unit, module, pin_memory):
-    """ZeRO-Offload: the optimizer steps an fp32 master copy of the shard in CPU memory, next to its
-    gradient, both allocated once. Pinned memory lets copies between it and the GPU run without the
-    host waiting. The shard on the device stays, as the working copy. The master is cut into the
-    shard's pieces (one per optimizer group), which become the unit's pieces."""
-    unit.master = torch.empty_like(unit.shard, device="cpu", pin_memory=pin_memory)
-    unit.master.copy_(unit.shard)
-    unit.master_grad = torch.empty_like(unit.master, pin_memory=pin_memory)
-    unit.pieces = [(group, own, nn.Parameter(unit.master[own])) for group, own, _ in unit.pieces]
-    unit.to_cpu = None  # on a GPU: the event of the gradient shard's copy into master_grad
-    unit.to_device = None  # on a GPU: the event of the stepped master's copy into the shard
-    # the module's parameters now: model.parameters() are the masters' pieces
-    module.shards = nn.ParameterList([piece for _, _, piece in unit.pieces])
+def hook_optimizer(model, optimizer):
+    """The engine's work around each optimizer.step(): the gradient shards handed to the optimizer
+    before it, the updated shards all-gathered after it. The offload's hooks come first: the
+    stepped masters reach the device shards before the all-gathers read them."""
+    check_originals_dropped(model)
+    model.zero.hook_offload(optimizer)
+    # torch calls a step hook as hook(optimizer, args, kwargs), with step()'s own arguments
+    optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: model.zero.before_step())
+    optimizer.register_step_post_hook(lambda optimizer, args, kwargs: model.zero.after_step())
 
 
-def save_atomically(obj, path):
-    """torch.save to a temporary file, forced to the disk, then renamed over `path`: killed at any
-    moment, the process leaves the old file or the new one, whole."""
-    temporary = f"{path}.tmp"
-    with open(temporary, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
+### more: the user's units: each parameter in one, tied weights, optimizer groups
+# A language model's units: every module holding parameters, in forward order, one holding only
+# tied parameters too (nanoGPT: [wte, wpe, *h, ln_f, lm_head]). A parameter two units share
+# (GPT-2's lm_head.weight is wte.weight) is flattened once, in the first unit; autograd sums its
+# two gradients, and at stage 3 that unit is gathered for the other's forward and backward too.
+# The optimizer's groups (parallelize's param_groups): each unit lays its parameters out group by
+# group and cuts its shard where the groups meet, a piece per group.
 
 
 def check_units(model, modules):
@@ -233,6 +304,169 @@ def check_units(model, modules):
         )
 
 
+def own_parameters(unit, name, module, placed, group_of):
+    """The module's parameters that `unit` flattens, in flat's order: those no earlier unit
+    flattened, group by group (a stable sort keeps the module's order within a group), so that
+    each group is one range of flat and meets this rank's shard in one range. A tied parameter, one
+    an earlier unit flattened (placed: Parameter -> (unit, state_dict key)), gets that unit's
+    tensor here too: autograd sums its two gradients into one."""
+    unit.tied = []  # (state_dict key, key of the same parameter in the earlier unit holding it)
+    unit.borrowed = []  # the earlier units holding a parameter this module uses too
+    own = []
+    for param_name, param in list(module.named_parameters()):  # the loop edits module
+        if param in placed:
+            owner, owner_key = placed[param]
+            tensor = next(tensor for key, tensor, _ in owner.params if key == owner_key)
+            put_tensor(module, param_name, tensor)
+            unit.tied.append((f"{name}.{param_name}", owner_key))
+            unit.borrowed.append(owner)
+        else:
+            own.append((param_name, param))
+            placed[param] = (unit, f"{name}.{param_name}")
+    own.sort(key=lambda named: group_of[named[1]])
+    return own
+
+
+def cut_into_pieces(unit, named_params, group_of, rank):
+    """The unit's shard cut where the optimizer's groups meet (`named_params` lie in flat in this
+    order, group by group): a piece per group whose range of flat overlaps the shard."""
+    group_end = {}  # group -> where its range of flat ends
+    offset = 0
+    for _, param in named_params:
+        offset += param.numel()
+        group_end[group_of[param]] = offset
+    if named_params:
+        _, last_param = named_params[-1]
+        group_end[group_of[last_param]] = unit.flat.numel()  # the padding: the last group's
+    pieces = []
+    shard_start = rank * unit.shard_numel
+    group_start = 0
+    for group, end in group_end.items():
+        low = max(group_start, shard_start) - shard_start
+        high = min(end, shard_start + unit.shard_numel) - shard_start
+        if low < high:
+            own = slice(low, high)
+            pieces.append((group, own, nn.Parameter(unit.shard[own])))
+        group_start = end
+    return pieces
+
+
+def optimizer_group_of(model, param_groups):
+    """Parameter -> the index of its optimizer group in `param_groups` (0 for every parameter
+    without groups)."""
+    groups = param_groups or [{"params": list(model.parameters())}]
+    return {param: index for index, group in enumerate(groups) for param in group["params"]}
+
+
+def groups_over_pieces(param_groups, units):
+    """The optimizer's groups, their hyperparameters kept, their parameters now the shard pieces
+    of every unit that hold the group's parameters (one group of all of them without groups)."""
+    groups = []
+    for index, group in enumerate(param_groups or [{}]):
+        pieces = [piece for unit in units for at, _, piece in unit.pieces if at == index]
+        groups.append({**group, "params": pieces})
+    return groups
+
+
+def hook_borrowed(engine, index, module):
+    """Stage 3, tied weights: the earlier units holding a parameter this module uses (GPT-2's head
+    uses the embedding's wte.weight) whole around its forward and its backward too, gathered right
+    after its own unit. In backward they stay whole until their own gradients are in: the
+    embedding, the largest unit, for the whole backward."""
+    owners = [engine.units.index(owner) for owner in engine.units[index].borrowed]
+    if not owners:
+        return
+
+    def gather_owners(*_):
+        for owner in owners:
+            engine.gather(owner)
+
+    def free_owners(module, args, output):
+        for owner in owners:
+            engine.units[owner].free()
+        if output.requires_grad:
+            output.register_hook(gather_owners)
+
+    # registered after the engine's own hooks, so that torch runs them after those
+    module.register_forward_pre_hook(gather_owners)
+    module.register_forward_hook(free_owners)
+
+
+### more: a tensor in the parameter's place, under autograd
+
+
+def replace_with_view(module, name, view):
+    """Put a new leaf tensor whose .data is `view` where the parameter `name` was, and return it.
+
+    Why not the view itself: a view shares its version counter with `flat`, so it would count every
+    write into `flat`, and stage 3 writes into `flat` again before the backward (the all-gather).
+    Autograd would then refuse the tensors it saved in the forward as modified in place. Setting
+    .data keeps the new tensor's own version counter, which no write into `flat` moves."""
+    tensor = torch.empty(0, dtype=view.dtype, device=view.device, requires_grad=True)
+    tensor.data = view
+    put_tensor(module, name, tensor)
+    return tensor
+
+
+def put_tensor(module, name, tensor):
+    """`tensor`, a plain attribute, where the parameter `name` was: the unit's shard is the
+    parameter from now on."""
+    owner_name, _, attribute = name.rpartition(".")
+    owner = module.get_submodule(owner_name)
+    delattr(owner, attribute)
+    setattr(owner, attribute, tensor)
+
+
+### more: stage 3's prefetch: the next unit's all-gather while this one computes
+
+
+@torch.no_grad()  # writes the parameters' values beneath autograd, as an optimizer step does
+def prefetch(engine, index):
+    """Start unit `index`'s all-gather without waiting for it, as FSDP2 does: the network moves
+    the next unit's parameters while this unit computes, off the critical path. The engine's
+    gather() waits for it when the unit is needed."""
+    if not 0 <= index < len(engine.units):
+        return  # no unit there: before the embedding, or past the head
+    unit = engine.units[index]
+    if index in engine.gathering or unit.is_whole() or not unit.params:
+        return  # already on its way, or here (a unit a tied weight keeps whole), or nothing
+    unit.allocate()
+    engine.gathering[index] = dist.all_gather_into_tensor(unit.flat, unit.shard, async_op=True)
+
+
+### more: gradient accumulation (several backward passes a step)
+
+
+def keep_earlier_backward(engine, unit):
+    """A later backward of the same step starts the unit's flat gradient: the earlier backward's
+    averaged shard must be complete, and safe from the writes this backward makes (each backward's
+    average is added to it, as .grad sums them without ZeRO)."""
+    if engine.reducing is not None and engine.reducing[0] is unit:
+        engine.finish_reduce_scatter()  # the last backward's is still reading it
+    if unit.flat_grad is not None and unit.grad_shard is not None:
+        # stage 1: the last backward's average may sit in flat_grad's own slice, which this
+        # backward overwrites
+        unit.grad_shard = unit.grad_shard.clone()
+
+
+### more: stage 1's average in place, in its own slice of the whole gradient
+
+
+def average_buffer(engine, unit):
+    """Where the reduce-scatter puts this rank's shard of the unit's average: S new elements, or,
+    at stage 1, its own slice of the whole gradient, with no second buffer. Stage 1 keeps the
+    whole gradient anyway (it shards only the optimizer state), and output = input[r·S:(r+1)·S]
+    is the layout NCCL's in-place reduce-scatter expects. Not for a later backward of the step
+    (gradient accumulation): the earlier backward's average sits there."""
+    if engine.stage == 1 and unit.grad_shard is None:
+        own_slice = slice(engine.rank * unit.shard_numel, (engine.rank + 1) * unit.shard_numel)
+        return unit.flat_grad[own_slice]
+    return unit.flat_grad.new_empty(unit.shard_numel)
+
+
+### more: the checkpoint, and what ZeRO refuses or warns of
+
+
 def refuse_state_dict(module, prefix, keep_vars):
     """model.state_dict() under ZeRO would hold this rank's shards under made-up keys."""
     raise RuntimeError(
@@ -241,217 +475,164 @@ def refuse_state_dict(module, prefix, keep_vars):
     )
 
 
-class ZeRO:
-    """The engine, kept at model.zero. Its hooks reduce-scatter each unit's gradient as soon as the
-    unit's backward is done and, at stage 3, gather each unit's parameters just before forward or
-    backward needs them and free them right after; before_step / after_step wrap the step."""
+def check_originals_dropped(model):
+    """ZeRO's memory promise: the model's original parameters, whole, are freed once parallelize
+    has replaced them. Whatever still holds one (the user's old optimizer, its param_groups kept in
+    a variable) keeps the whole model alive beside the shards: stage 3 would then save nothing."""
+    alive = [name for name, original in model.zero.originals if original() is not None]
+    if alive:
+        warnings.warn(
+            f"ZeRO: {len(alive)} of the model's original parameters (e.g. {alive[0]}) are still "
+            "referenced elsewhere, so their memory is not freed. Build the new optimizer and drop "
+            "the old one: parallelize(model, ..., param_groups=optimizer.param_groups, units=...), "
+            "then optimizer = type(optimizer)(model.zero.param_groups), keeping no other "
+            "reference to the old optimizer or its groups.",
+            stacklevel=2,
+        )
 
-    def __init__(self, model, device, stage, modules, param_groups, offload, directory, pin_memory):
-        self.device = device
-        self.stage = stage
+
+@torch.no_grad()
+def full_state_dict(model):
+    """The plain state_dict of the common model on rank 0 ({} on the others): every rank sends
+    its shard of each unit to rank 0, which cuts the whole unit back into the parameters."""
+    state = {}
+    for unit in model.zero.units:
+        if dist.get_rank() != 0:
+            if unit.params:  # a unit holding only tied parameters has no shard: its keys only
+                dist.gather(unit.shard, dst=0)
+            continue
+        # a new buffer of flat's shape (at stage 3 flat has no memory now); the gathered shards
+        # land in its W slices, in rank order
+        flat = torch.empty_like(unit.flat)
+        if unit.params:
+            dist.gather(unit.shard, list(flat.chunk(dist.get_world_size())), dst=0)
+        for key, tensor, offset in unit.params:
+            view = flat[offset : offset + tensor.numel()].view_as(tensor)
+            state[key] = view.to("cpu", copy=True)
+        for key, owner_key in unit.tied:
+            state[key] = state[owner_key]  # one tensor under both names, as the model's own
+    return state
+
+
+### more: gradient clipping over the shards
+
+
+@torch.no_grad()
+def clip_grad_norm_(model, max_norm):
+    """torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) as one process computes it, for
+    a model whose gradient no rank holds whole: call it after the step's last backward, before
+    optimizer.step(). It hands the shards their gradients now (the step's pre-hook then finds them
+    handed); the global 2-norm is the square root of every rank's sum of squares over its shards,
+    summed: the shards split each unit's flat gradient, so every element counts once, a tied
+    weight once (flattened once), the padding adds zero. Every rank scales its shards by the same
+    factor. Returns the total norm, as torch's does."""
+    shards = gradient_shards(model.zero)
+    squares = torch.zeros((), device=model.zero.device)
+    for grad in shards:
+        squares += grad.square().sum().to(squares.device)
+    dist.all_reduce(squares)
+    total_norm = squares.sqrt()
+    scale = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)  # torch's own formula
+    for grad in shards:
+        grad.mul_(scale.to(grad.device))
+    return total_norm
+
+
+def gradient_shards(engine):
+    """This rank's shard of the step's averaged gradient: the backward's last reduce-scatter
+    finished and the shards handed to the optimizer's pieces now, as the step's pre-hook does.
+    With --offload disk they wait in the units until step_on_disk."""
+    engine.before_step()
+    if engine.offload == "disk":
+        return [unit.grad_shard for unit in engine.units if unit.params]
+    return [piece.grad for unit in engine.units for _, _, piece in unit.pieces]
+
+
+### more: ZeRO-Offload and ZeRO-Infinity: the optimizer's step off the device
+# The optimizer's parameters are fp32 master copies of the shards, on the CPU (--offload cpu) or in
+# a file per unit (--offload disk), cut into the same pieces, each stepped with its group's
+# hyperparameters; the device shard stays the copy that forward and the all-gathers read.
+
+
+class ZeROOffload(ZeRO):
+    """ZeRO's engine, with the optimizer's step moved off the device: ZeRO-Offload (Ren et al.
+    2021, https://arxiv.org/abs/2101.06840) steps CPU masters, ZeRO-Infinity (Rajbhandari et al.
+    2021, https://arxiv.org/abs/2104.07857) steps each unit from its file on disk. Each method
+    does ZeRO's work and the offload's around it; offload "none" is ZeRO as it is."""
+
+    def __init__(self, model, device, stage, modules, param_groups, offload, directory):
+        super().__init__(model, device, stage, modules, param_groups)
         self.offload = offload
-        self.rank = dist.get_rank()
-        self.world = dist.get_world_size()
-        check_units(model, modules)
-        # the model's own Parameters, about to be replaced: hook_optimizer checks that none stays
-        self.originals = [(name, weakref.ref(param)) for name, param in model.named_parameters()]
-        name_of = {module: name for name, module in model.named_modules()}
-        groups = param_groups or [{"params": list(model.parameters())}]
-        group_of = {param: index for index, group in enumerate(groups) for param in group["params"]}
-        placed = {}  # each Parameter -> (unit, key, tensor): where it was flattened
-        self.units = []
-        for module in modules:
-            unit = Unit(name_of[module], module, self.rank, self.world, stage, placed, group_of)
-            self.units.append(unit)
-        if offload == "cpu":  # before the groups: the optimizer steps the CPU masters' pieces
-            self.copies = CopyStream(device)
-            for index, module in enumerate(modules):
-                move_master_to_cpu(self.units[index], module, pin_memory)
-        # the optimizer's groups, their hyperparameters kept, their parameters now the pieces
-        self.param_groups = [
-            {**group, "params": self.pieces_of(index)} for index, group in enumerate(groups)
-        ]
-        self.reducing = None  # (unit, output, work): the reduce-scatter in flight, at most one
-        self.gathering = {}  # unit index -> work: stage 3's all-gathers in flight
         self.on_cpu = set()  # --offload cpu: the units whose master_grad holds this step's gradient
-        for unit in self.units:
-            for _, tensor, offset in unit.params:
-                hook = functools.partial(self.gradient_arrived, unit, offset)
-                tensor.register_post_accumulate_grad_hook(hook)
-        if stage == 3:
-            for index, module in enumerate(modules):
-                self.units[index].free()
-                module.register_forward_pre_hook(functools.partial(self.before_forward, index))
-                module.register_forward_hook(functools.partial(self.after_forward, index))
+        if offload == "cpu":
+            self.copies = CopyStream(device)
+            for unit, module in zip(self.units, modules, strict=True):
+                move_master_to_cpu(unit, module, pin_memory=device.type == "cuda")
+            # the optimizer steps the CPU masters' pieces
+            self.param_groups = groups_over_pieces(self.param_groups, self.units)
         if offload == "disk":
             self.reader = ThreadPoolExecutor(1)  # reads the next unit's file while one steps
             for index, unit in enumerate(self.units):  # each rank its own files
                 unit.path = os.path.join(directory, f"zero-rank{self.rank}-unit{index}.pt")
 
-    def pieces_of(self, group):
-        """The shard pieces of every unit that hold optimizer group `group`'s parameters."""
-        return [piece for unit in self.units for index, _, piece in unit.pieces if index == group]
-
-    # stage 3: a unit is whole only around its forward and its backward
-
-    def before_forward(self, index, module, args):
-        self.gather(index)
-        self.prefetch(index + 1)
-        self.gather_borrowed(index)
-
-    def after_forward(self, index, module, args, output):
-        self.units[index].free()
-        for owner in self.units[index].borrowed:
-            owner.free()
-        if output.requires_grad:  # training: the gradient reaching this output starts its backward
-            output.register_hook(functools.partial(self.before_backward, index))
-
-    def before_backward(self, index, grad):
-        self.gather(index)
-        self.prefetch(index - 1)  # backward runs the units in reverse
-        self.gather_borrowed(index)
-
-    def gather_borrowed(self, index):
-        """Tied weights: the earlier units holding a parameter this one uses (GPT-2's head uses
-        the embedding's wte.weight) whole too. In backward they stay whole until their own
-        gradients are in: the embedding, the largest unit, for the whole backward."""
-        for owner in self.units[index].borrowed:
-            self.gather(self.units.index(owner))
-
-    @torch.no_grad()  # writes the parameters' values beneath autograd, as an optimizer step does
-    def prefetch(self, index):
-        """Start unit `index`'s all-gather without waiting for it, as FSDP2 does: the network moves
-        the next unit's parameters while this unit computes, off the critical path."""
-        if not 0 <= index < len(self.units):
-            return  # no unit there: before the embedding, or past the head
-        unit = self.units[index]
-        if index in self.gathering or unit.is_whole() or not unit.params:
-            return  # already on its way, or here (a unit a tied weight keeps whole), or nothing
-        unit.allocate()
-        self.gathering[index] = dist.all_gather_into_tensor(unit.flat, unit.shard, async_op=True)
-
-    @torch.no_grad()
-    def gather(self, index):
-        """Unit `index` whole: wait for its prefetched all-gather, or start it now if none was."""
-        self.prefetch(index)
-        work = self.gathering.pop(index, None)
-        if work is not None:
-            work.wait()
-
-    # every stage: a unit's gradient is reduce-scattered as soon as it is complete
-
-    @torch.no_grad()
-    def gradient_arrived(self, unit, offset, tensor):
-        """Autograd has put `tensor`'s gradient in .grad: move it into the unit's flat gradient. The
-        model contract gives every parameter a gradient in every backward, so the unit's gradient
-        is complete when all of its parameters' have arrived (a tied one's once, summed)."""
-        if unit.grads_arrived == 0:
-            self.start_flat_grad(unit)
-        unit.flat_grad[offset : offset + tensor.numel()].copy_(tensor.grad.flatten())
-        tensor.grad = None  # the flat gradient holds it now: autograd's copy can go
-        unit.grads_arrived += 1
-        if unit.grads_arrived == len(unit.params):
-            unit.grads_arrived = 0  # ready for the next backward
-            self.reduce_scatter(unit)
+    def hook_offload(self, optimizer):
+        """hook_optimizer's first hook: after each step, the stepped masters back to the device
+        shards. --offload disk writes the units' first files here, where the optimizer's class is
+        known."""
+        if self.offload == "disk":
+            self.write_unit_files(optimizer)
+        # torch calls a step hook as hook(optimizer, args, kwargs), with step()'s own arguments
+        optimizer.register_step_post_hook(
+            lambda optimizer, args, kwargs: self.masters_to_device(optimizer)
+        )
 
     def start_flat_grad(self, unit):
-        """The unit's first gradient of this backward: a flat gradient to collect them in."""
-        if self.reducing is not None and self.reducing[0] is unit:
-            self.finish_reduce_scatter()  # the last backward's is still reading it
-        if unit.flat_grad is None:
-            unit.flat_grad = unit.flat.new_zeros(unit.flat.numel())  # the padding stays zero
-        elif unit.grad_shard is not None:
-            # stage 1, gradient accumulation: the last backward's average may sit in flat_grad's
-            # own slice, which this backward overwrites
-            unit.grad_shard = unit.grad_shard.clone()
+        super().start_flat_grad(unit)
         if self.offload == "cpu" and unit.to_cpu is not None:
             # on a GPU the last backward's copy to the CPU may still be reading its source, at
             # stage 1 flat_grad's own slice, which this backward overwrites
             torch.cuda.current_stream().wait_event(unit.to_cpu)
 
-    def reduce_scatter(self, unit):
-        """Start reduce-scattering the unit's gradient: rank r gets shard r of the average."""
-        self.finish_reduce_scatter()  # one at a time: at most two whole gradients exist at once
-        unit.flat_grad.div_(self.world)  # Σ_ranks grad/W: the global batch's mean gradient, as DDP
-        if self.stage == 1 and unit.grad_shard is None:
-            # Stage 1 keeps the whole gradient (it shards only the optimizer state), so the
-            # average can land in place, in this rank's own slice of it, with no second buffer:
-            # output = input[r·S:(r+1)·S] is the layout NCCL's in-place reduce-scatter expects.
-            own_slice = slice(self.rank * unit.shard_numel, (self.rank + 1) * unit.shard_numel)
-            output = unit.flat_grad[own_slice]
-        else:
-            output = unit.flat_grad.new_empty(unit.shard_numel)
-        work = dist.reduce_scatter_tensor(output, unit.flat_grad, async_op=True)
-        self.reducing = (unit, output, work)
-        if self.stage == 3:
-            unit.free()  # all its gradients are in: backward reads its parameters no more
-
     def finish_reduce_scatter(self):
-        """Wait for the reduce-scatter in flight, if any, and add its average to the unit's gradient
-        shard (the sum over this step's backward passes, as .grad sums them without ZeRO); from
-        stage 2 on, drop the whole gradient it read."""
         if self.reducing is None:
             return
-        unit, output, work = self.reducing
-        work.wait()
-        self.reducing = None
-        if unit.grad_shard is None:
-            unit.grad_shard = output
-        else:
-            unit.grad_shard += output  # gradient accumulation: a later backward of the same step
+        unit = self.reducing[0]
+        super().finish_reduce_scatter()
         if self.offload == "cpu":
-            # ZeRO-Offload: the gradient shard to the CPU. On a GPU the copy runs on the copy
-            # stream, so the rest of backward's kernels do not queue behind it; the host waits for
-            # it before the step reads master_grad (before_step).
-            if unit in self.on_cpu:
-                # gradient accumulation: a later backward of the same step adds to the CPU copy,
-                # on the host, once the earlier backward's copy has landed (a blocking copy)
-                self.wait_for_gradient_copy(unit)
-                unit.master_grad += unit.grad_shard.to(unit.master_grad.device)
-            else:
-                unit.to_cpu = self.copies.copy(unit.master_grad, unit.grad_shard)
-                self.on_cpu.add(unit)
-            unit.grad_shard = None
-        if self.stage >= 2:
-            unit.flat_grad = None  # only this rank's shard of the gradient stays
+            self.gradient_to_cpu(unit)
 
-    # the step: each rank steps its own shards
+    def gradient_to_cpu(self, unit):
+        """ZeRO-Offload: the gradient shard to the CPU. On a GPU the copy runs on the copy stream,
+        so the rest of backward's kernels do not queue behind it; the host waits for it before the
+        step reads master_grad (before_step)."""
+        if unit in self.on_cpu:
+            # gradient accumulation: a later backward of the same step adds to the CPU copy, on
+            # the host, once the earlier backward's copy has landed (a blocking copy)
+            self.wait_for_gradient_copy(unit)
+            unit.master_grad += unit.grad_shard.to(unit.master_grad.device)
+        else:
+            unit.to_cpu = self.copies.copy(unit.master_grad, unit.grad_shard)
+            self.on_cpu.add(unit)
+        unit.grad_shard = None
 
     def before_step(self):
-        self.finish_reduce_scatter()  # the last unit's (the embedding's)
+        self.finish_reduce_scatter()  # the backward's last: the first unit's
+        if self.offload == "disk":
+            return  # the gradient shards wait in the units: step_on_disk steps them after step()
         if self.offload == "cpu":
             # the step reads master_grad and writes master: every copy into or out of them done
             for unit in self.units:
                 self.wait_for_gradient_copy(unit)
                 self.wait_for_master_copy_on_host(unit)
-        if self.offload == "disk":
-            return  # the gradient shards wait in the units: step_on_disk steps them after step()
-        for unit in self.units:
-            if self.offload == "cpu" and unit in self.on_cpu:
-                unit.grad_shard = unit.master_grad  # the pieces are the CPU master's
-                self.on_cpu.discard(unit)  # the next step's first backward overwrites it
-            if unit.grad_shard is None:
-                continue  # handed already (clip_grad_norm_ ran), or a unit with nothing flattened
-            for _, own, piece in unit.pieces:
-                piece.grad = unit.grad_shard[own]
-            unit.grad_shard = None  # the optimizer's now: zero_grad(set_to_none=True) frees it
-
-    def gradient_shards(self):
-        """This rank's shard of the step's averaged gradient, for clip_grad_norm_: the backward's
-        last reduce-scatter finished and the shards handed to the optimizer's pieces now. With
-        --offload disk they wait in the units until step_on_disk."""
-        self.before_step()
-        if self.offload == "disk":
-            return [unit.grad_shard for unit in self.units if unit.params]
-        return [piece.grad for unit in self.units for _, _, piece in unit.pieces]
+                if unit in self.on_cpu:
+                    unit.grad_shard = unit.master_grad  # the pieces are the CPU master's
+                    self.on_cpu.discard(unit)  # the next step's first backward overwrites it
+        super().before_step()
 
     @torch.no_grad()
-    def after_step(self, optimizer):
-        """Offload first: --offload disk steps the units from their files here, and the stepped
-        master shards (CPU or disk) go back to the device shards. Then stages 1-2: the next forward
-        needs every unit whole and updated everywhere. The shard is flat's own slice r, so the
-        all-gather fills the rest of flat around it. (Stage 3 gathers each unit when it is needed.)
-        """
+    def masters_to_device(self, optimizer):
+        """After the step: --offload disk steps the units from their files here, and the stepped
+        master shards (CPU or disk) go back to the device shards."""
         if self.offload == "disk":
             self.step_on_disk(optimizer)
         if self.offload == "cpu":
@@ -460,11 +641,6 @@ class ZeRO:
                 unit.to_device = self.copies.copy(unit.shard, unit.master)
             for unit in self.units:
                 self.wait_for_master_copy(unit)
-        if self.stage == 3:
-            return
-        for unit in self.units:
-            if unit.params:
-                dist.all_gather_into_tensor(unit.flat, unit.shard)
 
     # ZeRO-Offload on a GPU: waiting for the copies on the copy stream (none on a CPU device)
 
@@ -544,101 +720,31 @@ class ZeRO:
         unit.shard.copy_(master)
 
 
-def parallelize(model, device, stage, param_groups=None, offload="none", directory=None, *, units):
-    """ZeRO at `stage`, in place: the engine goes to model.zero and model.parameters() become the
-    shards (the CPU master shards with offload "cpu"); make the optimizer over them, then
-    hook_optimizer(model, optimizer). The model is already on `device` (the skeleton's argument;
-    on a GPU the CPU buffers are pinned). `param_groups`: the optimizer's groups over the model's
-    parameters (dicts with "params" and hyperparameters, such as weight_decay); then make the
-    optimizer over model.zero.param_groups, the same groups over the shards. Offload "cpu", or
-    "disk" into `directory`. `units`: the modules to flatten, in forward order (the contract).
-
-    The optimizer, rebuilt with the user's class, the old one dropped (else it keeps the model's
-    original parameters alive):
-        model = parallelize(model, device, 3, optimizer.param_groups, units=units)
-        optimizer = type(optimizer)(model.zero.param_groups)
-        hook_optimizer(model, optimizer)"""
-    pin_memory = device.type == "cuda"
-    model.zero = ZeRO(model, device, stage, units, param_groups, offload, directory, pin_memory)
-    model.register_state_dict_pre_hook(refuse_state_dict)
-    return model
-
-
-def hook_optimizer(model, optimizer):
-    """The engine's work around each optimizer.step(): the gradient shards handed to the optimizer
-    before it, the updated shards all-gathered after it. --offload disk writes the units' first
-    files here, where the optimizer's class is known."""
-    check_originals_dropped(model)
-    if model.zero.offload == "disk":
-        model.zero.write_unit_files(optimizer)
-    # torch calls a step hook as hook(optimizer, args, kwargs), with step()'s own arguments
-    optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: model.zero.before_step())
-    optimizer.register_step_post_hook(
-        lambda optimizer, args, kwargs: model.zero.after_step(optimizer)
-    )
-
-
-def check_originals_dropped(model):
-    """ZeRO's memory promise: the model's original parameters, whole, are freed once parallelize
-    has replaced them. Whatever still holds one (the user's old optimizer, its param_groups kept in
-    a variable) keeps the whole model alive beside the shards: stage 3 would then save nothing."""
-    alive = [name for name, original in model.zero.originals if original() is not None]
-    if alive:
-        warnings.warn(
-            f"ZeRO: {len(alive)} of the model's original parameters (e.g. {alive[0]}) are still "
-            "referenced elsewhere, so their memory is not freed. Build the new optimizer and drop "
-            "the old one: parallelize(model, ..., param_groups=optimizer.param_groups, units=...), "
-            "then optimizer = type(optimizer)(model.zero.param_groups), keeping no other "
-            "reference to the old optimizer or its groups.",
-            stacklevel=2,
-        )
-
-
 @torch.no_grad()
-def full_state_dict(model):
-    """The plain state_dict of the common model on rank 0 ({} on the others): every rank sends
-    its shard of each unit to rank 0, which cuts the whole unit back into the parameters."""
-    state = {}
-    for unit in model.zero.units:
-        if dist.get_rank() != 0:
-            if unit.params:  # a unit holding only tied parameters has no shard: its keys only
-                dist.gather(unit.shard, dst=0)
-            continue
-        # a new buffer of flat's shape (at stage 3 flat has no memory now); the gathered shards
-        # land in its W slices, in rank order
-        flat = torch.empty_like(unit.flat)
-        if unit.params:
-            dist.gather(unit.shard, list(flat.chunk(dist.get_world_size())), dst=0)
-        for key, tensor, offset in unit.params:
-            view = flat[offset : offset + tensor.numel()].view_as(tensor)
-            state[key] = view.to("cpu", copy=True)
-        for key, owner_key in unit.tied:
-            state[key] = state[owner_key]  # one tensor under both names, as the model's own
-    return state
+def move_master_to_cpu(unit, module, pin_memory):
+    """ZeRO-Offload: the optimizer steps an fp32 master copy of the shard in CPU memory, next to its
+    gradient, both allocated once. Pinned memory lets copies between it and the GPU run without the
+    host waiting. The shard on the device stays, as the working copy. The master is cut into the
+    shard's pieces (one per optimizer group), which become the unit's pieces."""
+    unit.master = torch.empty_like(unit.shard, device="cpu", pin_memory=pin_memory)
+    unit.master.copy_(unit.shard)
+    unit.master_grad = torch.empty_like(unit.master, pin_memory=pin_memory)
+    unit.pieces = [(group, own, nn.Parameter(unit.master[own])) for group, own, _ in unit.pieces]
+    unit.to_cpu = None  # on a GPU: the event of the gradient shard's copy into master_grad
+    unit.to_device = None  # on a GPU: the event of the stepped master's copy into the shard
+    # the module's parameters now: model.parameters() are the masters' pieces
+    module.shards = nn.ParameterList([piece for _, _, piece in unit.pieces])
 
 
-### more: gradient clipping over the shards
-
-
-@torch.no_grad()
-def clip_grad_norm_(model, max_norm):
-    """torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) as one process computes it, for
-    a model whose gradient no rank holds whole: call it after the step's last backward, before
-    optimizer.step(). It hands the shards their gradients now (the step's pre-hook then finds them
-    handed); the global 2-norm is the square root of every rank's sum of squares over its shards,
-    summed: the shards split each unit's flat gradient, so every element counts once, a tied
-    weight once (flattened once), the padding adds zero. Every rank scales its shards by the same
-    factor. Returns the total norm, as torch's does."""
-    shards = model.zero.gradient_shards()
-    squares = torch.zeros((), device=model.zero.device)
-    for grad in shards:
-        squares += grad.square().sum().to(squares.device)
-    dist.all_reduce(squares)
-    total_norm = squares.sqrt()
-    scale = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)  # torch's own formula
-    for grad in shards:
-        grad.mul_(scale.to(grad.device))
-    return total_norm
+def save_atomically(obj, path):
+    """torch.save to a temporary file, forced to the disk, then renamed over `path`: killed at any
+    moment, the process leaves the old file or the new one, whole."""
+    temporary = f"{path}.tmp"
+    with open(temporary, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
 
 
 ### more: the offload copies on a stream of their own (a GPU)

@@ -1,7 +1,14 @@
-"""Step time of zero.py against PyTorch's own versions, side by side in one launch (not a test):
+"""Step time of zero.py against PyTorch's own versions and DeepSpeed's, side by side in one launch
+(not a test):
 
     zero.py stage 1  vs  DDP + torch.distributed.optim.ZeroRedundancyOptimizer   (target <= 1.05x)
     zero.py stage 3  vs  fsdp.py (FSDP2 fully_shard)                              (target <= 1.2x)
+    zero.py stage k  vs  deepspeed_zero.py stage k, k = 1, 2, 3                   (target <= 1.0x)
+
+The DeepSpeed rows need it installed (requirements-deepspeed.txt); without it they are left out,
+and the benchmark says so. Per-rank memory is read off the storages after the warm-up, as the
+Meter reads it: parameters, gradients and optimizer state (DeepSpeed's fp32 partition counted
+with the parameters).
 
 Each variant gets its own copy of the same model and trains on the same random batches; the
 variants take turns for --rounds rounds of --steps timed steps (after --warmup untimed ones), so a
@@ -12,6 +19,7 @@ After the warm-up, each pair's parameters are compared (the same steps from the 
     python benchmarks/bench_zero.py --nproc 2 --dim 256 --depth 8   # through mp.spawn, a free port
 """
 
+import argparse
 import os
 import statistics
 import sys
@@ -25,13 +33,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
+import deepspeed_zero  # noqa: E402 (deepspeed_zero.deepspeed is None where it is not installed)
 import fsdp  # noqa: E402
 import zero  # noqa: E402
+from common.meter import memory  # noqa: E402
 
 PAIRS = [
     ("zero.py stage 1", "ddp+ZeroRedundancyOptimizer", "1.05"),
     ("zero.py stage 3", "fsdp.py (FSDP2)", "1.2"),
 ]
+if deepspeed_zero.deepspeed is not None:
+    PAIRS += [(f"zero.py stage {k}", f"DeepSpeed stage {k}", "1.0") for k in (1, 2, 3)]
 
 
 def ddp_state_dict(model):
@@ -40,7 +52,8 @@ def ddp_state_dict(model):
 
 def variants(args, device):
     """name -> (model, optimizer, full_state_dict); every model starts from the same seed. Each
-    loop is the skeleton's: forward, loss, backward, optimizer.step(), optimizer.zero_grad()."""
+    loop is the skeleton's: forward, loss, backward, optimizer.step(), optimizer.zero_grad(), or
+    DeepSpeed's: engine(x), engine.backward(loss), engine.step()."""
     out = {}
     model = DDP(
         common.build_model(args).to(device),
@@ -55,7 +68,7 @@ def variants(args, device):
             model.parameters(), optimizer_class=torch.optim.AdamW, lr=args.lr, weight_decay=0.01
         )
     out["ddp+ZeroRedundancyOptimizer"] = (model, optimizer, ddp_state_dict)
-    for stage in (1, 3):
+    for stage in (1, 2, 3):
         model = common.build_model(args).to(device)
         units = [model.embed, *model.blocks, model.head]
         model = zero.parallelize(model, device, stage, units=units)
@@ -66,6 +79,16 @@ def variants(args, device):
     model = fsdp.parallelize(model, device, model.blocks)  # fsdp.py's units and defaults
     optimizer = common.make_optimizer(model.parameters(), args)
     out["fsdp.py (FSDP2)"] = (model, optimizer, fsdp.full_state_dict)
+    if deepspeed_zero.deepspeed is None:
+        return out
+    for stage in (1, 2, 3):
+        model = common.build_model(args).to(device)
+        optimizer = common.make_optimizer(model.parameters(), args)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)  # constant
+        flags = argparse.Namespace(**{**vars(args), "stage": stage, "offload": "none"})
+        config = deepspeed_zero.ds_config(flags, dist.get_world_size())
+        model, optimizer, _ = deepspeed_zero.parallelize(model, optimizer, scheduler, config)
+        out[f"DeepSpeed stage {stage}"] = (model, optimizer, deepspeed_zero.full_state_dict)
     return out
 
 
@@ -77,9 +100,31 @@ def snapshot(state):
 
 def step(model, optimizer, x, y):
     loss = F.cross_entropy(model(x), y)
+    if is_engine(model):
+        model.backward(loss)
+        model.step()
+        return
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def is_engine(model):
+    return deepspeed_zero.deepspeed is not None and isinstance(
+        model, deepspeed_zero.deepspeed.DeepSpeedEngine
+    )
+
+
+def bytes_per_rank(model, optimizer):
+    """Parameters + gradients + optimizer state this rank holds now: for DeepSpeed and for
+    ZeroRedundancyOptimizer, those of the torch optimizer each wraps (DeepSpeed's also holds the
+    fp32 partition)."""
+    if is_engine(model):
+        optimizer = optimizer.optimizer
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizer = optimizer.optim
+    mem = memory(model.parameters(), optimizer)
+    return mem["param_bytes"] + mem["grad_bytes"] + mem["optim_bytes"]
 
 
 def run(args):
@@ -91,9 +136,11 @@ def run(args):
         runs = variants(args, device)
         times = {name: [] for name in runs}
         states = {}
+        held = {}
         for name, (model, optimizer, state_dict) in runs.items():
             for _ in range(args.warmup_steps):
                 step(model, optimizer, x, y)
+            held[name] = bytes_per_rank(model, optimizer)
             states[name] = snapshot(state_dict(model))  # collective; the whole state on rank 0
         for _ in range(args.rounds):
             for name, (model, optimizer, _) in runs.items():
@@ -111,15 +158,21 @@ def run(args):
             f"\nW={world}, {backend} on {device.type}, Ψ = {psi:,}, batch {args.batch_size}, "
             f"{args.optim}, median of {args.rounds} rounds x {args.steps} steps"
         )
+        if deepspeed_zero.deepspeed is None:
+            common.log("  (DeepSpeed is not installed: its rows are left out)")
         for name, seconds in median.items():
             rounds = ", ".join(f"{1000 * s:.0f}" for s in times[name])
-            common.log(f"  {name:<30}{1000 * seconds:9.1f} ms/step   (rounds: {rounds})")
+            common.log(
+                f"  {name:<30}{1000 * seconds:9.1f} ms/step  {common.fmt_bytes(held[name]):>11}"
+                f" per rank   (rounds: {rounds})"
+            )
         ratios = {}
         diffs = {}
         for mine, reference, target in PAIRS:
-            ratios[mine] = median[mine] / median[reference]
+            pair = f"{mine} / {reference}"
+            ratios[pair] = median[mine] / median[reference]
             if rank == 0:
-                diffs[mine] = max(
+                diffs[pair] = max(
                     (states[mine][key].double() - states[reference][key].double())
                     .abs()
                     .max()
@@ -127,8 +180,8 @@ def run(args):
                     for key in states[reference]
                 )
                 common.log(
-                    f"  {mine} / {reference} = {ratios[mine]:.2f}x   (target <= {target}x; "
-                    f"parameters after {args.warmup_steps} steps differ by {diffs[mine]:.2g})"
+                    f"  {pair} = {ratios[pair]:.2f}x   (target <= {target}x; "
+                    f"parameters after {args.warmup_steps} steps differ by {diffs[pair]:.2g})"
                 )
         common.result(
             script="bench_zero",
@@ -137,8 +190,8 @@ def run(args):
             device=device.type,
             params=psi,
             ms_per_step={name: 1000 * seconds for name, seconds in median.items()},
-            stage1_vs_ddp_zero=ratios[PAIRS[0][0]],
-            stage3_vs_fsdp=ratios[PAIRS[1][0]],
+            bytes_per_rank=held,
+            ratios=ratios,
             max_param_diff=diffs,
         )
     finally:

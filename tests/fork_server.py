@@ -70,7 +70,9 @@ PRELOAD = [
     "common",
     "causal_lm",
 ]
-SCRIPTS = sorted(path.stem for path in ROOT.glob("*.py"))
+# deepspeed_zero.py imports DeepSpeed, an optional dependency that does things as it loads (picks
+# an accelerator, sets up its logging): only deepspeed_zero.py's own ranks import it.
+SCRIPTS = sorted(path.stem for path in ROOT.glob("*.py") if path.stem != "deepspeed_zero")
 
 
 def preload():

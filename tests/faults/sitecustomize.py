@@ -394,16 +394,16 @@ if os.environ.get("MUTANT"):
     elif _mutant == "zero-clip-before-shards":  # ZeRO clips before the shards have gradients
 
         def _clip_early(script):
-            def shards_as_they_are(self):
+            def shards_as_they_are(engine):
                 # the pieces' .grad as they are after backward: none yet, the step hook hands them
                 return [
                     piece.grad
-                    for unit in self.units
+                    for unit in engine.units
                     for _, _, piece in unit.pieces
                     if piece.grad is not None
                 ]
 
-            script.ZeRO.gradient_shards = shards_as_they_are
+            script.gradient_shards = shards_as_they_are
 
         _after_import["zero"] = _clip_early
         _after_import["zero_offload"] = _clip_early

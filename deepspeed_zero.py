@@ -1,0 +1,332 @@
+"""ZeRO through DeepSpeed: the same sharding as zero.py (stage 1 the optimizer state, 2 also the
+gradients, 3 also the parameters), done by the library most projects pick for it. Your code
+hardly changes: `deepspeed.initialize` wraps the model, the optimizer and the schedule into an
+engine, and the loop calls `engine(x)`, `engine.backward(loss)`, `engine.step()` (which also
+clips, steps the schedule and zeroes the gradients). The flags become a ds_config.
+
+    ddp.py:            loss.backward(); clip; optimizer.step(); scheduler.step(); zero_grad()
+    deepspeed_zero.py: engine.backward(loss); engine.step()
+
+Memory per rank (fp32, AdamW, Ψ parameters), as zero.py: stage 1: 4Ψ + 4Ψ + 8Ψ/W; stage 2:
+4Ψ + 12Ψ/W; stage 3: 16Ψ/W. Communication per step: stages 1-2 reduce-scatter Ψ gradients (an
+all-reduce in DeepSpeed's stage 1) and all-gather Ψ parameters; stage 3 all-gathers them in
+forward and again in backward. Paper: Rajbhandari et al. 2020, "ZeRO: Memory Optimizations
+Toward Training Trillion Parameter Models", https://arxiv.org/abs/1910.02054. What differs from
+the written-out zero.py: docs/techniques.md#deepspeed. Install: requirements-deepspeed.txt.
+
+    torchrun --standalone --nproc_per_node=4 deepspeed_zero.py --stage 3
+    python deepspeed_zero.py --nproc 2 --stage 2 --offload cpu
+    python deepspeed_zero.py --nproc 2 --ds-config ds_config.json   # your own config
+"""
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler
+
+import common
+
+# DeepSpeed picks its accelerator when imported: name it rather than let it guess (and warn).
+os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+try:
+    import deepspeed
+except ImportError:  # an optional dependency: check_args says how to install it
+    deepspeed = None
+
+SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
+
+
+### begin: DeepSpeed ZeRO
+# Model contract: any nn.Module, built with the same weights on every rank, and an optimizer and
+# a schedule built on its parameters; deepspeed.initialize takes all three. The loop then calls
+# the engine for forward, backward and step.
+
+
+def ds_config(args, world):
+    """The ds_config that the flags mean (keys: https://www.deepspeed.ai/docs/config-json/)."""
+    zero = {"stage": args.stage}
+    if args.offload != "none":
+        target = {"device": "cpu" if args.offload == "cpu" else "nvme"}
+        if args.offload == "disk":
+            target["nvme_path"] = args.offload_dir
+        zero["offload_optimizer"] = target
+        if args.stage == 3:
+            zero["offload_param"] = dict(target)
+    return {
+        "train_batch_size": args.batch_size,
+        "train_micro_batch_size_per_gpu": args.batch_size // world,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": args.clip,
+        "zero_optimization": zero,
+        # the torch optimizer every script builds (SGD or AdamW), also with offload: DeepSpeed
+        # would otherwise ask for its own CPU Adam, a C++ extension
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 2**31 - 1,  # the loop logs the loss; DeepSpeed need not
+    }
+
+
+def parallelize(model, optimizer, scheduler, config):
+    """deepspeed.initialize shards as the config's zero_optimization.stage says: it wraps the
+    optimizer into its ZeRO optimizer and the model into an engine whose backward reduces (or
+    reduce-scatters) the gradients in buckets and whose step clips, steps the optimizer and the
+    schedule and zeroes the gradients. At stage 3 it partitions the parameters here and gathers
+    each module's in its forward and backward."""
+    engine, optimizer, _, scheduler = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        config=config,
+    )
+    return engine, optimizer, scheduler
+
+
+def full_state_dict(engine):
+    """The plain state_dict of the common model on every rank (a collective at stage 3, where
+    GatheredParameters gathers each parameter whole for the copy and partitions it again)."""
+    stage_3 = engine.zero_optimization_stage() == 3
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=stage_3):
+        return {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}
+
+
+### end: DeepSpeed ZeRO
+
+
+def formula(psi, world, args):
+    """The ZeRO paper's per-rank bytes, which the report sets next to what the Meter measured of
+    DeepSpeed's engine (its collectives go through torch.distributed, which the Meter sees)."""
+    k = 8 if args.optim == "adamw" else 4  # the ZeRO paper's K: optimizer bytes per parameter
+    params_sharded = args.stage == 3
+    grads_sharded = args.stage >= 2
+    return dict(
+        param_bytes=4 * psi // world if params_sharded else 4 * psi,
+        grad_bytes=4 * psi // world if grads_sharded else 4 * psi,
+        optim_bytes=k * psi // world,
+        comm=dict(reduce_scatter=4 * psi, all_gather=(8 if args.stage == 3 else 4) * psi),
+        notes=dict(
+            param_bytes="4Ψ/W sharded" if params_sharded else "4Ψ replicated",
+            grad_bytes="4Ψ/W sharded" if grads_sharded else "4Ψ replicated",
+            optim_bytes=f"{k}Ψ/W sharded " + ("AdamW m, v" if k == 8 else "SGD momentum"),
+            reduce_scatter="the paper's Ψ gradients; DeepSpeed's own collectives beside",
+            all_gather="2Ψ: forward and backward" if args.stage == 3 else "Ψ updated parameters",
+        ),
+    )
+
+
+def ds_config_from(args, world):
+    """The flags' ds_config, or the user's --ds-config file checked against the flags: a key both
+    set must agree (a batch size, a stage), and the flags fill in what the file leaves out."""
+    config = ds_config(args, world)
+    if not args.ds_config:
+        return config
+    with open(args.ds_config) as f:
+        mine = json.load(f)
+    for key, value in config.items():
+        if key == "zero_optimization":
+            for zero_key, zero_value in value.items():
+                theirs = mine.setdefault(key, {}).setdefault(zero_key, zero_value)
+                common.check(
+                    theirs == zero_value,
+                    f"--ds-config {args.ds_config}: zero_optimization.{zero_key} is {theirs}, "
+                    f"but the flags mean {zero_value}",
+                )
+            continue
+        theirs = mine.setdefault(key, value)
+        common.check(
+            theirs == value,
+            f"--ds-config {args.ds_config}: {key} is {theirs}, but the flags mean {value}",
+        )
+    return mine
+
+
+def check_args(args, world):
+    common.check(
+        deepspeed is not None,
+        "deepspeed_zero.py needs DeepSpeed: pip install -r requirements-deepspeed.txt",
+    )
+    common.check(
+        args.batch_size % world == 0,
+        f"--batch-size {args.batch_size} is not divisible by world size {world}: "
+        "every rank must get the same whole number of samples per step",
+    )
+    if args.offload == "disk":
+        directory = args.offload_dir
+        writable = (
+            directory is not None and os.path.isdir(directory) and os.access(directory, os.W_OK)
+        )
+        common.check(
+            writable,
+            "--offload disk needs --offload-dir DIR, an existing writable directory "
+            f"(got {args.offload_dir})",
+        )
+    if args.ds_config:
+        common.check(os.path.isfile(args.ds_config), f"--ds-config {args.ds_config}: no such file")
+        try:
+            ds_config_from(args, world)
+        except json.JSONDecodeError as error:
+            common.fail(f"--ds-config {args.ds_config} is not JSON: {error}")
+
+
+def setup(args):
+    """Join the process group. torchrun (or common.launch) put RANK, WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT in the environment; LOCAL_RANK picks this process's GPU."""
+    backend, device = common.pick_backend(args.backend)  # NCCL and a GPU per rank, else Gloo
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    rank, world = common.init_process_group(backend, device, args.timeout)
+    return rank, world, device, backend
+
+
+def cleanup():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
+    """The loop every script shares: forward, loss, backward, step, schedule, log."""
+    stop = args.max_steps or float("inf")
+    world = dist.get_world_size()
+    loss_sum = torch.zeros((), device=device)  # stays on the device until a logging step
+    losses_summed = 0
+    last_loss = float("nan")
+    for epoch in range(step // len(loader), args.epochs):
+        if step >= stop:
+            break
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        loader.dataset.set_epoch(epoch)  # and new augmentations (--shift), the same everywhere
+        model.train()
+        bar = common.progress(loader, args, epoch)
+        for i, (x, y) in enumerate(bar):
+            x = x.to(device, non_blocking=True)
+            y = y.to(device, non_blocking=True)
+            loss = F.cross_entropy(model(x), y)
+            model.backward(loss)  # the engine: backward, and the gradients averaged and sharded
+            model.step()  # clips (gradient_clipping), steps the optimizer and the schedule
+            step += 1
+            loss_sum += loss.detach()
+            losses_summed += 1
+            if step % args.log_every == 0 or step >= stop or i + 1 == len(loader):
+                dist.all_reduce(loss_sum)  # each rank's loss is its slice's: average them
+                last_loss = loss_sum.item() / world / losses_summed
+                loss_sum.zero_()
+                losses_summed = 0
+                common.log_loss(bar, args, epoch, step, last_loss)
+            if step >= stop:
+                break
+        common.log(f"epoch {epoch}: step {step}, train loss {last_loss:.4f}")
+    return dict(steps=step, loss=last_loss)
+
+
+@torch.no_grad()
+def evaluate(model, loader, device):
+    """Exact: the loader pads every rank to the same number of batches (padding masked out), so
+    every rank runs the same forward passes and collectives and each sample counts once."""
+    model.eval()
+    counts = torch.zeros(2, dtype=torch.long, device=device)
+    for x, y, keep in loader:
+        x, y, keep = x.to(device), y.to(device), keep.to(device)
+        counts += torch.stack([((model(x).argmax(1) == y) & keep).sum(), keep.sum()])
+    dist.all_reduce(counts)
+    return counts[0].item() / max(counts[1].item(), 1)
+
+
+def run(args):
+    """One rank, in the seeds' order: join the group, deal the data, build the model, wrap it,
+    train, evaluate, save on rank 0, leave the group."""
+    rank, world, device, backend = setup(args)
+    try:
+        train_set, test_set, source = common.load_data(args, device)
+        dp_rank, dp_world = rank, world  # every rank is a data-parallel rank
+        sampler = DistributedSampler(
+            train_set,
+            num_replicas=dp_world,
+            rank=dp_rank,
+            shuffle=True,
+            seed=args.seed,
+            drop_last=True,
+        )
+        loader = DataLoader(
+            train_set,
+            batch_size=args.batch_size // dp_world,
+            sampler=sampler,
+            drop_last=True,
+            pin_memory=device.type == "cuda",
+        )
+        common.check(
+            len(loader) > 0,
+            f"{len(train_set)} training samples make no full batch of {args.batch_size}",
+        )
+        model = common.build_model(args)  # the same seeded weights on every rank
+        if args.load:
+            model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
+        psi = sum(p.numel() for p in model.parameters())
+        model = model.to(device)
+        optimizer = common.make_optimizer(model.parameters(), args)
+        scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
+        config = ds_config_from(args, dp_world)
+        model, optimizer, scheduler = parallelize(model, optimizer, scheduler, config)
+        common.log(
+            f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data "
+            f"({len(train_set)} train / {len(test_set)} test), "
+            f"batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
+        )
+        # the torch optimizer inside DeepSpeed's ZeRO optimizer: it holds the sharded state
+        with common.Meter(model, optimizer.optimizer, args, device=device) as meter:
+            out = train(model, optimizer, scheduler, loader, sampler, args, device)
+        test_loader = common.test_loader(
+            test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"
+        )
+        acc = evaluate(model, test_loader, device)
+        state = full_state_dict(model)  # every rank takes part; rank 0 holds the whole
+        if rank == 0 and args.save:
+            common.save_checkpoint(state, args.save)
+            common.log(f"saved {args.save}")
+        common.report(
+            SCRIPT,
+            args,
+            world=world,
+            backend=backend,
+            device=device,
+            data=source,
+            params=psi,
+            trained=out,
+            test_acc=acc,
+            meter=meter,
+            formula=formula(psi, world, args),
+        )
+    finally:
+        cleanup()
+
+
+def main():
+    parser = common.get_parser("ZeRO through DeepSpeed's engine, on the common ViT")
+    parser.add_argument(
+        "--stage",
+        type=int,
+        choices=[1, 2, 3],
+        default=1,
+        help="1: shard the optimizer state, 2: + the gradients, 3: + the parameters",
+    )
+    parser.add_argument(
+        "--offload",
+        choices=["none", "cpu", "disk"],
+        default="none",
+        help="cpu: offload_optimizer (and at stage 3 offload_param) to the CPU, disk: to NVMe",
+    )
+    parser.add_argument(
+        "--offload-dir", default=None, help="--offload disk: the nvme_path DeepSpeed writes to"
+    )
+    parser.add_argument(
+        "--ds-config", default=None, help="a ds_config.json of your own, checked against the flags"
+    )
+    args = common.parse_args(parser)
+    check_args(args, common.world_size(args))
+    common.launch(run, args)
+
+
+if __name__ == "__main__":
+    main()

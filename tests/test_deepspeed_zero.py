@@ -1,0 +1,165 @@
+"""deepspeed_zero.py: ZeRO through DeepSpeed's engine ends every stage with the parameters of one
+ddp.py process and of zero.py at the same stage; --clip, --load/--save, CPU offload and a user's
+--ds-config behave as the flags say; the Meter sees DeepSpeed's collectives. Without DeepSpeed the
+script exits 2 with one line. DeepSpeed is optional (requirements-deepspeed.txt): without it these
+tests skip, saying so, except where REQUIRE_DEEPSPEED is set (CI), where they must run."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+from helpers import SMALL, ddp_reference, fork_launch, launch_cases, max_diff, python, tiered
+
+HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+needs_deepspeed = pytest.mark.skipif(
+    not HAVE_DEEPSPEED and not os.environ.get("REQUIRE_DEEPSPEED"),
+    reason="DeepSpeed is not installed: pip install -r requirements-deepspeed.txt",
+)
+
+# test_zero.py's model: W = 2 and 3 divide no unit evenly, so DeepSpeed pads its partitions
+CFG = [*SMALL, *("--limit 1025 --batch-size 24 --dim 33 --heads 3 --patch 14").split()]
+TOL = {"sgd": 1e-6, "adamw": 5e-5}  # test_zero.py's: float32 round-off, AdamW's steps on ~0
+GRID = [
+    (stage, world, optim) for stage in (1, 2, 3) for world in (2, 3) for optim in ("sgd", "adamw")
+]
+QUICK = [(1, 2, "sgd"), (2, 3, "adamw"), (3, 2, "adamw"), (3, 3, "sgd")]
+CASES = tiered(GRID, QUICK)
+CLIP = "0.05"  # below every step's gradient norm on CFG: each step is clipped
+
+
+def selected(request):
+    """The (stage, world, optim) cases this session's selected tests of this module read."""
+    cases = set()
+    for item in request.session.items:
+        if item.module is request.module:
+            params = getattr(getattr(item, "callspec", None), "params", {})
+            if "world" in params:
+                cases.add((params["stage"], params["world"], params["optim"]))
+    return [case for case in GRID if case in cases]
+
+
+def launch_each(world, argv):
+    """launch_cases for deepspeed_zero.py's runs: one launch each, as DeepSpeed keeps the first
+    process group it sees in globals of its own, which the next case's group would not match."""
+    return [launch_cases(world, [case], timeout=300)[0] for case in argv]
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    """{(script, stage, world, optim): (RESULT, saved path)}: deepspeed_zero.py and zero.py on the
+    selected cases (zero.py's of one world size in one launch)."""
+    folder = tmp_path_factory.mktemp("deepspeed")
+    runs = {}
+    for world in (2, 3):
+        for script in ("deepspeed_zero", "zero"):
+            group = [(script, *case) for case in selected(request) if case[1] == world]
+            if not group:
+                continue
+            argv = []
+            for _, stage, _, optim in group:
+                path = folder / f"{script}-{stage}-{world}-{optim}.pt"
+                argv.append([script, [*CFG, "--stage", stage, "--optim", optim, "--save", path]])
+            if script == "deepspeed_zero":
+                results = launch_each(world, argv)
+            else:
+                results = launch_cases(world, argv, timeout=max(300, 120 * len(argv)))
+            for key, (result, _), (_, flags) in zip(group, results, argv, strict=True):
+                runs[key] = (result, flags[-1])
+    return runs
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("stage,world,optim", CASES)
+def test_stage_equals_one_ddp_process_and_zero(stage, world, optim, refs, launched):
+    """Exact: DeepSpeed's stage k ends with the parameters of ddp.py at W=1 and of zero.py's
+    stage k at the same W (SGD catches a sum where a mean belongs, AdamW the sharded state)."""
+    res, path = launched["deepspeed_zero", stage, world, optim]
+    _, zero_path = launched["zero", stage, world, optim]
+    assert (res["script"], res["world_size"], res["steps"]) == ("deepspeed_zero", world, 6)
+    assert max_diff(path, refs[optim]) <= TOL[optim]
+    assert max_diff(path, zero_path) <= TOL[optim]
+
+
+def padded(measured, exact):
+    """`measured` is `exact`, or up to 1% above it: DeepSpeed pads each partition (at stage 3,
+    each parameter's) to a multiple of W."""
+    return exact <= measured <= 1.01 * exact
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("stage,world,optim", CASES)
+def test_meter_sees_deepspeeds_sharding(stage, world, optim, launched):
+    """The Meter reads DeepSpeed's storages and counts its collectives from outside: the sharded
+    optimizer state is the paper's kΨ/W; the gradients travel once (a reduce-scatter, or at stages
+    1-2 on Gloo an all-reduce) and the updated parameters through all-gathers: Ψ at stages 1-2,
+    at stage 3 between Ψ and 2Ψ (DeepSpeed keeps small parameters whole on every rank, and its
+    forward's gathers may serve backward)."""
+    res, _ = launched["deepspeed_zero", stage, world, optim]
+    psi = res["params"]
+    k = 8 if optim == "adamw" else 4
+    assert padded(res["optim_bytes"], k * psi / world)
+    gradients = res["comm"].get("reduce_scatter", 0) + res["comm"].get("all_reduce", 0)
+    assert padded(gradients, 4 * psi)
+    gathered = res["comm"]["all_gather"]
+    if stage == 3:
+        assert 4 * psi < gathered <= 1.01 * 8 * psi
+        assert res["param_bytes"] < 4 * psi  # partitioned: no rank holds them all
+    else:
+        assert padded(gathered, 4 * psi)
+
+
+@needs_deepspeed
+def test_clip_load_offload_and_config(refs, tmp_path, tmp_path_factory):
+    """At W=2: --clip below every step's norm ends where ddp.py --clip ends (the
+    engine's gradient_clipping took the global norm over the shards); --load of a ddp.py save at
+    stage 3 with lr 0 saves it back bit for bit; --offload cpu at stage 3 (offload_optimizer and
+    offload_param, with the torch optimizer) ends where ddp.py ends; a --ds-config of the user's
+    that agrees with the flags trains as the flags would."""
+    config = tmp_path / "ds_config.json"
+    config.write_text(json.dumps({"train_batch_size": 24, "zero_optimization": {"stage": 2}}))
+    saved = {name: tmp_path / f"{name}.pt" for name in ("clip", "load", "offload", "config")}
+    sgd = [*CFG, "--optim", "sgd"]
+    argv = [
+        ["deepspeed_zero", [*sgd, "--stage", 3, "--clip", CLIP, "--save", saved["clip"]]],
+        [
+            "deepspeed_zero",
+            [*CFG, "--stage", 3, "--lr", 0, "--max-steps", 1, "--load", refs["adamw"]]
+            + ["--save", saved["load"]],
+        ],
+        ["deepspeed_zero", [*sgd, "--stage", 3, "--offload", "cpu", "--save", saved["offload"]]],
+        ["deepspeed_zero", [*sgd, "--stage", 2, "--ds-config", config, "--save", saved["config"]]],
+    ]
+    launch_each(2, argv)
+    clipped = ddp_reference(tmp_path_factory, [*CFG, "--clip", CLIP], "sgd")
+    assert max_diff(clipped, refs["sgd"]) > 100 * TOL["sgd"]  # the clip bit
+    assert max_diff(saved["clip"], clipped) <= TOL["sgd"]
+    assert max_diff(saved["load"], refs["adamw"]) == 0
+    assert max_diff(saved["offload"], refs["sgd"]) <= TOL["sgd"]
+    assert max_diff(saved["config"], refs["sgd"]) <= TOL["sgd"]
+
+
+@needs_deepspeed
+def test_ds_config_that_disagrees_with_the_flags_is_one_error(tmp_path):
+    """A user's config whose batch size is not --batch-size: one line from rank 0, exit 2, before
+    any process group."""
+    config = tmp_path / "ds_config.json"
+    config.write_text(json.dumps({"train_batch_size": 64}))
+    r = fork_launch("deepspeed_zero.py", 2, *CFG, "--ds-config", config)
+    assert r.returncode == 2, r.output
+    message = f"--ds-config {config}: train_batch_size is 64, but the flags mean 24"
+    assert r.stderr.count(message) == 1, r.output
+
+
+def test_without_deepspeed_one_line_and_exit_2(tmp_path):
+    """Where DeepSpeed is not installed (here: an import of it that fails), the script says how to
+    install it, once, and exits 2."""
+    fake = tmp_path / "deepspeed"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('no DeepSpeed here (the test)')\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    r = python("deepspeed_zero.py", "--nproc", "2", *SMALL, env=env)
+    assert r.returncode == 2, r.output
+    message = "deepspeed_zero.py needs DeepSpeed: pip install -r requirements-deepspeed.txt"
+    assert r.stderr.count(message) == 1 and "Traceback" not in r.output, r.output
