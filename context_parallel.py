@@ -1,7 +1,8 @@
 """Context parallelism: each of W ranks holds the whole model and T/W of the tokens of every
 sample (the whole batch); only attention needs the other ranks' tokens. Ring attention passes the
 key/value blocks round a ring, merged with the online softmax; Ulysses all-to-alls the token split
-into a head split for attention, and back. DDP's all-reduce sums the ranks' gradient shares.
+into a head split for attention, and back. DDP averages the ranks' gradients, which the loss's
+SumOverRanks (×W in backward) turns into their sum.
 
     step      0     1     2     3     Ring, W = 4: rank r keeps its queries Q_r. Each step, in one
     rank 0   KV0   KV3   KV2   KV1    batch_isend_irecv, it sends the K/V block in hand to rank r+1
@@ -100,7 +101,9 @@ class RingPass:
 
 
 def merge_block(q_scaled, kv_block, out, row_max, row_sum, mask=None):
-    """Online softmax: fold one K/V block into this rank's running O, m and l, in place."""
+    """Online softmax: fold one K/V block into this rank's running O, m and l, in place. O is the
+    unnormalised output sum_j exp(S_j - m) V_j, m each query row's running max score, l its
+    running sum_j exp(S_j - m); the attention output is O / l once every block is in."""
     key, value = kv_block.float()
     with torch.autocast(q_scaled.device.type, enabled=False):  # fp32 scores, as O, m and l
         scores = q_scaled @ key.mT  # S_j

@@ -7,12 +7,13 @@ clips, steps the schedule and zeroes the gradients). The flags become a ds_confi
     ddp.py:            loss.backward(); clip; optimizer.step(); scheduler.step(); zero_grad()
     deepspeed_zero.py: engine.backward(loss); engine.step()
 
-Memory per rank (fp32, AdamW, Ψ parameters), as zero.py: stage 1: 4Ψ + 4Ψ + 8Ψ/W; stage 2:
-4Ψ + 12Ψ/W; stage 3: 16Ψ/W. Communication per step: stages 1-2 reduce-scatter Ψ gradients (an
-all-reduce in DeepSpeed's stage 1) and all-gather Ψ parameters; stage 3 all-gathers them in
-forward and again in backward. Paper: Rajbhandari et al. 2020, "ZeRO: Memory Optimizations
-Toward Training Trillion Parameter Models", https://arxiv.org/abs/1910.02054. What differs from
-the written-out zero.py: docs/techniques.md#deepspeed. Install: requirements-deepspeed.txt.
+Memory per rank (fp32, AdamW, Ψ parameters), the paper's: stage 1: 4Ψ + 4Ψ + 8Ψ/W; stage 2:
+4Ψ + 12Ψ/W; stage 3: 16Ψ/W; DeepSpeed adds its buckets and an fp32 copy of each partition.
+Communication per step: Ψ gradients reduced (on Gloo, one all-reduce at stages 1-2) and Ψ
+parameters all-gathered; stage 3 all-gathers them in forward and again in backward. Paper:
+Rajbhandari et al. 2019, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
+https://arxiv.org/abs/1910.02054. Against zero.py: docs/techniques.md#zero-through-deepspeed.
+Needs DeepSpeed: pip install -r requirements-deepspeed.txt.
 
     torchrun --standalone --nproc_per_node=4 deepspeed_zero.py --stage 3
     python deepspeed_zero.py --nproc 2 --stage 2 --offload cpu
@@ -40,9 +41,10 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 
 ### begin: DeepSpeed ZeRO
-# Model contract: any nn.Module, built with the same weights on every rank, and an optimizer and
-# a schedule built on its parameters; deepspeed.initialize takes all three. The loop then calls
-# the engine for forward, backward and step.
+# Model contract: any nn.Module, built with the same weights on every rank, an optimizer over its
+# parameters and a schedule over the optimizer; deepspeed.initialize takes all three. The loop
+# (train()) then calls engine(x), engine.backward(loss) and engine.step(), which replace
+# backward, clip, optimizer.step(), scheduler.step() and zero_grad().
 
 
 def ds_config(args, world):
@@ -53,7 +55,7 @@ def ds_config(args, world):
         if args.offload == "disk":
             target["nvme_path"] = args.offload_dir
         zero["offload_optimizer"] = target
-        if args.stage == 3:
+        if args.stage == 3:  # DeepSpeed offloads parameters at stage 3 only
             zero["offload_param"] = dict(target)
     return {
         "train_batch_size": args.batch_size,
@@ -71,8 +73,9 @@ def ds_config(args, world):
 
 def parallelize(model, optimizer, scheduler, config):
     """deepspeed.initialize shards as the config's zero_optimization.stage says: it wraps the
-    optimizer into its ZeRO optimizer and the model into an engine whose backward reduces (or
-    reduce-scatters) the gradients in buckets and whose step clips, steps the optimizer and the
+    optimizer into its ZeRO optimizer and the model into an engine whose backward reduces the
+    gradients in buckets, each rank keeping its partition, and whose step clips, steps the
+    optimizer and the
     schedule and zeroes the gradients. At stage 3 it partitions the parameters here and gathers
     each module's in its forward and backward."""
     engine, optimizer, _, scheduler = deepspeed.initialize(
@@ -86,7 +89,8 @@ def parallelize(model, optimizer, scheduler, config):
 
 def full_state_dict(engine):
     """The plain state_dict of the common model on every rank (a collective at stage 3, where
-    GatheredParameters gathers each parameter whole for the copy and partitions it again)."""
+    GatheredParameters gathers every parameter whole for the copy, the whole model at once on
+    every rank, fine for the ViT, and partitions them again)."""
     stage_3 = engine.zero_optimization_stage() == 3
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, enabled=stage_3):
@@ -124,23 +128,24 @@ def ds_config_from(args, world):
     if not args.ds_config:
         return config
     with open(args.ds_config) as f:
-        mine = json.load(f)
+        user_config = json.load(f)
     for key, value in config.items():
         if key == "zero_optimization":
             for zero_key, zero_value in value.items():
-                theirs = mine.setdefault(key, {}).setdefault(zero_key, zero_value)
+                # fills in the flag's value where the file has none, then compares
+                user_value = user_config.setdefault(key, {}).setdefault(zero_key, zero_value)
                 common.check(
-                    theirs == zero_value,
-                    f"--ds-config {args.ds_config}: zero_optimization.{zero_key} is {theirs}, "
+                    user_value == zero_value,
+                    f"--ds-config {args.ds_config}: zero_optimization.{zero_key} is {user_value}, "
                     f"but the flags mean {zero_value}",
                 )
             continue
-        theirs = mine.setdefault(key, value)
+        user_value = user_config.setdefault(key, value)
         common.check(
-            theirs == value,
-            f"--ds-config {args.ds_config}: {key} is {theirs}, but the flags mean {value}",
+            user_value == value,
+            f"--ds-config {args.ds_config}: {key} is {user_value}, but the flags mean {value}",
         )
-    return mine
+    return user_config
 
 
 def check_args(args, world):
@@ -205,7 +210,7 @@ def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
             y = y.to(device, non_blocking=True)
             loss = F.cross_entropy(model(x), y)
             model.backward(loss)  # the engine: backward, and the gradients averaged and sharded
-            model.step()  # clips (gradient_clipping), steps the optimizer and the schedule
+            model.step()  # clips, steps the optimizer and the schedule, zeroes the gradients
             step += 1
             loss_sum += loss.detach()
             losses_summed += 1
@@ -281,7 +286,7 @@ def run(args):
             test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"
         )
         acc = evaluate(model, test_loader, device)
-        state = full_state_dict(model)  # every rank takes part; rank 0 holds the whole
+        state = full_state_dict(model)  # every rank takes part and holds the whole; rank 0 saves
         if rank == 0 and args.save:
             common.save_checkpoint(state, args.save)
             common.log(f"saved {args.save}")

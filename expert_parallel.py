@@ -210,7 +210,10 @@ class StepAverager:
     rank of the group, to its one owner; with several copies, one all-reduce over replica_group
     adds the other copies'. Each rank's loss is the mean over its slice, so what the owner then
     holds is the sum of W ranks' mean gradients, W times the gradient of the global batch's mean:
-    only the scale, 1/W, is missing."""
+    only the scale, 1/W, is missing.
+
+    hook_optimizer builds its subclass GradientAverager (the first part after the core), which
+    starts each bucket during backward and runs wait() once a step, as clip_grad_norm_ needs."""
 
     def __init__(self, model, data_group=None, replica_group=None, units=None):
         self.group = own_group(data_group)  # `### more: the dense all-reduces' own process group`

@@ -5,7 +5,7 @@ micro-batch's activation goes forward and its gradient back with batch_isend_ire
     rank 0                      rank 1                        rank p-1
     embed, blocks 0..d/p-1 -->  blocks d/p..2d/p-1 --> .. --> blocks (p-1)d/p..d-1, head, loss
                            <--                     <-- .. <-- (activations -->, gradients <--)
-p=2, m=4, a slot per forward F i of micro-batch i and two per backward B i, '.' idle:
+p=2, m=4, a slot per forward Fi of micro-batch i and two per backward Bi, '.' idle:
     gpipe   rank 0:  F0 F1 F2 F3 .  .  .  B0 B0 B1 B1 B2 B2 B3 B3    all m forwards, then all m
             rank 1:  .  F0 F1 F2 F3 B0 B0 B1 B1 B2 B2 B3 B3 .  .     backwards
     1f1b    rank 0:  F0 F1 .  .  B0 B0 F2 B1 B1 F3 B2 B2 .  B3 B3    p-s-1 forwards ahead on stage

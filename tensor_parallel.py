@@ -220,29 +220,26 @@ def join_shards(shards, dim, parts=1):
 
 
 def full_state_dict(model):
-    """The model's plain state_dict on rank 0 (None elsewhere): each split parameter is gathered
-    to rank 0 and its shards joined as they were cut. Every rank walks the parameters in the same
-    order, so their gathers pair up."""
+    """The model's plain state_dict on rank 0 (None elsewhere): model.state_dict() (buffers and
+    whole parameters as every rank holds them), each split parameter gathered to rank 0 and its
+    shards joined as they were cut. Every rank walks the modules in the same order, so their
+    gathers pair up."""
     rank = dist.get_rank()
     world = dist.get_world_size()
-    state = {}
+    state = {key: value.detach().cpu() for key, value in model.state_dict().items()}
     for module_name, module in model.named_modules():
         shard_dims = getattr(module, "shard_dims", {})  # only the parallel linears have them
         for name, param in module.named_parameters(recurse=False):
-            tensor = param.detach()
-            if name in shard_dims:
-                shards = None  # dist.gather fills a list on the destination only
-                if rank == 0:
-                    shards = [torch.empty_like(tensor) for _ in range(world)]
-                dist.gather(tensor.contiguous(), shards, dst=0)
-                if rank == 0:
-                    tensor = join_shards(shards, shard_dims[name], module.parts)
-            state[f"{module_name}.{name}"] = tensor.cpu()
-    if rank != 0:
-        return None
-    # The keys are model.state_dict()'s, in its order, so the file is the plain model's, as ddp.py
-    # saves it.
-    return {key: state[key] for key in model.state_dict()}
+            if name not in shard_dims:
+                continue
+            shards = None  # dist.gather fills a list on the destination only
+            if rank == 0:
+                shards = [torch.empty_like(param) for _ in range(world)]
+            dist.gather(param.detach().contiguous(), shards, dst=0)
+            if rank == 0:
+                whole = join_shards(shards, shard_dims[name], module.parts)
+                state[f"{module_name}.{name}"] = whole.cpu()
+    return state if rank == 0 else None
 
 
 ### more: q, k and v fused in one layer (GPT-2, nanoGPT), and a model's own names
@@ -314,8 +311,9 @@ def attend_local_heads(qkv, proj, heads, causal, x):
 # https://arxiv.org/abs/2205.05198, section 4.2.2: outside the split layers (norms, residuals)
 # every rank would hold the same [B, T, D] activations; each keeps only its T/W tokens of them
 # instead. The blocks' input and output are then token shards, so f must gather the tokens the
-# split layers need and g must leave each rank its T/W tokens of the sum (the paper names these
-# two operators g and ḡ):
+# split layers need and g must leave each rank its T/W tokens of the sum (Korthikanti et al. call
+# the all-gather g and the reduce-scatter ḡ; this file keeps Megatron-LM's f and g for where they
+# sit, so f here is the paper's g and g here its ḡ):
 #                               forward          backward
 #   f under --sequence-parallel all-gather       reduce-scatter
 #   g under --sequence-parallel reduce-scatter   all-gather

@@ -68,7 +68,8 @@ class Unit:
         """name: the module's name in the model, its parameters' state_dict keys. placed and
         group_of: the tied weights and the optimizer groups of the user's units (their `### more:`
         part below)."""
-        # the module's parameters, but those an earlier unit flattened (tied), in flat's order
+        # the module's parameters except those an earlier unit already flattened (a tied weight),
+        # in flat's order
         named_params = own_parameters(self, name, module, placed, group_of)
         numel = sum(param.numel() for _, param in named_params)
         self.shard_numel = (numel + world - 1) // world  # S: numel / W, rounded up
@@ -221,13 +222,16 @@ class ZeRO:
     # the step (P_os, every stage): each rank steps its own shards
 
     def before_step(self):
-        self.finish_reduce_scatter()  # the backward's last: the first unit's
+        # the last reduce-scatter: the first unit's (backward runs from the last unit to the first)
+        self.finish_reduce_scatter()
         for unit in self.units:
             # none: handed already (clip_grad_norm_ ran), or a unit with nothing flattened
             if unit.grad_shard is not None:
                 for _, own, piece in unit.pieces:
                     piece.grad = unit.grad_shard[own]
-                unit.grad_shard = None  # the optimizer's now: zero_grad(set_to_none=True) frees it
+                # the optimizer's now: stages 2-3 free it in zero_grad(set_to_none=True); at stage
+                # 1 it is a view of flat_grad, which stays
+                unit.grad_shard = None
 
     @torch.no_grad()
     def after_step(self):
@@ -242,8 +246,8 @@ class ZeRO:
 def parallelize(model, device, stage, param_groups=None, offload="none", directory=None, *, units):
     """ZeRO at `stage`, in place: the engine goes to model.zero and model.parameters() become the
     shards (the CPU master shards with offload "cpu"); make the optimizer over them, then
-    hook_optimizer(model, optimizer). The model is already on `device` (the skeleton's argument;
-    on a GPU the CPU buffers are pinned). `param_groups`: the optimizer's groups over the model's
+    hook_optimizer(model, optimizer). The model is already on `device` (on a GPU the CPU
+    buffers are pinned). `param_groups`: the optimizer's groups over the model's
     parameters (dicts with "params" and hyperparameters, such as weight_decay); then make the
     optimizer over model.zero.param_groups, the same groups over the shards. Offload "cpu", or
     "disk" into `directory`. `units`: the modules to flatten, in forward order (the contract).
@@ -346,6 +350,7 @@ def cut_into_pieces(unit, named_params, group_of, rank):
         high = min(end, shard_start + unit.shard_numel) - shard_start
         if low < high:
             own = slice(low, high)
+            # nn.Parameter(view) shares the view's memory: stepping the piece steps flat
             pieces.append((group, own, nn.Parameter(unit.shard[own])))
         group_start = end
     return pieces
@@ -409,8 +414,8 @@ def replace_with_view(module, name, view):
 
 
 def put_tensor(module, name, tensor):
-    """`tensor`, a plain attribute, where the parameter `name` was: the unit's shard is the
-    parameter from now on."""
+    """`tensor`, a plain attribute (not an nn.Parameter), where the parameter `name` was: the
+    module's Parameters are now only the unit's shard pieces."""
     owner_name, _, attribute = name.rpartition(".")
     owner = module.get_submodule(owner_name)
     delattr(owner, attribute)
@@ -616,7 +621,8 @@ class ZeROOffload(ZeRO):
         unit.grad_shard = None
 
     def before_step(self):
-        self.finish_reduce_scatter()  # the backward's last: the first unit's
+        # the last reduce-scatter: the first unit's (backward runs from the last unit to the first)
+        self.finish_reduce_scatter()
         if self.offload == "disk":
             return  # the gradient shards wait in the units: step_on_disk steps them after step()
         if self.offload == "cpu":

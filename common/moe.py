@@ -23,7 +23,8 @@ class Experts(nn.ModuleList):
         # tokens per expert: scatter_add_, not bincount, which waits for the device on CUDA
         per_expert = torch.zeros(len(self), dtype=torch.long, device=slots.device)
         per_expert.scatter_add_(0, slots, torch.ones_like(slots))
-        inputs = tokens[by_expert // top_k].split(per_expert.tolist())  # the one host sync
+        counts = per_expert.tolist()  # the one host sync
+        inputs = tokens[by_expert // top_k].split(counts)
         outputs = torch.cat([expert(x) for expert, x in zip(self, inputs, strict=True)])
         outputs = torch.empty_like(outputs).index_copy(0, by_expert, outputs)  # slot order again
         return (weights.unsqueeze(-1) * outputs.view(num_tokens, top_k, -1)).sum(1)

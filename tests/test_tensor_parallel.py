@@ -280,3 +280,18 @@ def test_fused_attention_refuses_dropout_and_clip_takes_no_gradients(world_of_on
     model = tensor_parallel.parallelize(common.build_model(args), torch.device("cpu"))
     assert isinstance(model.blocks[0].attn.q, tensor_parallel.ColumnParallelLinear)
     assert tensor_parallel.clip_grad_norm_(model, 1.0).item() == 0.0
+
+
+def test_full_state_dict_keeps_buffers(world_of_one):
+    """A model with a persistent buffer (an older nanoGPT's causal mask, BatchNorm's statistics):
+    the saved state_dict is the plain model's, buffer included, in model.state_dict()'s order."""
+    import tensor_parallel
+
+    args = common.parse_args(common.get_parser("test"), CFG)
+    plain = common.build_model(args)
+    plain.blocks[0].attn.register_buffer("mask", torch.ones(3, 3).tril())
+    expected = {key: value.clone() for key, value in plain.state_dict().items()}
+    model = tensor_parallel.parallelize(plain, torch.device("cpu"))
+    state = tensor_parallel.full_state_dict(model)
+    assert list(state) == list(expected)
+    assert all(torch.equal(state[key], expected[key]) for key in expected)
