@@ -83,7 +83,7 @@ class Unit:
             view = self.flat[offset : offset + param.numel()].view_as(param)
             view.copy_(param)
             tensor = replace_with_view(module, param_name, view)
-            self.params.append((f"{name}.{param_name}", tensor, offset))
+            self.params.append((state_key(name, param_name), tensor, offset))
             offset += param.numel()
         self.shard = self.flat[rank * self.shard_numel : (rank + 1) * self.shard_numel]
         if stage == 3:
@@ -282,13 +282,19 @@ def hook_optimizer(model, optimizer):
 # group and cuts its shard where the groups meet, a piece per group.
 
 
+def state_key(module_name, name):
+    """A parameter's key in the model's state_dict: the root module's own (the whole
+    model as one unit) have no prefix."""
+    return f"{module_name}.{name}" if module_name else name
+
+
 def check_units(model, modules):
     """Every parameter of the model in exactly one unit, by the names the model lists it under (a
     tied one under each): a module left out would stay whole, unsharded, and a weight tied into it
     (nanoGPT's lm_head.weight) silently untied; a module in two units would be flattened twice."""
     name_of = {module: name for name, module in model.named_modules()}
     in_units = [
-        f"{name_of[module]}.{name}"
+        state_key(name_of[module], name)
         for module in modules
         for name, _ in module.named_parameters(remove_duplicate=False)
     ]
@@ -322,11 +328,11 @@ def own_parameters(unit, name, module, placed, group_of):
             owner, owner_key = placed[param]
             tensor = next(tensor for key, tensor, _ in owner.params if key == owner_key)
             put_tensor(module, param_name, tensor)
-            unit.tied.append((f"{name}.{param_name}", owner_key))
+            unit.tied.append((state_key(name, param_name), owner_key))
             unit.borrowed.append(owner)
         else:
             own.append((param_name, param))
-            placed[param] = (unit, f"{name}.{param_name}")
+            placed[param] = (unit, state_key(name, param_name))
     own.sort(key=lambda named: group_of[named[1]])
     return own
 

@@ -4,6 +4,7 @@
     zero.py stage 1  vs  DDP + torch.distributed.optim.ZeroRedundancyOptimizer   (target <= 1.05x)
     zero.py stage 3  vs  fsdp.py (FSDP2 fully_shard)                              (target <= 1.2x)
     zero.py stage k  vs  deepspeed_zero.py stage k, k = 1, 2, 3                   (target <= 1.0x)
+    zero.py stage k, the whole model one unit  vs  DeepSpeed stage k, k = 1, 2   (its one bucket)
 
 The DeepSpeed rows need it installed (requirements-deepspeed.txt); without it they are left out,
 and the benchmark says so. Per-rank memory is read off the storages after the warm-up, as the
@@ -44,6 +45,9 @@ PAIRS = [
 ]
 if deepspeed_zero.deepspeed is not None:
     PAIRS += [(f"zero.py stage {k}", f"DeepSpeed stage {k}", "1.0") for k in (1, 2, 3)]
+    # DeepSpeed's stages 1-2 reduce the whole model's gradients in one bucket: zero.py with the
+    # whole model as one unit does the same, one reduce-scatter and one all-gather a step
+    PAIRS += [(f"zero.py stage {k}, one unit", f"DeepSpeed stage {k}", "1.0") for k in (1, 2)]
 
 
 def ddp_state_dict(model):
@@ -75,6 +79,12 @@ def variants(args, device):
         optimizer = common.make_optimizer(model.parameters(), args)
         zero.hook_optimizer(model, optimizer)
         out[f"zero.py stage {stage}"] = (model, optimizer, zero.full_state_dict)
+    for stage in (1, 2):
+        model = common.build_model(args).to(device)
+        model = zero.parallelize(model, device, stage, units=[model])
+        optimizer = common.make_optimizer(model.parameters(), args)
+        zero.hook_optimizer(model, optimizer)
+        out[f"zero.py stage {stage}, one unit"] = (model, optimizer, zero.full_state_dict)
     model = common.build_model(args).to(device)
     model = fsdp.parallelize(model, device, model.blocks)  # fsdp.py's units and defaults
     optimizer = common.make_optimizer(model.parameters(), args)

@@ -32,3 +32,13 @@ def initial(request, tmp_path_factory):
     args = common.parse_args(common.get_parser("test"), request.module.CFG)
     torch.save(common.build_model(args).state_dict(), path)
     return path
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    """A Gloo process group of this test's process alone, for a section's functions."""
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1
+    )
+    yield
+    torch.distributed.destroy_process_group()

@@ -10,7 +10,6 @@ ZeRO-R's --checkpoint and --partition-activations are tested in test_tensor_para
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import common
 from helpers import SMALL, ddp_reference, ddp_references, launch_cases, max_diff, python
@@ -251,14 +250,6 @@ def test_refuses_before_any_process_group(world, argv, message):
     assert message in launch.stderr, launch.output
     assert launch.stderr.count("error:") == 1, launch.output
     assert "Traceback" not in launch.stderr, launch.output
-
-
-@pytest.fixture
-def world_of_one(tmp_path):
-    """A Gloo process group of this test's process alone, for the section's functions."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_fused_attention_refuses_dropout_and_clip_takes_no_gradients(world_of_one):

@@ -313,3 +313,16 @@ def test_stage3_memory_needs_the_old_optimizer_dropped(one_process):
     assert sum(param.numel() for param in model.parameters()) == psi
     with pytest.raises(RuntimeError, match="full_state_dict"):
         model.state_dict()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_the_whole_model_as_one_unit(stage, world_of_one):
+    """units=[model]: one flat buffer, one reduce-scatter and one all-gather a step (DeepSpeed's
+    one bucket, benchmarks/bench_zero.py): accepted, and its state_dict keys are the model's."""
+    model = build()
+    keys = list(model.state_dict())
+    model = zero.parallelize(model, torch.device("cpu"), stage, units=[model])
+    assert len(model.zero.units) == 1
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    zero.hook_optimizer(model, optimizer)
+    assert list(zero.full_state_dict(model)) == keys
