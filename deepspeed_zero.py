@@ -159,6 +159,14 @@ def check_args(args, world):
         "every rank must get the same whole number of samples per step",
     )
     if args.offload == "disk":
+        # DeepSpeed's NVMe offload reads and writes through its async_io op, built at the first
+        # run where libaio is installed (apt install libaio-dev), else a traceback from a rank
+        aio = deepspeed.accelerator.get_accelerator().create_op_builder("AsyncIOBuilder")
+        common.check(
+            aio is not None and aio.is_compatible(verbose=False),
+            "--offload disk needs DeepSpeed's async_io op, which cannot be built here "
+            "(it needs libaio: apt install libaio-dev)",
+        )
         directory = args.offload_dir
         writable = (
             directory is not None and os.path.isdir(directory) and os.access(directory, os.W_OK)

@@ -163,3 +163,19 @@ def test_without_deepspeed_one_line_and_exit_2(tmp_path):
     assert r.returncode == 2, r.output
     message = "deepspeed_zero.py needs DeepSpeed: pip install -r requirements-deepspeed.txt"
     assert r.stderr.count(message) == 1 and "Traceback" not in r.output, r.output
+
+
+@needs_deepspeed
+def test_offload_disk_trains_or_says_what_it_needs(refs, tmp_path):
+    """--offload disk is DeepSpeed's NVMe offload, which needs its async_io op (libaio): where it
+    can be built, stage 3 ends where ddp.py ends; where not, one line says what is missing and
+    the script exits 2 before any process group, not a traceback from each rank."""
+    saved = tmp_path / "disk.pt"
+    flags = [*CFG, "--optim", "sgd", "--stage", 3, "--offload", "disk", "--offload-dir", tmp_path]
+    r = fork_launch("deepspeed_zero.py", 2, *flags, "--save", saved, timeout=300)
+    message = "--offload disk needs DeepSpeed's async_io op, which cannot be built here"
+    if r.returncode == 2:
+        assert r.stderr.count(message) == 1 and "Traceback" not in r.output, r.output
+        return
+    assert r.returncode == 0, r.output
+    assert max_diff(saved, refs["sgd"]) <= TOL["sgd"]
