@@ -71,6 +71,14 @@ def ds_config(args, world):
     }
 
 
+def cpu_adam(model, args):
+    """DeepSpeed's own CPU Adam, the optimizer its CPU offload is made for (a C++ extension, built
+    at its first run, about 2 minutes here): the skeleton's AdamW (weight decay 0.01)."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    return DeepSpeedCPUAdam(model.parameters(), lr=args.lr, weight_decay=0.01, adamw_mode=True)
+
+
 def parallelize(model, optimizer, scheduler, config):
     """deepspeed.initialize shards as the config's zero_optimization.stage says: it wraps the
     optimizer into its ZeRO optimizer and the model into an engine whose backward reduces the
@@ -176,6 +184,10 @@ def check_args(args, world):
             "--offload disk needs --offload-dir DIR, an existing writable directory "
             f"(got {args.offload_dir})",
         )
+    common.check(
+        not args.cpu_adam or (args.offload == "cpu" and args.optim == "adamw"),
+        "--cpu-adam is DeepSpeed's CPU AdamW for --offload cpu: give --offload cpu --optim adamw",
+    )
     if args.ds_config:
         common.check(os.path.isfile(args.ds_config), f"--ds-config {args.ds_config}: no such file")
         try:
@@ -279,6 +291,8 @@ def run(args):
         psi = sum(p.numel() for p in model.parameters())
         model = model.to(device)
         optimizer = common.make_optimizer(model.parameters(), args)
+        if args.cpu_adam:
+            optimizer = cpu_adam(model, args)
         scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
         config = ds_config_from(args, dp_world)
         model, optimizer, scheduler = parallelize(model, optimizer, scheduler, config)
@@ -332,6 +346,11 @@ def main():
     )
     parser.add_argument(
         "--offload-dir", default=None, help="--offload disk: the nvme_path DeepSpeed writes to"
+    )
+    parser.add_argument(
+        "--cpu-adam",
+        action="store_true",
+        help="with --offload cpu and --optim adamw: DeepSpeed's C++ CPU Adam for torch's AdamW",
     )
     parser.add_argument(
         "--ds-config", default=None, help="a ds_config.json of your own, checked against the flags"

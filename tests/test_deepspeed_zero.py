@@ -179,3 +179,24 @@ def test_offload_disk_trains_or_says_what_it_needs(refs, tmp_path):
         return
     assert r.returncode == 0, r.output
     assert max_diff(saved, refs["sgd"]) <= TOL["sgd"]
+
+
+@needs_deepspeed
+@pytest.mark.full  # DeepSpeed builds its CPU Adam (C++) at the first run: about 2 minutes here
+def test_cpu_adam_with_cpu_offload_equals_one_ddp_process(refs, tmp_path):
+    """--offload cpu --cpu-adam: DeepSpeed's own CPU Adam steps the offloaded partitions at stage 3
+    and ends where ddp.py's torch AdamW ends (2.4e-7 apart here)."""
+    saved = tmp_path / "cpu_adam.pt"
+    flags = [*CFG, "--optim", "adamw", "--stage", 3, "--offload", "cpu", "--cpu-adam"]
+    launch_each(2, [["deepspeed_zero", [*flags, "--save", saved]]])
+    assert max_diff(saved, refs["adamw"]) <= TOL["adamw"]
+
+
+@needs_deepspeed
+def test_cpu_adam_without_cpu_offload_is_one_error():
+    r = fork_launch("deepspeed_zero.py", 2, *CFG, "--cpu-adam")
+    assert r.returncode == 2, r.output
+    message = (
+        "--cpu-adam is DeepSpeed's CPU AdamW for --offload cpu: give --offload cpu --optim adamw"
+    )
+    assert r.stderr.count(message) == 1, r.output
