@@ -12,10 +12,10 @@ SumOverRanks (×W in backward) turns into their sum.
     Ulysses, W = 2:  q, k, v [B, H, T/2, d]  ==all-to-all==>  [B, H/2, T, d]: SDPA on all tokens,
     (a rank's tokens)  out   [B, H, T/2, d]  <==all-to-all==  [B, H/2, T, d]  half the heads
 
-Memory per rank (fp32, AdamW): 16Ψ, as DDP; attention saves 4·a·B·T·D/W + 4·B·H·T/W bytes a block
-(a = 5 for ring, 6 for Ulysses), never the T x T scores. Communication per step, per block: ring
-sends W-1 K/V blocks of 2·B·(T/W)·D fp32 forward and 2(W-1) backward; Ulysses makes 8 all-to-alls
-of B·T·D/W fp32. Both all-reduce the B·D pooled features (the head) and, as DDP, the Ψ gradients.
+Memory per rank (fp32, AdamW): 16Ψ, as DDP; attention saves 4·a·B·T·D/W + 4·B·H·T/W bytes a
+block (a = 5 for ring, 6 for Ulysses), never the T x T scores. Per step and block, the ring sends
+W-1 K/V blocks of 2·B·(T/W)·D fp32 forward and 2(W-1) backward; Ulysses makes 8 all-to-alls of
+B·T·D/W fp32. Both all-reduce the B·D pooled features (the head) and, as DDP, the Ψ gradients.
 Papers: Liu et al. 2023, "Ring Attention with Blockwise Transformers for Near-Infinite Context",
 https://arxiv.org/abs/2310.01889; Jacobs et al. 2023, "DeepSpeed Ulysses: System Optimizations for
 Enabling Training of Extreme Long Sequence Transformer Models", https://arxiv.org/abs/2309.14509.

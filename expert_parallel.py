@@ -55,8 +55,8 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 # et al. 2021, https://arxiv.org/abs/2101.03961): each rank holds the dense part whole and E/W
 # experts; each token travels to the ranks of the experts the router picked for it, and back.
 #
-#   tokens ─ router ─ sort by expert ─ all-to-all ─ this rank's E/W experts ─ all-to-all ─ Σ w·out
-#                                      (dispatch)                             (combine)
+#   tokens -> router -> sort by expert -> all-to-all (dispatch) -> this rank's E/W experts
+#          -> all-to-all (combine) -> each token's K outputs, summed with the router's weights
 #
 # The dense gradients are averaged over the ranks as DDP's are; an expert's gradient is already
 # whole on its owner: the all-to-alls brought it every token routed to that expert.

@@ -9,9 +9,10 @@ outermost to innermost. Two nodes of 4 GPUs, --pp 2 --dp-shard 2 --tp 2:
     node 1, stage 1:        [4  5]       [6  7]       0-2, 1-3, 4-6, 5-7: dp_shard (FSDP) groups
                                                       0-4, 1-5, 2-6, 3-7: pp groups (the pipes)
 
-Memory per rank (fp32, AdamW, Ψ parameters): ≈ 16Ψ/(P·T·S) bytes. Per step (act: B/(R·S) samples
-x T tokens x D, fp32): tp all-reduces 6·act a block; dp_shard all-gathers ≈ 2·4Ψ/(P·T) and
-reduce-scatters ≈ 4Ψ/(P·T); dp_replicate all-reduces ≈ 4Ψ/(P·T·S); pp sends and receives act.
+Memory per rank (fp32, AdamW, Ψ parameters): ≈ 16Ψ/(P·T·S) bytes. Per step (act: B/(R·S)
+samples x T tokens x D, fp32): tp all-reduces 6·act a block; dp_shard all-gathers ≈ 2·4Ψ/(P·T)
+and reduce-scatters ≈ 4Ψ/(P·T); dp_replicate all-reduces ≈ 4Ψ/(P·T·S); pp sends and receives
+act.
 Paper: Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
 Using Megatron-LM", https://arxiv.org/abs/2104.04473. Layout and traffic derived:
 docs/techniques.md#n-d-parallelism-mesh-layout-and-traffic

@@ -193,7 +193,8 @@ fi
 
 failed=()
 : > "$LOGS/results"
-deepspeed=$(python -c 'import importlib.util; print(importlib.util.find_spec("deepspeed") is not None)')
+find_deepspeed='import importlib.util; print(importlib.util.find_spec("deepspeed") is not None)'
+deepspeed=$(python -c "$find_deepspeed")
 for entry in "${RUNS[@]}"; do
   IFS='|' read -r tier name launcher cmd why <<< "$entry"
   [ "$tier" = all ] && [ "$ALL" = 0 ] && continue

@@ -4,16 +4,17 @@ features), the attention's output projection P and fc2 row-parallel (split by in
 f (forward identity, backward all-reduce) comes before the column-parallel layers, g (forward
 all-reduce, backward identity) after the row-parallel one. W = 2, Y = X·A with A [in, out]:
 
-                   ┌─ rank 0: Y0 = attn(X·Aq0, X·Ak0, X·Av0) ─ Y0·P0 ─┐
-    x ─ norm1 ─ f ─┤                                                  ├─ g ─ + b + x
-                   └─ rank 1: Y1 = attn(X·Aq1, X·Ak1, X·Av1) ─ Y1·P1 ─┘
-    x ─ norm2 ─ f ─┬─ rank 0: gelu(X·A0)·B0 ─┬─ g ─ + b + x        b: the row-parallel bias,
-                   └─ rank 1: gelu(X·A1)·B1 ─┘                     whole on every rank
+                   .- rank 0: Y0 = attn(X·Aq0, X·Ak0, X·Av0) - Y0·P0 -.
+    x - norm1 - f -+                                                  +- g - + b + x
+                   '- rank 1: Y1 = attn(X·Aq1, X·Ak1, X·Av1) - Y1·P1 -'
+    x - norm2 - f -+- rank 0: gelu(X·A0)·B0 -+- g - + b + x        b: the row-parallel bias,
+                   '- rank 1: gelu(X·A1)·B1 -'                     whole on every rank
 
-Memory per rank (fp32, AdamW; Ψs = depth·(12D² + 6D) split, Ψr replicated): 16(Ψr + Ψs/W) bytes.
-Communication per step, in [B, T, D] fp32 activations: 4·depth all-reduces. --sequence-parallel
-keeps T/W tokens a rank outside the split layers (f an all-gather, g a reduce-scatter): 4·depth
-reduce-scatters, 4·depth + 2 all-gathers, one all-reduce of the 6·D·depth norm and bias grads.
+Memory per rank (fp32, AdamW; Ψs = depth·(12D² + 6D) split, Ψr replicated): 16(Ψr + Ψs/W)
+bytes. Communication per step, in [B, T, D] fp32 activations: 4·depth all-reduces.
+--sequence-parallel keeps T/W tokens a rank outside the split layers (f an all-gather, g a
+reduce-scatter): 4·depth reduce-scatters, 4·depth + 2 all-gathers, one all-reduce of the
+6·D·depth norm and bias grads.
 Papers: Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using
 Model Parallelism", https://arxiv.org/abs/1909.08053; SP: Korthikanti et al. 2022, "Reducing
 Activation Recomputation in Large Transformer Models", https://arxiv.org/abs/2205.05198.

@@ -3,18 +3,19 @@ for backward and reruns the block there; --partition-activations (ZeRO-R's Pa, c
 keeps only this rank's T/W tokens of x and all-gathers them just before the rerun. The blocks are
 split as in tensor_parallel.py (f: backward all-reduce, g: forward all-reduce), W = 2:
 
-                   ┌─ rank 0: Y0 = attn(X·Aq0, X·Ak0, X·Av0) ─ Y0·P0 ─┐
-    x ─ norm1 ─ f ─┤                                                  ├─ g ─ + b + x
-                   └─ rank 1: Y1 = attn(X·Aq1, X·Ak1, X·Av1) ─ Y1·P1 ─┘
-    x ─ norm2 ─ f ─┬─ rank 0: gelu(X·A0)·B0 ─┬─ g ─ + b + x        b: the row-parallel bias,
-                   └─ rank 1: gelu(X·A1)·B1 ─┘                     whole on every rank
+                   .- rank 0: Y0 = attn(X·Aq0, X·Ak0, X·Av0) - Y0·P0 -.
+    x - norm1 - f -+                                                  +- g - + b + x
+                   '- rank 1: Y1 = attn(X·Aq1, X·Ak1, X·Av1) - Y1·P1 -'
+    x - norm2 - f -+- rank 0: gelu(X·A0)·B0 -+- g - + b + x        b: the row-parallel bias,
+                   '- rank 1: gelu(X·A1)·B1 -'                     whole on every rank
 
-Memory per rank (fp32, AdamW; Ψs = depth·(12D² + 6D) split, Ψr replicated): 16(Ψr + Ψs/W) bytes.
-Communication per step, in [B, T, D] fp32 activations: 4·depth all-reduces. --sequence-parallel
-keeps T/W tokens a rank outside the split layers (f an all-gather, g a reduce-scatter): 4·depth
-reduce-scatters, 4·depth + 2 all-gathers, one all-reduce of the 6·D·depth norm and bias grads.
-Activations kept: E + L·B·T·D·4 bytes with --checkpoint, E + L·B·T·D·4/W with Pa or SP (E: the
-embedding's, head's and loss's; L = depth); the rerun repeats collectives, Pa adds one all-gather.
+Memory per rank (fp32, AdamW; Ψs = depth·(12D² + 6D) split, Ψr replicated): 16(Ψr + Ψs/W)
+bytes. Communication per step, in [B, T, D] fp32 activations: 4·depth all-reduces.
+--sequence-parallel keeps T/W tokens a rank outside the split layers (f an all-gather, g a
+reduce-scatter): 4·depth reduce-scatters, 4·depth + 2 all-gathers, one all-reduce of the
+6·D·depth norm and bias grads. Activations kept: E + L·B·T·D·4 bytes with --checkpoint, E +
+L·B·T·D·4/W with Pa or SP (E: the embedding's, head's and loss's; L = depth); the rerun repeats
+collectives, Pa adds one all-gather.
 Paper: Rajbhandari et al. 2019, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
 Models", https://arxiv.org/abs/1910.02054; tensor parallelism's papers: see tensor_parallel.py.
 docs/techniques.md#zero-rs-activations-checkpointing-and-partitioned-activations

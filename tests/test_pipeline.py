@@ -146,7 +146,7 @@ def test_clip_equals_one_ddp_process_clip(case, runs, refs, tmp_path_factory):
     clipped = ddp_references(tmp_path_factory, [*CFG, "--clip", CLIP], (optim,))[optim]
     assert max_diff(clipped, refs[optim]) > 100 * TOL[optim]
     diff = max_diff(path, clipped)
-    print(f"pipeline p={case[0]} {schedule} --clip {CLIP}: max |Δ| vs ddp.py --clip W=1 {diff:.2e}")
+    print(f"pipeline p={case[0]} {schedule} --clip {CLIP}: {diff:.2e} from ddp.py --clip W=1")
     assert result["steps"] == 6
     assert diff < TOL[optim]
 
