@@ -307,6 +307,18 @@ class Message:
         self.peer = peer
 
 
+def three_stages_one_at_a_time(model, fake):
+    """(index, stage) for the three stages of a pipe over `model`, each built as its rank would
+    build it, with `fake` (OneRankAtATime) set to that rank before the caller runs it."""
+    for index in range(3):
+        stage = nd_parallel.Stage(model, index, 3)
+        stage.pp_group = None
+        stage.answers = stage.is_last
+        fake.rank = index
+        fake.calls[index] = []
+        yield index, stage
+
+
 def test_evaluation_sends_each_message_as_a_batch_of_one(monkeypatch):
     """Issue 25, item 8, in one process: evaluate() on the three stages of a pipe, rank by rank.
     Every message between stages is a dist.batch_isend_irecv of one op (on NCCL: the pp group's
@@ -330,12 +342,7 @@ def test_evaluation_sends_each_message_as_a_batch_of_one(monkeypatch):
     monkeypatch.setattr(dist, "P2POp", Message)
     monkeypatch.setattr(dist, "get_global_rank", lambda group, rank: rank)
     accuracy = {}
-    for index in range(3):
-        stage = nd_parallel.Stage(model, index, 3)
-        stage.pp_group = None
-        stage.answers = stage.is_last
-        fake.rank = index
-        fake.calls[index] = []
+    for index, stage in three_stages_one_at_a_time(model, fake):
         accuracy[index] = nd_parallel.evaluate(stage, batches, torch.device("cpu"))
     assert all(messages == [] for messages in fake.in_flight.values()), "a message never received"
     for index, calls in fake.calls.items():
@@ -363,12 +370,7 @@ def test_infer_receives_in_the_model_dtype(monkeypatch):
     monkeypatch.setattr(dist, "P2POp", Message)
     monkeypatch.setattr(dist, "get_global_rank", lambda group, rank: rank)
     outputs = []
-    for index in range(3):
-        stage = nd_parallel.Stage(model, index, 3)
-        stage.pp_group = None
-        stage.answers = stage.is_last
-        fake.rank = index
-        fake.calls[index] = []
+    for _, stage in three_stages_one_at_a_time(model, fake):
         outputs.append(nd_parallel.infer(stage, images))
     assert all(messages == [] for messages in fake.in_flight.values()), "a message never received"
     with torch.no_grad():
