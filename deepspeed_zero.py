@@ -137,23 +137,22 @@ def ds_config_from(args, world):
         return config
     with open(args.ds_config) as f:
         user_config = json.load(f)
-    for key, value in config.items():
-        if key == "zero_optimization":
-            for zero_key, zero_value in value.items():
-                # fills in the flag's value where the file has none, then compares
-                user_value = user_config.setdefault(key, {}).setdefault(zero_key, zero_value)
-                common.check(
-                    user_value == zero_value,
-                    f"--ds-config {args.ds_config}: zero_optimization.{zero_key} is {user_value}, "
-                    f"but the flags mean {zero_value}",
-                )
+    fill_in_and_check(user_config, config, args.ds_config)
+    return user_config
+
+
+def fill_in_and_check(user_config, flags_config, path, where=""):
+    """Each key of flags_config, nested ones too, put into user_config where it has none, else
+    compared: a value that differs is one error naming the key."""
+    for key, value in flags_config.items():
+        if isinstance(value, dict):
+            fill_in_and_check(user_config.setdefault(key, {}), value, path, f"{where}{key}.")
             continue
         user_value = user_config.setdefault(key, value)
         common.check(
             user_value == value,
-            f"--ds-config {args.ds_config}: {key} is {user_value}, but the flags mean {value}",
+            f"--ds-config {path}: {where}{key} is {user_value}, but the flags mean {value}",
         )
-    return user_config
 
 
 def check_args(args, world):

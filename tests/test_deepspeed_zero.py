@@ -141,15 +141,21 @@ def test_clip_load_offload_and_config(refs, tmp_path, tmp_path_factory):
 
 
 @needs_deepspeed
-def test_ds_config_that_disagrees_with_the_flags_is_one_error(tmp_path):
-    """A user's config whose batch size is not --batch-size: one line from rank 0, exit 2, before
-    any process group."""
+@pytest.mark.parametrize(
+    "user_config, disagreement",
+    [
+        ({"train_batch_size": 64}, "train_batch_size is 64, but the flags mean 24"),
+        ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage is 3, but the flags mean 1"),
+    ],
+)
+def test_ds_config_that_disagrees_with_the_flags_is_one_error(user_config, disagreement, tmp_path):
+    """A user's config whose batch size is not --batch-size, or whose nested ZeRO stage is not
+    --stage: one line from rank 0 naming the key, exit 2, before any process group."""
     config = tmp_path / "ds_config.json"
-    config.write_text(json.dumps({"train_batch_size": 64}))
+    config.write_text(json.dumps(user_config))
     r = fork_launch("deepspeed_zero.py", 2, *CFG, "--ds-config", config)
     assert r.returncode == 2, r.output
-    message = f"--ds-config {config}: train_batch_size is 64, but the flags mean 24"
-    assert r.stderr.count(message) == 1, r.output
+    assert r.stderr.count(f"--ds-config {config}: {disagreement}") == 1, r.output
 
 
 def test_without_deepspeed_one_line_and_exit_2(tmp_path):
