@@ -48,6 +48,10 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 # the same batch. Another attention is passed to parallelize as `attention=` (GPT-2's fused
 # c_attn: GPT2Attention, below); a decoder language model passes causal=True and splits its own
 # (x, y) batches (split_batch and causal_lm_loss, below).
+# Two groups, None meaning the world for each. The context group, the ranks that split each
+# sample's tokens and feed the same batch, is parallelize's `group` and that of split_tokens,
+# split_batch and causal_lm_loss. DDP's, parallelize's `data_group`, is every rank that holds a
+# copy of the model: the context group times its data-parallel copies.
 
 
 def token_positions(tokens, rank, world, zigzag=False):
@@ -70,12 +74,17 @@ class RingPass:
     def __init__(self, blocks, group):
         rank = dist.get_rank(group)
         world = dist.get_world_size(group)
-        next_rank = dist.get_global_rank(group, (rank + 1) % world)
-        previous_rank = dist.get_global_rank(group, (rank - 1) % world)
+        # The peers are the group's ranks, as group_peer takes them.
+        next_rank = (rank + 1) % world
+        previous_rank = (rank - 1) % world
         self.received = {name: torch.empty_like(block) for name, block in blocks.items()}
-        sends = [dist.P2POp(dist.isend, block, next_rank, group) for block in blocks.values()]
+        sends = [
+            dist.P2POp(dist.isend, block, group=group, group_peer=next_rank)
+            for block in blocks.values()
+        ]
         receives = [
-            dist.P2POp(dist.irecv, block, previous_rank, group) for block in self.received.values()
+            dist.P2POp(dist.irecv, block, group=group, group_peer=previous_rank)
+            for block in self.received.values()
         ]
         self.requests = []
         # batch_isend_irecv refuses an empty list, and backward's last step at W = 2 (or any step
@@ -312,18 +321,31 @@ def parallelize(
     device,
     method="ring",
     group=None,
+    data_group=None,
     causal=False,
     zigzag=False,
     attention=ContextParallelAttention,
     blocks=None,
 ):
     """Every rank keeps the whole model and runs it on its T/W tokens of every sample (which ones:
-    token_positions). blocks: the modules whose `attn` attends over the sequence (model.blocks
-    when None). Every rank of the world calls parallelize, in the same order as its other new
-    groups: it makes attention's own process group (own_group)."""
+    token_positions). group: the context group, the W ranks that split the tokens (None: the
+    world). data_group: DDP's, every rank that holds a copy of the model (None: the world); it
+    holds the context group. Beside data parallelism on a DeviceMesh ("dp", "cp") that is the
+    world: group=mesh["cp"].get_group(), data_group=None. blocks: the modules whose `attn` attends
+    over the sequence (model.blocks when None). Every rank of the world calls parallelize, in the
+    same order as its other new groups: it makes attention's own process group (own_group)."""
     group = group or dist.group.WORLD
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
+    # DDP's average over data_group is the whole gradient only when it adds every context rank's
+    # part: over the data-parallel group alone (one rank of each context group) it would not.
+    context_ranks = set(dist.get_process_group_ranks(group))
+    data_ranks = set(dist.get_process_group_ranks(data_group or dist.group.WORLD))
+    if not context_ranks <= data_ranks:
+        raise ValueError(
+            f"data_group {sorted(data_ranks)} does not hold the context group "
+            f"{sorted(context_ranks)}: DDP's group is every rank holding a copy of the model"
+        )
     attention_group = own_group(group)
     for block in model.blocks if blocks is None else blocks:
         block.attn = attention(block.attn, method, attention_group, causal, zigzag)
@@ -344,13 +366,14 @@ def parallelize(
     return DDP(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
-        process_group=group,
+        process_group=data_group,  # None: DDP's default, the world
         gradient_as_bucket_view=True,
     )  # grads live in DDP's buckets: no second copy
 
 
 def full_state_dict(model):
-    """The plain state_dict of the model: every rank holds it whole."""
+    """The plain state_dict of the model: every rank holds it whole, the group's rank 0 among
+    them, so it gathers nothing and takes no group."""
     return {k: v.detach().cpu() for k, v in model.module.state_dict().items()}
 
 

@@ -45,7 +45,11 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 # `forwards_per_step` is the backward passes one optimizer step sums (accumulation, micro-batches).
 # Every other parameter is dense, in one of the units hook_optimizer is given in forward order
 # (model.embed, model.blocks, model.head by default) and used in that unit's forward only.
-# parallelize's `group` holds the experts (None: the world; its size divides E). hook_optimizer
+# Two groups, None meaning the world for each. The expert group, the ranks the E experts are spread
+# over (its size divides E), is parallelize's, full_state_dict's and clip_grad_norm_'s `group`.
+# The data-parallel group, every rank that trains on a slice of its own and holds the same dense
+# part, is hook_optimizer's `data_group`: the expert group times `replica_group`, the ranks that
+# hold this rank's experts (None: the expert group is every data-parallel rank). hook_optimizer
 # makes a process group for the dense all-reduces: every rank of the world calls it, in the same
 # order as its other new groups. Clip with the section's clip_grad_norm_, not torch's. Your model's
 # units, the all-reduces during backward on a group of their own, and clipping: the `### more:`
@@ -270,9 +274,9 @@ def hook_optimizer(model, optimizer, data_group=None, replica_group=None, units=
     the world; replica_group, the ranks holding this rank's experts, None: no other; units, the
     modules holding the dense parameters in forward order, None: model.embed, model.blocks,
     model.head). Beside data parallelism on a DeviceMesh ("dp", "ep"): parallelize's group is
-    mesh["ep"].get_group(), replica_group mesh["dp"].get_group(), data_group the world. The dense
-    all-reduces run on a new group over data_group's ranks: every rank of the world calls
-    hook_optimizer, in the same order."""
+    mesh["ep"].get_group(), replica_group mesh["dp"].get_group(), data_group every rank of the
+    mesh (None where the mesh is the world). The dense all-reduces run on a new group over
+    data_group's ranks: every rank of the world calls hook_optimizer, in the same order."""
     # A StepAverager whose buckets start during backward: `### more: the dense all-reduces
     # started during backward`.
     averager = GradientAverager(model, data_group, replica_group, units)
@@ -280,15 +284,17 @@ def hook_optimizer(model, optimizer, data_group=None, replica_group=None, units=
     model.grad_averager = averager  # for clip_grad_norm_, which must average first
 
 
-def full_state_dict(model):
-    """The plain state_dict of the whole model, every rank's experts gathered on the world's rank 0
-    (None elsewhere); every rank of the world calls it."""
+def full_state_dict(model, group=None):
+    """The plain state_dict of the whole model, the experts of every rank of the expert group
+    (group: parallelize's; None: the world) gathered on the group's rank 0 (None elsewhere); every
+    rank of the group calls it. Each copy of the expert group (replica_group) holds every expert,
+    so each copy's rank 0 gets the whole model."""
     local = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    if dist.get_rank() != 0:
-        dist.gather_object(local, None, dst=0)
+    if dist.get_rank(group) != 0:
+        dist.gather_object(local, None, group=group, group_dst=0)
         return None
-    parts = [None] * dist.get_world_size()
-    dist.gather_object(local, parts, dst=0)
+    parts = [None] * dist.get_world_size(group)
+    dist.gather_object(local, parts, group=group, group_dst=0)
     return {k: v for part in parts for k, v in part.items()}
 
 

@@ -43,10 +43,11 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 # contiguous stages, and its head, named in a Parts: the common ViT's embed, blocks and head by
 # default. The same weights are built on every rank. A float [B/m, T, D] crosses each stage
 # boundary: (T, D) is parallelize's activation_shape, model.embed.pos's [1, T, D] by default. The
-# loss is train_step's loss_fn(output, targets), cross-entropy by default. The pipeline is every
-# rank of the world. Clip with the section's clip_grad_norm_, not torch's. Evaluation and the
-# checkpoint, a language model's parts by name, a weight its first and last stage share (GPT-2's
-# tied embedding) and clipping: the `### more:` parts after the core.
+# loss is train_step's loss_fn(output, targets), cross-entropy by default. The pipeline is the
+# ranks of parallelize's `group` (the world when None): stage s on its group rank s, the peers
+# group ranks, every send and receive on the group. Clip with the section's clip_grad_norm_, not
+# torch's. Evaluation and the checkpoint, a language model's parts by name, a weight its first and
+# last stage share (GPT-2's tied embedding) and clipping: the `### more:` parts after the core.
 
 
 class Stage(torch.nn.Module):
@@ -97,13 +98,18 @@ class Stage(torch.nn.Module):
         return x
 
 
-def parallelize(model, device, activation_shape=None, parts=None, activation_dtype=None):
+def parallelize(
+    model, device, activation_shape=None, parts=None, activation_dtype=None, group=None
+):
     """Keep this rank's stage, on its device; the rest of the model is dropped. activation_shape:
     (T, D) of one sample's activation between stages (default: model.embed.pos's), in
     activation_dtype (default: the parameters' dtype, bf16 for a bf16 model); parts: what
-    runs where (a Parts; default: the common ViT's)."""
-    num_stages = dist.get_world_size()
-    stage = Stage(model, dist.get_rank(), num_stages, activation_shape, parts, activation_dtype)
+    runs where (a Parts; default: the common ViT's); group: the pipeline's process group (the
+    world when None), whose rank s holds stage s."""
+    num_stages = dist.get_world_size(group)
+    index = dist.get_rank(group)  # stage s on the group's rank s
+    stage = Stage(model, index, num_stages, activation_shape, parts, activation_dtype)
+    stage.group = group  # train_step, infer and full_state_dict communicate on it
     tie_first_and_last(stage, model)  # `### more: a weight tied across the first and the last`
     return stage.to(device)
 
@@ -131,15 +137,16 @@ def schedule(name, micro_batches, num_stages, index):
     return actions
 
 
-def p2p(ops):
-    """Post ops = [(dist.isend or dist.irecv, tensor, peer), ...] as ONE group and wait for all of
-    them. NCCL runs a rank's groups in order, and a send holds its stream until the peer posts the
-    matching receive: two neighbours that each send first, in a group of its own, wait for ever.
-    What must progress together goes in one group."""
+def p2p(ops, group=None):
+    """Post ops = [(dist.isend or dist.irecv, tensor, peer), ...], each peer a rank of the process
+    group `group` (the world when None), as ONE batch_isend_irecv and wait for all of them. NCCL
+    runs a rank's batches in order, and a send holds its stream until the peer posts the matching
+    receive: two neighbours that each send first, in a batch of its own, wait for ever. What must
+    progress together goes in one batch."""
     if not ops:
         return
-    group = [dist.P2POp(op, tensor, peer) for op, tensor, peer in ops]
-    for work in dist.batch_isend_irecv(group):
+    batch = [dist.P2POp(op, tensor, group=group, group_peer=peer) for op, tensor, peer in ops]
+    for work in dist.batch_isend_irecv(batch):
         work.wait()
 
 
@@ -149,7 +156,7 @@ def train_step(stage, x, y, schedule_name, micro_batches, loss_fn=F.cross_entrop
     micro-batches are the step's gradient accumulation; a second train_step before the optimizer's
     step adds to the gradients too.
 
-    An action's output is sent in one group with the next action's receive, as Megatron-LM and
+    An action's output is sent in one batch with the next action's receive, as Megatron-LM and
     torch.distributed.pipelining do: in 1F1B's steady state stage s sends activation i while stage
     s+1 sends gradient j back, and each also receives what the other sends."""
     inputs = x.chunk(micro_batches)
@@ -166,7 +173,7 @@ def train_step(stage, x, y, schedule_name, micro_batches, loss_fn=F.cross_entrop
             else:
                 activation = stage.empty(len(inputs[i]), x.device)
                 receives = [(dist.irecv, activation, stage.index - 1)]
-            p2p(sends + receives)
+            p2p(sends + receives, stage.group)
             if not stage.is_first:
                 activation.requires_grad_()  # its gradient is what goes back to stage s-1
             output = stage(activation)
@@ -188,10 +195,11 @@ def train_step(stage, x, y, schedule_name, micro_batches, loss_fn=F.cross_entrop
             else:
                 grad = stage.empty(len(output), x.device)
                 receives = [(dist.irecv, grad, stage.index + 1)]
-            p2p(sends + receives)
+            p2p(sends + receives, stage.group)
             output.backward(grad)
             sends = [] if stage.is_first else [(dist.isend, activation.grad, stage.index - 1)]
-    p2p(sends)  # the last backward's gradient: stage s-1 receives it in its own last backward
+    # the last backward's gradient: stage s-1 receives it in its own last backward
+    p2p(sends, stage.group)
     all_reduce_tied(stage)  # the two copies of a tied weight: see its `### more:` part
     return loss
 
@@ -202,23 +210,25 @@ def train_step(stage, x, y, schedule_name, micro_batches, loss_fn=F.cross_entrop
 @torch.no_grad()
 def infer(stage, x):
     """The whole batch through the stages in turn: the logits on the last stage, None on the
-    others. A chain (receive, compute, send), so a group of one op each cannot deadlock."""
+    others. A chain (receive, compute, send), so a batch of one op each cannot deadlock."""
     if not stage.is_first:
         x = stage.empty(len(x), x.device)
-        p2p([(dist.irecv, x, stage.index - 1)])
+        p2p([(dist.irecv, x, stage.index - 1)], stage.group)
     output = stage(x)
     if stage.is_last:
         return output
-    p2p([(dist.isend, output, stage.index + 1)])
+    p2p([(dist.isend, output, stage.index + 1)], stage.group)
     return None
 
 
 def full_state_dict(model):
-    """The plain state_dict of the common model, gathered on rank 0 (None elsewhere): each stage
-    holds its part under the whole model's keys, so the parts only need merging."""
+    """The plain state_dict of the common model, gathered on the pipeline group's rank 0 (None
+    elsewhere): each stage holds its part under the whole model's keys, so the parts only need
+    merging."""
     mine = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
-    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(mine, parts, dst=0)
+    group = model.group
+    parts = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
+    dist.gather_object(mine, parts, group=group, group_dst=0)
     if parts is None:
         return None
     return {name: tensor for part in parts for name, tensor in part.items()}
@@ -262,8 +272,9 @@ def hold(stage, model, name):
 # A tied weight cannot be one tensor on two ranks. As in Megatron-LM, the last stage gets a copy
 # of its own (stage.tied), equal to the first stage's (every rank built the same weights), and the
 # two stages, its "embedding group", sum their gradients after each step's backward
-# (all_reduce_tied): both copies take the same step, the tied weight's. A weight-decay split by
-# shape puts the last stage's copy in the group of its original's shape there.
+# (all_reduce_tied): both copies take the same step, the tied weight's. Several pipelines side by
+# side (hybrid parallelism) have an embedding group each. A weight-decay split by shape puts the
+# last stage's copy in the group of its original's shape there.
 
 
 def tie_first_and_last(stage, model):
@@ -271,16 +282,34 @@ def tie_first_and_last(stage, model):
     first and the last stage; none elsewhere), and `stage.tied_group`, the two stages' group."""
     stage.tied = []
     stage.tied_group = None
-    # A world of one holds both ends of a tied weight in its one stage: nothing to keep equal.
+    # A pipeline of one stage holds both ends of a tied weight: nothing to keep equal.
     tied_names = tied_weights(model, stage.parts) if stage.num_stages > 1 else []
     if not tied_names:
         return
-    # dist.new_group must be called by every rank, the ranks outside the group too.
-    stage.tied_group = dist.new_group([0, stage.num_stages - 1])
+    stage.tied_group = embedding_group(stage.group)
     if stage.is_first:
         stage.tied = [model.get_parameter(name) for name in tied_names]
     if stage.is_last:
         stage.tied = [untie(stage, name) for name in tied_names]
+
+
+def embedding_group(group):
+    """The process group of the first and the last stage of the pipeline over `group` (the world
+    when None): its ranks 0 and p-1. dist.new_group must be called by every rank of the world, the
+    ranks outside the new group too, in the same order: with several pipelines, every rank makes
+    every pipeline's pair (gathered from all the ranks), sorted, and keeps its own."""
+    num_stages = dist.get_world_size(group)
+    if group is None:  # one pipeline, the world's: one pair, known to every rank
+        return dist.new_group([0, num_stages - 1])
+    mine = (dist.get_global_rank(group, 0), dist.get_global_rank(group, num_stages - 1))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    made = None
+    for pair in sorted(set(every)):
+        pair_group = dist.new_group(list(pair))
+        if pair == mine:
+            made = pair_group
+    return made
 
 
 def tied_weights(model, parts):
@@ -328,11 +357,11 @@ def all_reduce_tied(stage):
 
 def clip_grad_norm_(stage, max_norm, group=None):
     """torch.nn.utils.clip_grad_norm_ for the whole model, which no rank holds: the sum of squares
-    of the stage's gradients, all-reduced over the pipeline's ranks (`group`, the world when None),
-    is the square of the global norm. A tied weight counts once: after all_reduce_tied both copies
-    hold its whole gradient, and only the first stage's counts. Every stage scales by the same
-    factor, so the copies stay equal. Call it after the step's last train_step; returns the total
-    norm, as one process's clip_grad_norm_ would."""
+    of the stage's gradients, all-reduced over the pipeline's ranks (`group`; stage.group, the
+    pipeline's, when None), is the square of the global norm. A tied weight counts once: after
+    all_reduce_tied both copies hold its whole gradient, and only the first stage's counts. Every
+    stage scales by the same factor, so the copies stay equal. Call it after the step's last
+    train_step; returns the total norm, as one process's clip_grad_norm_ would."""
     copies = set() if stage.is_first else set(stage.tied)
     grads = [param.grad for param in stage.parameters() if param.grad is not None]
     counted = [
@@ -341,6 +370,8 @@ def clip_grad_norm_(stage, max_norm, group=None):
     square = torch.zeros((), device=next(stage.parameters()).device)
     for grad in counted:
         square += torch.linalg.vector_norm(grad) ** 2
+    if group is None:
+        group = stage.group
     dist.all_reduce(square, group=group)
     total = square.sqrt()
     scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's factor, the same everywhere

@@ -41,10 +41,12 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 # contiguous stages, and its head, named in a Parts: the common ViT's embed, blocks and head by
 # default. The same weights are built on every rank. A float [B/m, T, D] crosses each stage
 # boundary: (T, D) is parallelize's activation_shape, model.embed.pos's [1, T, D] by default. The
-# loss is cross-entropy. The pipeline is every rank of the world. No gradient clipping: each stage
-# steps after each of its backwards, at its own times, so no step has a norm over all stages
-# (check_args refuses --clip). Evaluation and the checkpoint, a language model's parts by name,
-# and the refusal of a weight the first and the last stage share: the `### more:` parts.
+# loss is cross-entropy. The pipeline is the ranks of parallelize's `group` (the world when None):
+# stage s on its group rank s, the peers group ranks, every send and receive on the group. No
+# gradient clipping: each stage steps after each of its backwards, at its own times, so no step
+# has a norm over all stages (check_args refuses --clip). Evaluation and the checkpoint, a
+# language model's parts by name, and the refusal of a weight the first and the last stage share:
+# the `### more:` parts.
 
 
 class Stage(torch.nn.Module):
@@ -99,14 +101,19 @@ class Stage(torch.nn.Module):
         return x
 
 
-def parallelize(model, device, activation_shape=None, parts=None, activation_dtype=None):
+def parallelize(
+    model, device, activation_shape=None, parts=None, activation_dtype=None, group=None
+):
     """Keep this rank's stage, on its device; the rest of the model is dropped. activation_shape:
     (T, D) of one sample's activation between stages (default: model.embed.pos's), in
     activation_dtype (default: the parameters' dtype, bf16 for a bf16 model); parts: what
-    runs where (a Parts; default: the common ViT's)."""
-    num_stages = dist.get_world_size()
+    runs where (a Parts; default: the common ViT's); group: the pipeline's process group (the
+    world when None), whose rank s holds stage s."""
+    num_stages = dist.get_world_size(group)
     refuse_tied_weights(model, parts or Parts(), num_stages)  # `### more: a tied weight, refused`
-    stage = Stage(model, dist.get_rank(), num_stages, activation_shape, parts, activation_dtype)
+    index = dist.get_rank(group)  # stage s on the group's rank s
+    stage = Stage(model, index, num_stages, activation_shape, parts, activation_dtype)
+    stage.group = group  # train_step, infer and full_state_dict communicate on it
     return stage.to(device)
 
 
@@ -143,15 +150,16 @@ def stash_weights(stage):
     }
 
 
-def p2p(ops):
-    """Post ops = [(dist.isend or dist.irecv, tensor, peer), ...] as ONE group and wait for all of
-    them. NCCL runs a rank's groups in order, and a send holds its stream until the peer posts the
-    matching receive: two neighbours that each send first, in a group of its own, wait for ever.
-    What must progress together goes in one group."""
+def p2p(ops, group=None):
+    """Post ops = [(dist.isend or dist.irecv, tensor, peer), ...], each peer a rank of the process
+    group `group` (the world when None), as ONE batch_isend_irecv and wait for all of them. NCCL
+    runs a rank's batches in order, and a send holds its stream until the peer posts the matching
+    receive: two neighbours that each send first, in a batch of its own, wait for ever. What must
+    progress together goes in one batch."""
     if not ops:
         return
-    group = [dist.P2POp(op, tensor, peer) for op, tensor, peer in ops]
-    for work in dist.batch_isend_irecv(group):
+    batch = [dist.P2POp(op, tensor, group=group, group_peer=peer) for op, tensor, peer in ops]
+    for work in dist.batch_isend_irecv(batch):
         work.wait()
 
 
@@ -175,7 +183,7 @@ def train_step(stage, x, y, micro_batches, optimizer, final=False):
             else:
                 activation = stage.empty(len(inputs[j - first]), x.device)
                 receives = [(dist.irecv, activation, stage.index - 1)]
-            p2p(sends + receives)
+            p2p(sends + receives, stage.group)
             if not stage.is_first:
                 activation.requires_grad_()  # its gradient is what goes back to stage s-1
             stash = stash_weights(stage)
@@ -197,7 +205,7 @@ def train_step(stage, x, y, micro_batches, optimizer, final=False):
             else:
                 grad = stage.empty(len(output), x.device)
                 receives = [(dist.irecv, grad, stage.index + 1)]
-            p2p(sends + receives)
+            p2p(sends + receives, stage.group)
             output.backward(grad)  # through the weights micro-batch j's forward used
             # PipeDream's rule: the gradient taken at the stashed weights updates the current ones
             for name, parameter in stage.named_parameters():
@@ -215,7 +223,7 @@ def train_step(stage, x, y, micro_batches, optimizer, final=False):
         stage.pending = sends
     else:
         stage.pending = []
-        p2p(sends)
+        p2p(sends, stage.group)
     return loss
 
 
@@ -225,23 +233,25 @@ def train_step(stage, x, y, micro_batches, optimizer, final=False):
 @torch.no_grad()
 def infer(stage, x):
     """The whole batch through the stages in turn: the logits on the last stage, None on the
-    others. A chain (receive, compute, send), so a group of one op each cannot deadlock."""
+    others. A chain (receive, compute, send), so a batch of one op each cannot deadlock."""
     if not stage.is_first:
         x = stage.empty(len(x), x.device)
-        p2p([(dist.irecv, x, stage.index - 1)])
+        p2p([(dist.irecv, x, stage.index - 1)], stage.group)
     output = stage(x)
     if stage.is_last:
         return output
-    p2p([(dist.isend, output, stage.index + 1)])
+    p2p([(dist.isend, output, stage.index + 1)], stage.group)
     return None
 
 
 def full_state_dict(model):
-    """The plain state_dict of the common model, gathered on rank 0 (None elsewhere): each stage
-    holds its part under the whole model's keys, so the parts only need merging."""
+    """The plain state_dict of the common model, gathered on the pipeline group's rank 0 (None
+    elsewhere): each stage holds its part under the whole model's keys, so the parts only need
+    merging."""
     mine = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
-    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(mine, parts, dst=0)
+    group = model.group
+    parts = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
+    dist.gather_object(mine, parts, group=group, group_dst=0)
     if parts is None:
         return None
     return {name: tensor for part in parts for name, tensor in part.items()}

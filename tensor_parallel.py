@@ -41,11 +41,13 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 ### begin: Tensor parallel
 # Model contract: `model.embed` -> [B, T, D] -> `model.blocks` -> `model.head`, the same weights on
-# every rank, and every rank fed the same batch; a block is x + attn(norm1(x)), x + mlp(norm2(x))
-# under any names, and its forward is kept. `plan` maps the name of each nn.Linear in a block to
-# its split; PLAN is the ViT's, whose attention reads its head count off q's width, so it runs
-# this rank's H/W heads unchanged. The tensor-parallel group is every rank: the collectives run on
-# the default group. Clip with the section's clip_grad_norm_(model, max_norm), not torch's.
+# every rank of the group, and each of them fed the same batch; a block is x + attn(norm1(x)),
+# x + mlp(norm2(x)) under any names, and its forward is kept. `plan` maps the name of each
+# nn.Linear in a block to its split; PLAN is the ViT's, whose attention reads its head count off
+# q's width, so it runs this rank's H/W heads unchanged. The tensor-parallel group is the `group`
+# argument, the world when None: every collective runs on it, W is its size and a rank's shard is
+# cut by its rank in it. Clip with the section's clip_grad_norm_(model, max_norm, group), not
+# torch's.
 # A language model's fused q, k, v and names, sequence parallelism and clipping: the `### more:`
 # parts after the core.
 
@@ -64,47 +66,50 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 #                         g   all-reduce  identity
 
 
-def shard_of(tensor, dim, parts=1):
-    """This rank's 1/W of `tensor` along `dim`, copied (a view would keep the whole alive). With
-    parts=3 (q, k and v fused in one tensor), its 1/W of each third, side by side."""
-    world = dist.get_world_size()
-    rank = dist.get_rank()
+def shard_of(tensor, dim, parts=1, group=None):
+    """This rank's 1/W of `tensor` along `dim`, copied (a view would keep the whole alive), W and
+    the rank counted in `group`. With parts=3 (q, k and v fused in one tensor), its 1/W of each
+    third, side by side."""
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
     pieces = tensor.detach().chunk(parts, dim)
     return torch.cat([piece.chunk(world, dim)[rank] for piece in pieces], dim)  # a new tensor
 
 
-def all_reduce(partial):
-    """dist.all_reduce (the sum over the ranks) returning the sum, for the Functions below. In
-    place, as Megatron does: `partial` is a fresh partial sum that nothing else reads."""
+def all_reduce(partial, group=None):
+    """dist.all_reduce (the sum over the group's ranks) returning the sum, for the Functions below.
+    In place, as Megatron does: `partial` is a fresh partial sum that nothing else reads."""
     partial = partial.contiguous()  # collectives need a dense tensor
-    dist.all_reduce(partial)
+    dist.all_reduce(partial, group=group)
     return partial
 
 
 class CopyToTensorParallel(torch.autograd.Function):
     """f, before the column-parallel q, k, v (or fc1). Forward: identity, every rank has the whole
-    X. Backward: all-reduce, since rank r's X·A_r gives only its part of dX; the sum is dX."""
+    X. Backward: all-reduce over `group`, since rank r's X·A_r gives only its part of dX; the sum
+    is dX."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, group):
+        ctx.group = group
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return all_reduce(grad)
+        return all_reduce(grad, ctx.group), None  # no gradient for the group
 
 
 class ReduceFromTensorParallel(torch.autograd.Function):
-    """g, after the row-parallel proj (or fc2). Forward: all-reduce, Z = Σ_r Y_r·B_r. Backward:
-    identity, the gradient of a sum is the same for each of its terms."""
+    """g, after the row-parallel proj (or fc2). Forward: all-reduce over `group`, Z = Σ_r Y_r·B_r.
+    Backward: identity, the gradient of a sum is the same for each of its terms."""
 
     @staticmethod
-    def forward(ctx, partial):
-        return all_reduce(partial)
+    def forward(ctx, partial, group):
+        return all_reduce(partial, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad
+        return grad, None  # no gradient for the group
 
 
 class ColumnParallelLinear(nn.Module):
@@ -115,11 +120,13 @@ class ColumnParallelLinear(nn.Module):
     shard_dims = {"weight": 0, "bias": 0}  # where full_state_dict joins the shards
     parts = 1  # the output features are one matrix's (QKVParallelLinear: three side by side)
 
-    def __init__(self, linear):
+    def __init__(self, linear, group=None):
         super().__init__()
-        self.weight = nn.Parameter(shard_of(linear.weight, dim=0, parts=self.parts))
+        self.weight = nn.Parameter(shard_of(linear.weight, dim=0, parts=self.parts, group=group))
         bias = linear.bias  # None for the key projection
-        self.bias = None if bias is None else nn.Parameter(shard_of(bias, dim=0, parts=self.parts))
+        self.bias = None
+        if bias is not None:
+            self.bias = nn.Parameter(shard_of(bias, dim=0, parts=self.parts, group=group))
 
     def forward(self, x):
         return F.linear(x, self.weight, self.bias)
@@ -134,9 +141,9 @@ class RowParallelLinear(nn.Module):
     shard_dims = {"weight": 1}  # where full_state_dict joins the shards; the bias is replicated
     parts = 1  # full_state_dict reads it off every parallel linear
 
-    def __init__(self, linear, g):
+    def __init__(self, linear, g, group=None):
         super().__init__()
-        self.weight = nn.Parameter(shard_of(linear.weight, dim=1))
+        self.weight = nn.Parameter(shard_of(linear.weight, dim=1, group=group))
         bias = linear.bias  # None with bias=False
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
         self.g = g
@@ -165,18 +172,31 @@ def apply_f(f, module, inputs):
     return f(x)
 
 
-def split_block(block, plan, f, g):
+def operators(sequence_parallel=False, group=None):
+    """Megatron's f and g, each a callable on a tensor that runs its collectives on `group`."""
+    f = CopyToTensorParallel
+    g = ReduceFromTensorParallel
+    if sequence_parallel:  # f and g on T/W tokens: `### more: sequence parallelism`
+        f = GatherToTensorParallel
+        g = ReduceScatterFromTensorParallel
+    # Their forwards take the group after the tensor: bound here, so that a hook or a layer calls
+    # f(x) and g(y) on the tensor alone.
+    return functools.partial(f.apply, group=group), functools.partial(g.apply, group=group)
+
+
+def split_block(block, plan, f, g, group=None):
     """Swap the block's linears named in `plan` for their split, in place (the same names, so the
-    same state_dict keys), and put f on the input of the sub-modules holding them (attn, mlp)."""
+    same state_dict keys), each keeping this rank's shard in `group`, and put f on the input of the
+    sub-modules holding them (attn, mlp)."""
     owners = {}  # the sub-modules holding split layers, each once, in plan order
     for name, parallel_linear in plan.items():
         owner_name, _, layer_name = name.rpartition(".")
         owner = block.get_submodule(owner_name)
         linear = owner.get_submodule(layer_name)
         if parallel_linear is RowParallelLinear:  # g goes inside it, before its bias
-            setattr(owner, layer_name, RowParallelLinear(linear, g))
+            setattr(owner, layer_name, RowParallelLinear(linear, g, group))
         else:
-            setattr(owner, layer_name, parallel_linear(linear))
+            setattr(owner, layer_name, parallel_linear(linear, group))
         owners[owner_name] = owner
     for owner in owners.values():
         owner.register_forward_pre_hook(functools.partial(apply_f, f))
@@ -192,24 +212,25 @@ def parallelize(
     blocks=None,
     embed=None,
     head=None,
+    group=None,
 ):
-    """Split every block's linears in place as `plan` says; the embedding and the head stay
-    replicated (every rank sees the whole batch, so their gradients are the same everywhere).
-    `blocks`: model.blocks unless given. `heads` and `causal` are for a fused q, k, v, `embed` and
-    `head` for sequence parallelism: see their `### more:` parts. `device` is unused: the model is
-    already on it (the argument keeps every script's call the same)."""
-    f = CopyToTensorParallel.apply
-    g = ReduceFromTensorParallel.apply
-    if sequence_parallel:  # f and g on T/W tokens: `### more: sequence parallelism`
-        f = GatherToTensorParallel.apply
-        g = ReduceScatterFromTensorParallel.apply
+    """Split every block's linears in place as `plan` says, over the ranks of `group` (None: the
+    world); the embedding and the head stay replicated (every rank sees the whole batch, so their
+    gradients are the same everywhere). `blocks`: model.blocks unless given. `heads` and `causal`
+    are for a fused q, k, v, `embed` and `head` for sequence parallelism: see their `### more:`
+    parts. `device` is unused: the model is already on it (the argument keeps every script's call
+    the same)."""
+    f, g = operators(sequence_parallel, group)
     blocks = model.blocks if blocks is None else blocks
     for block in blocks:
-        split_block(block, plan, f, g)
+        split_block(block, plan, f, g, group)
     if QKVParallelLinear in plan.values():  # `### more: q, k and v fused in one layer`
-        attend_local_heads_in(blocks, heads, causal)
+        attend_local_heads_in(blocks, heads, causal, group)
     if sequence_parallel:  # the embedding and head on all T tokens, the blocks on T/W
-        split_tokens(model, blocks, embed, head)
+        embed = model.embed if embed is None else embed
+        head = model.head if head is None else head
+        split_tokens(blocks, embed, head, group)
+        sum_partial_gradients(token_sharded_params(blocks), group)
     return model
 
 
@@ -220,13 +241,13 @@ def join_shards(shards, dim, parts=1):
     return torch.cat([by_rank[part] for part in range(parts) for by_rank in pieces], dim)
 
 
-def full_state_dict(model):
-    """The model's plain state_dict on rank 0 (None elsewhere): model.state_dict() (buffers and
-    whole parameters as every rank holds them), each split parameter gathered to rank 0 and its
-    shards joined as they were cut. Every rank walks the modules in the same order, so their
-    gathers pair up."""
-    rank = dist.get_rank()
-    world = dist.get_world_size()
+def full_state_dict(model, group=None):
+    """The model's plain state_dict on the group's rank 0 (None elsewhere): model.state_dict()
+    (buffers and whole parameters as every rank holds them), each split parameter gathered to the
+    group's rank 0 and its shards joined as they were cut. Every rank walks the modules in the same
+    order, so their gathers pair up."""
+    rank = dist.get_rank(group)
+    world = dist.get_world_size(group)
     state = {key: value.detach().cpu() for key, value in model.state_dict().items()}
     for module_name, module in model.named_modules():
         shard_dims = getattr(module, "shard_dims", {})  # only the parallel linears have them
@@ -236,7 +257,7 @@ def full_state_dict(model):
             shards = None  # dist.gather fills a list on the destination only
             if rank == 0:
                 shards = [torch.empty_like(param) for _ in range(world)]
-            dist.gather(param.detach().contiguous(), shards, dst=0)
+            dist.gather(param.detach().contiguous(), shards, group=group, group_dst=0)
             if rank == 0:
                 whole = join_shards(shards, shard_dims[name], module.parts)
                 state[f"{module_name}.{name}"] = whole.cpu()
@@ -265,10 +286,11 @@ class QKVParallelLinear(ColumnParallelLinear):
     parts = 3
 
 
-def attend_local_heads_in(blocks, heads, causal):
+def attend_local_heads_in(blocks, heads, causal, group=None):
     """In every attention of `blocks` whose q, k, v are one QKVParallelLinear, attend_local_heads
-    in place of the model's own forward, which would split the fused output into all H heads."""
-    world = dist.get_world_size()
+    in place of the model's own forward, which would split the fused output into all H heads. W:
+    the size of the tensor-parallel `group`."""
+    world = dist.get_world_size(group)
     if heads is None or heads % world:
         raise ValueError(f"heads={heads}: a fused q, k, v needs H divisible by the W ranks")
     for block in blocks:
@@ -320,22 +342,23 @@ def attend_local_heads(qkv, proj, heads, causal, x):
 #   g under --sequence-parallel reduce-scatter   all-gather
 
 
-def all_gather_tokens(shard):
-    """Every rank's [B, T/W, D] tokens -> all [B, T, D] tokens, on every rank."""
+def all_gather_tokens(shard, group=None):
+    """Every rank's [B, T/W, D] tokens -> all [B, T, D] tokens, on every rank of `group`."""
     batch, shard_tokens, dim = shard.shape
     # all_gather_into_tensor concatenates along dim 0, so the tokens go first (Megatron keeps its
     # activations [T, B, D] throughout for this reason).
-    gathered = shard.new_empty(shard_tokens * dist.get_world_size(), batch, dim)
-    dist.all_gather_into_tensor(gathered, shard.transpose(0, 1).contiguous())
+    gathered = shard.new_empty(shard_tokens * dist.get_world_size(group), batch, dim)
+    dist.all_gather_into_tensor(gathered, shard.transpose(0, 1).contiguous(), group=group)
     return gathered.transpose(0, 1).contiguous()
 
 
-def reduce_scatter_tokens(partial):
-    """[B, T, D] partial sums on every rank -> this rank's [B, T/W, D] tokens of their sum."""
+def reduce_scatter_tokens(partial, group=None):
+    """[B, T, D] partial sums on every rank of `group` -> this rank's [B, T/W, D] tokens of their
+    sum."""
     batch, tokens, dim = partial.shape
     # reduce_scatter_tensor splits along dim 0, so the tokens go first, as in all_gather_tokens.
-    shard = partial.new_empty(tokens // dist.get_world_size(), batch, dim)
-    dist.reduce_scatter_tensor(shard, partial.transpose(0, 1).contiguous())
+    shard = partial.new_empty(tokens // dist.get_world_size(group), batch, dim)
+    dist.reduce_scatter_tensor(shard, partial.transpose(0, 1).contiguous(), group=group)
     return shard.transpose(0, 1).contiguous()
 
 
@@ -344,12 +367,13 @@ class GatherToTensorParallel(torch.autograd.Function):
     Backward: reduce-scatter, the partial dX of all T summed, each rank keeping its T/W."""
 
     @staticmethod
-    def forward(ctx, shard):
-        return all_gather_tokens(shard)
+    def forward(ctx, shard, group):
+        ctx.group = group
+        return all_gather_tokens(shard, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return reduce_scatter_tokens(grad)
+        return reduce_scatter_tokens(grad, ctx.group), None  # no gradient for the group
 
 
 class ReduceScatterFromTensorParallel(torch.autograd.Function):
@@ -358,12 +382,13 @@ class ReduceScatterFromTensorParallel(torch.autograd.Function):
     all T tokens."""
 
     @staticmethod
-    def forward(ctx, partial):
-        return reduce_scatter_tokens(partial)
+    def forward(ctx, partial, group):
+        ctx.group = group
+        return reduce_scatter_tokens(partial, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_gather_tokens(grad)
+        return all_gather_tokens(grad, ctx.group), None  # no gradient for the group
 
 
 class EnterSequenceParallel(torch.autograd.Function):
@@ -371,12 +396,13 @@ class EnterSequenceParallel(torch.autograd.Function):
     Backward: all-gather the gradient, so every rank's embedding gets the same, whole one."""
 
     @staticmethod
-    def forward(ctx, x):
-        return shard_of(x, dim=1)
+    def forward(ctx, x, group):
+        ctx.group = group
+        return shard_of(x, dim=1, group=group)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_gather_tokens(grad)
+        return all_gather_tokens(grad, ctx.group), None  # no gradient for the group
 
 
 class LeaveSequenceParallel(torch.autograd.Function):
@@ -385,35 +411,37 @@ class LeaveSequenceParallel(torch.autograd.Function):
     is replicated, so its dX is already whole and the same on every rank."""
 
     @staticmethod
-    def forward(ctx, shard):
-        return all_gather_tokens(shard)
+    def forward(ctx, shard, group):
+        ctx.group = group
+        return all_gather_tokens(shard, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return shard_of(grad, dim=1)
+        return shard_of(grad, dim=1, group=ctx.group), None  # no gradient for the group
 
 
-def enter_sequence_parallel(embed, inputs, output):
-    """A forward hook on the embedding: what it returns replaces the embedding's output."""
-    return EnterSequenceParallel.apply(output)
+def enter_sequence_parallel(group, embed, inputs, output):
+    """A forward hook on the embedding (group bound by functools.partial): what it returns
+    replaces the embedding's output."""
+    return EnterSequenceParallel.apply(output, group)
 
 
-def leave_sequence_parallel(head, inputs):
-    """A forward pre-hook on the head: what it returns replaces the head's input (a tensor rather
-    than a tuple stands for the one positional argument)."""
+def leave_sequence_parallel(group, head, inputs):
+    """A forward pre-hook on the head (group bound by functools.partial): what it returns replaces
+    the head's input (a tensor rather than a tuple stands for the one positional argument)."""
     (shard,) = inputs
-    return LeaveSequenceParallel.apply(shard)
+    return LeaveSequenceParallel.apply(shard, group)
 
 
-def split_tokens(model, blocks, embed, head):
-    """The rest of --sequence-parallel, once the blocks are split with its f and g: the blocks run
-    on this rank's T/W tokens, the embedding and the head (model.embed, model.head unless given)
-    on all T, and the gradients of what the blocks hold whole are summed over the ranks."""
-    embed = model.embed if embed is None else embed
-    embed.register_forward_hook(enter_sequence_parallel)
-    head = model.head if head is None else head
-    head.register_forward_pre_hook(leave_sequence_parallel)
-    sum_partial_gradients(token_sharded_params(blocks))
+def split_tokens(blocks, embed, head, group=None):
+    """The way in and out of --sequence-parallel, once `blocks` are split with its f and g: the
+    blocks run on this rank's T/W tokens, the embedding and the head on all T. `embed` or `head`
+    None: this rank holds none (a pipeline stage after the first, or before the last). The
+    gradients of what the blocks hold whole are not summed here: see sum_partial_gradients."""
+    if embed is not None:
+        embed.register_forward_hook(functools.partial(enter_sequence_parallel, group))
+    if head is not None:
+        head.register_forward_pre_hook(functools.partial(leave_sequence_parallel, group))
 
 
 def token_sharded_params(blocks):
@@ -432,12 +460,14 @@ def token_sharded_params(blocks):
 
 ### more: the gradient sum of the parameters every rank holds whole, under sequence parallelism
 # Each rank's norms and row-parallel biases see only its T/W tokens, so their gradients are
-# partial sums that the ranks must add up before the optimizer steps.
+# partial sums that the ranks must add up before the optimizer steps. parallelize asks for it in a
+# line of its own: a caller whose optimizer steps other tensors than these parameters (ZeRO's
+# flat shards) sums their gradients its own way instead.
 
 
-def sum_partial_gradients(params):
-    """A PartialGradientSum over `params`: its hooks on each of them."""
-    partial_sum = PartialGradientSum(params)
+def sum_partial_gradients(params, group=None):
+    """A PartialGradientSum over `params` and the ranks of `group`: its hooks on each of them."""
+    partial_sum = PartialGradientSum(params, group)
     for param in params:
         param.register_hook(functools.partial(partial_sum.hold, param))
         param.register_post_accumulate_grad_hook(partial_sum.hook)
@@ -450,8 +480,9 @@ class PartialGradientSum:
     back rather than summed in .grad: with several backward passes a step (gradient accumulation)
     .grad also holds the earlier passes' sums, counted W times."""
 
-    def __init__(self, params):
+    def __init__(self, params, group=None):
         self.params = params
+        self.group = group
         self.partials = {}  # this backward's partial gradients, by parameter
         self.accumulated = 0  # gradients finished in this backward
 
@@ -466,7 +497,7 @@ class PartialGradientSum:
             return
         self.accumulated = 0
         partials = [self.partials.pop(param) for param in self.params]
-        flat = all_reduce(torch.cat([partial.flatten() for partial in partials]))
+        flat = all_reduce(torch.cat([partial.flatten() for partial in partials]), self.group)
         summed = flat.split([param.numel() for param in self.params])
         for param, grad in zip(self.params, summed, strict=True):
             param.grad += grad.view_as(param)

@@ -42,12 +42,13 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 # forward runs them (the ViT: [embed, *blocks, head]); together they hold every parameter of the
 # model, each in one unit. Forward calls each unit's forward once, which returns one tensor (stage
 # 3 gathers the unit around it and around its backward); every parameter gets a gradient in every
-# backward; the same weights on every rank's device. ZeRO talks on the default process group, the
-# world. After parallelize, model.parameters() are this rank's shards (count Ψ before it, for
-# MFU): build the optimizer over model.zero.param_groups, drop the old one (see parallelize), call
-# hook_optimizer; save with full_state_dict, clip with this section's clip_grad_norm_. What a
-# language model needs besides (tied weights, optimizer groups, gradient accumulation) follows the
-# core, each in a `### more:` part.
+# backward; the same weights on every rank's device. ZeRO talks on `group`, parallelize's
+# argument: the data-parallel ranks, the world when None. Every collective runs on it, W is its
+# size and a rank's shard is cut by its rank in it. After parallelize, model.parameters() are this
+# rank's shards (count Ψ before it, for MFU): build the optimizer over model.zero.param_groups,
+# drop the old one (see parallelize), call hook_optimizer; save with full_state_dict, clip with
+# this section's clip_grad_norm_. What a language model needs besides (tied weights, optimizer
+# groups, gradient accumulation) follows the core, each in a `### more:` part.
 
 
 class Unit:
@@ -113,13 +114,16 @@ class Unit:
 class ZeRO:
     """The engine, kept at model.zero. Its hooks reduce-scatter each unit's gradient as soon as the
     unit's backward is done and, at stage 3, gather each unit's parameters just before forward or
-    backward needs them and free them right after; before_step / after_step wrap the step."""
+    backward needs them and free them right after; before_step / after_step wrap the step. Its
+    collectives run on `group`, the data-parallel ranks (the world when None); rank and world are
+    this rank's place in it and its size."""
 
-    def __init__(self, model, device, stage, modules, param_groups):
+    def __init__(self, model, device, stage, modules, param_groups, group=None):
         self.device = device  # where clip_grad_norm_ adds up the squares
         self.stage = stage
-        self.rank = dist.get_rank()
-        self.world = dist.get_world_size()
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
         check_units(model, modules)
         # the model's own Parameters, about to be replaced: hook_optimizer checks that none stays
         self.originals = [(name, weakref.ref(param)) for name, param in model.named_parameters()]
@@ -167,7 +171,7 @@ class ZeRO:
             self.gathering.pop(index).wait()
         elif not unit.is_whole() and unit.params:
             unit.allocate()
-            dist.all_gather_into_tensor(unit.flat, unit.shard)
+            dist.all_gather_into_tensor(unit.flat, unit.shard, group=self.group)
 
     # every stage (P_g from stage 2 on): a unit's gradient is reduce-scattered once it is whole
 
@@ -196,7 +200,7 @@ class ZeRO:
         self.finish_reduce_scatter()  # one at a time: at most two whole gradients exist at once
         unit.flat_grad.div_(self.world)  # Σ_ranks grad/W: the global batch's mean gradient, as DDP
         output = average_buffer(self, unit)  # S elements, for this rank's shard of the average
-        work = dist.reduce_scatter_tensor(output, unit.flat_grad, async_op=True)
+        work = dist.reduce_scatter_tensor(output, unit.flat_grad, group=self.group, async_op=True)
         self.reducing = (unit, output, work)
         if self.stage == 3:
             unit.free()  # all its gradients are in: backward reads its parameters no more
@@ -238,23 +242,24 @@ class ZeRO:
         each unit when it is needed.)"""
         for unit in self.units:
             if self.stage < 3 and unit.params:
-                dist.all_gather_into_tensor(unit.flat, unit.shard)
+                dist.all_gather_into_tensor(unit.flat, unit.shard, group=self.group)
 
 
-def parallelize(model, device, stage, param_groups=None, *, units):
+def parallelize(model, device, stage, param_groups=None, *, units, group=None):
     """ZeRO at `stage`, in place: the engine goes to model.zero and model.parameters() become the
     shards; make the optimizer over them, then hook_optimizer(model, optimizer). The model is
     already on `device`. `param_groups`: the optimizer's groups over the model's parameters (dicts
     with "params" and hyperparameters, such as weight_decay); then make the optimizer over
     model.zero.param_groups, the same groups over the shards. `units`: the modules to flatten, in
-    forward order (the contract).
+    forward order (the contract). `group`: the data-parallel process group ZeRO shards over and
+    talks on, the world when None.
 
     The optimizer, rebuilt with the user's class, the old one dropped (else it keeps the model's
     original parameters alive):
         model = parallelize(model, device, 3, optimizer.param_groups, units=units)
         optimizer = type(optimizer)(model.zero.param_groups)
         hook_optimizer(model, optimizer)"""
-    model.zero = ZeRO(model, device, stage, units, param_groups)
+    model.zero = ZeRO(model, device, stage, units, param_groups, group)
     model.register_state_dict_pre_hook(refuse_state_dict)
     return model
 
@@ -437,7 +442,9 @@ def prefetch(engine, index):
     if index in engine.gathering or unit.is_whole() or not unit.params:
         return  # already on its way, or here (a unit a tied weight keeps whole), or nothing
     unit.allocate()
-    engine.gathering[index] = dist.all_gather_into_tensor(unit.flat, unit.shard, async_op=True)
+    engine.gathering[index] = dist.all_gather_into_tensor(
+        unit.flat, unit.shard, group=engine.group, async_op=True
+    )
 
 
 ### more: gradient accumulation (several backward passes a step)
@@ -499,19 +506,22 @@ def check_originals_dropped(model):
 
 @torch.no_grad()
 def full_state_dict(model):
-    """The plain state_dict of the common model on rank 0 ({} on the others): every rank sends
-    its shard of each unit to rank 0, which cuts the whole unit back into the parameters."""
+    """The plain state_dict of the common model on the group's rank 0 ({} on the others): every
+    rank of ZeRO's group sends its shard of each unit to the group's rank 0, which cuts the whole
+    unit back into the parameters."""
+    engine = model.zero
     state = {}
-    for unit in model.zero.units:
-        if dist.get_rank() != 0:
+    for unit in engine.units:
+        if engine.rank != 0:
             if unit.params:  # a unit holding only tied parameters has no shard: its keys only
-                dist.gather(unit.shard, dst=0)
+                dist.gather(unit.shard, group=engine.group, group_dst=0)
             continue
         # a new buffer of flat's shape (at stage 3 flat has no memory now); the gathered shards
-        # land in its W slices, in rank order
+        # land in its W slices, in the group's rank order
         flat = torch.empty_like(unit.flat)
         if unit.params:
-            dist.gather(unit.shard, list(flat.chunk(dist.get_world_size())), dst=0)
+            shards = list(flat.chunk(engine.world))
+            dist.gather(unit.shard, shards, group=engine.group, group_dst=0)
         for key, tensor, offset in unit.params:
             view = flat[offset : offset + tensor.numel()].view_as(tensor)
             state[key] = view.to("cpu", copy=True)
@@ -530,13 +540,14 @@ def clip_grad_norm_(model, max_norm):
     optimizer.step(). It hands the shards their gradients now (the step's pre-hook then finds them
     handed); the global 2-norm is the square root of every rank's sum of squares over its shards,
     summed: the shards split each unit's flat gradient, so every element counts once, a tied
-    weight once (flattened once), the padding adds zero. Every rank scales its shards by the same
-    factor. Returns the total norm, as torch's does."""
+    weight once (flattened once), the padding adds zero; summed over ZeRO's group, whose ranks hold
+    the shards. Every rank scales its shards by the same factor. Returns the total norm, as
+    torch's does."""
     shards = gradient_shards(model.zero)
     squares = torch.zeros((), device=model.zero.device)
     for grad in shards:
         squares += grad.square().sum().to(squares.device)
-    dist.all_reduce(squares)
+    dist.all_reduce(squares, group=model.zero.group)
     total_norm = squares.sqrt()
     scale = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)  # torch's own formula
     for grad in shards:

@@ -3,6 +3,7 @@ second model (tests/causal_lm.py) in ONE launch, one case after another in the s
 group, so that tests/test_copy.py starts its ranks once.
 
     torchrun --standalone --nproc_per_node=2 tests/copy_cases.py DIR [--nanogpt] [MODULE ...]
+    torchrun --standalone --nproc_per_node=4 tests/copy_cases.py DIR --groups [MODULE ...]
 
 Each module tests/copy_<technique>.py yields its cases on the second model (`cases`, see
 copy_zero.cases) and, with --nanogpt, on the third (`nanogpt_cases`: tests/nanogpt_model.py, the
@@ -11,6 +12,13 @@ run only those. Rank 0 first trains the one-process references on the same batch
 DIR/<case>.pt (the case's full state_dict, as its script's `full_state_dict` gives it),
 DIR/reference-<optim>.pt (with --nanogpt, also DIR/reference-nobias-<optim>.pt: the model with
 bias=False) and DIR/results.json.
+
+With --groups (W=4) each section runs on a process group of its own, not on the world: the
+ranks {0, 2} and {1, 3} train the same cases side by side, each pair on its own group, whose
+ranks are not the world's (rank 2 is its group's rank 1). `group_cases(batches, group, folder)`
+yields a module's cases; each group's first rank writes DIR/<case>-group<0|1>.pt, and rank 0
+DIR/group_references.json, each case's reference. A collective
+that forgets its group runs over all four ranks and ends elsewhere (or fails).
 """
 
 import gc
@@ -42,8 +50,11 @@ MODULES = [  # tests/copy_<name>.py
 def main():
     folder = Path(sys.argv[1])
     nanogpt = "--nanogpt" in sys.argv[2:]
-    modules = [name for name in sys.argv[2:] if name != "--nanogpt"] or MODULES
+    modules = [name for name in sys.argv[2:] if not name.startswith("--")] or MODULES
     dist.init_process_group("gloo")
+    if "--groups" in sys.argv[2:]:
+        run_on_groups(folder, modules)
+        return
     rank = dist.get_rank()
     world = dist.get_world_size()
     batches, test_tokens = task()
@@ -82,6 +93,36 @@ def main():
     if rank == 0:
         with open(folder / "results.json", "w") as f:
             json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_on_groups(folder, modules):
+    """--groups: every module's group_cases on the interleaved pairs {0, 2} and {1, 3}."""
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    assert world == 4, f"--groups runs at W=4, not {world}"
+    pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank makes both, in order
+    pair = rank % 2
+    group = pairs[pair]
+    batches, test_tokens = task()
+    if rank == 0:
+        for optim in OPTIMS:
+            state, _ = reference(optim, batches, test_tokens)
+            torch.save(state, folder / f"reference-{optim}.pt")
+    references = {}  # case -> the reference it must equal ("sgd", "moe-adamw", ...)
+    for name in modules:
+        module = importlib.import_module(f"copy_{name}")
+        for case, reference_name, model, state, _ in module.group_cases(batches, group, folder):
+            references[case] = reference_name
+            if dist.get_rank(group) == 0:
+                torch.save(state, folder / f"{case}-group{pair}.pt")
+            del model
+            gc.collect()
+            dist.barrier()
+    if rank == 0:
+        with open(folder / "group_references.json", "w") as f:
+            json.dump(references, f)
     dist.barrier()
     dist.destroy_process_group()
 

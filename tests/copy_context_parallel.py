@@ -22,14 +22,15 @@ class LocalTokenEmbed(nn.Module):
     """CausalLM's Embed on this rank's tokens of the whole [B, T] batch, each with the position
     embedding of its own place in the sequence (wpe at split_tokens' positions, not 0..T/W)."""
 
-    def __init__(self, embed, zigzag):
+    def __init__(self, embed, zigzag, group=None):
         super().__init__()
         self.wte = embed.wte
         self.wpe = embed.wpe
         self.zigzag = zigzag
+        self.group = group  # the context group (None: the world)
 
     def forward(self, batch):
-        tokens, positions = cp.split_tokens(batch, zigzag=self.zigzag)
+        tokens, positions = cp.split_tokens(batch, self.group, zigzag=self.zigzag)
         return self.wte(tokens) + self.wpe(positions)
 
 
@@ -55,11 +56,22 @@ class FusedQKVAttention(nn.Module):
         return self.c_proj(y.transpose(1, 2).reshape(batch, tokens, dim))
 
 
-def run_context_parallel(method, zigzag, optim, batches):
+def run_context_parallel(
+    method, zigzag, optim, batches, group=None, data_group=None, rank=0, world=1
+):
+    """group: the context group (None: the world); data_group: DDP's (None: the world); this
+    context group feeds the slice `rank` of `world` of every micro-batch (0 of 1: all of it)."""
     model = CausalLM()
-    model.embed = LocalTokenEmbed(model.embed, zigzag)
+    model.embed = LocalTokenEmbed(model.embed, zigzag, group)
     model = cp.parallelize(
-        model, CPU, method, causal=True, zigzag=zigzag, attention=FusedQKVAttention
+        model,
+        CPU,
+        method,
+        group=group,
+        data_group=data_group,
+        causal=True,
+        zigzag=zigzag,
+        attention=FusedQKVAttention,
     )
     optimizer = make_optimizer(param_groups(model.module, optim), optim)
     seen = {}  # what rank 0's model saw: the proof that the tokens were split
@@ -78,10 +90,12 @@ def run_context_parallel(method, zigzag, optim, batches):
     def loss_fn(logits, batch):
         # CausalLM's tokens are their own targets: shifted on the whole sequence, then split.
         targets = cp.next_token_targets(batch)
-        return cp.causal_lm_loss(logits, cp.split_tokens(targets, zigzag=zigzag)[0])
+        local_targets, _ = cp.split_tokens(targets, group, zigzag=zigzag)
+        return cp.causal_lm_loss(logits, local_targets, group)
 
-    # Every rank feeds the whole micro-batch (rank 0 of 1): its embedding keeps its tokens.
-    losses = train(model, optimizer, batches, loss_fn=loss_fn)
+    # Every rank of the context group feeds its slice of the micro-batch (the whole with rank 0
+    # of 1): its embedding keeps its tokens.
+    losses = train(model, optimizer, batches, rank, world, loss_fn=loss_fn)
     for hook in hooks:
         hook.remove()
     tied = model.module.head.lm_head.weight is model.module.embed.wte.weight
@@ -108,6 +122,31 @@ def cases(batches, rank, world, folder):
         split = "zigzag" if zigzag else "contiguous"
         name = f"context_parallel-{method}-{split}-{optim}"
         yield name, optim, *run_context_parallel(method, zigzag, optim, batches)
+
+
+GROUP_CASES = [
+    "group-cp-ring-sgd",
+    "group-cp-ring-adamw",
+    "group-cp-ulysses-sgd",
+    "group-cp-dp-ring-sgd",
+]
+
+
+def group_cases(batches, group, folder):
+    """The cases on `group`, a pair of a world of four (tests/copy_cases.py --groups), the tokens
+    split zig-zag over the pair. The first three: the pair is also DDP's group, every rank of it
+    feeding the whole batch. "dp": the layout data x context, DDP over the world (data_group=None)
+    and each pair feeding its half of every micro-batch (the pairs are interleaved: this rank's
+    is rank % 2). Yields (case, its reference, the trained model, its full state_dict, {})."""
+    for case in GROUP_CASES:
+        _, method, optim = case.rsplit("-", 2)
+        if "-dp-" in case:
+            copies = dist.get_world_size() // dist.get_world_size(group)
+            data = dict(data_group=None, rank=dist.get_rank() % copies, world=copies)
+        else:
+            data = dict(data_group=group)
+        model, state, _ = run_context_parallel(method, True, optim, batches, group, **data)
+        yield case, optim, model, state, {}
 
 
 # The model as nanoGPT has it (tests/nanogpt_model.py), trained by its own recipe: (x, y) batches

@@ -72,20 +72,24 @@ def whole_batch_reference(batches):
     return model.state_dict()
 
 
-def run_expert_parallel(optim, batches, rank, world):
+def run_expert_parallel(optim, batches, rank, world, group=None):
     """The section's two calls; the weight-decay groups built after parallelize (over this rank's
-    experts): the router's and the experts' matrices in the decay group."""
-    model = expert_parallel.parallelize(moe_causal_lm(forwards_per_step=ACCUMULATE), CPU)
+    experts): the router's and the experts' matrices in the decay group. group: the expert group,
+    which is also the data-parallel group, of which this is rank `rank` of `world` (None: the
+    world)."""
+    model = expert_parallel.parallelize(
+        moe_causal_lm(forwards_per_step=ACCUMULATE), CPU, group=group
+    )
     optimizer = make_optimizer(param_groups(model, optim), optim)
-    expert_parallel.hook_optimizer(model, optimizer)
+    expert_parallel.hook_optimizer(model, optimizer, data_group=group)
     train(model, optimizer, batches, rank, world)
     # per rank, per block: the global indices of the experts it holds, which only the split gives
     held = [[int(name) for name, _ in block.mlp.experts.named_children()] for block in model.blocks]
     experts_held = [None] * world
-    dist.all_gather_object(experts_held, held)
+    dist.all_gather_object(experts_held, held, group=group)
     tied = model.head.lm_head.weight is model.embed.wte.weight
     proof = dict(tied=tied, experts_held=experts_held)
-    return model, expert_parallel.full_state_dict(model), proof
+    return model, expert_parallel.full_state_dict(model, group=group), proof
 
 
 def cases(batches, rank, world, folder):
@@ -102,6 +106,25 @@ def cases(batches, rank, world, folder):
         model, state, proof = run_expert_parallel(optim, batches, rank, world)
         proof["reference_eval_loss"] = reference_loss
         yield f"expert_parallel-{optim}", f"moe-{optim}", model, state, proof
+
+
+GROUP_CASES = ["group-ep-sgd", "group-ep-adamw"]
+
+
+def group_cases(batches, group, folder):
+    """The cases on `group`, a pair of a world of four (tests/copy_cases.py --groups): the experts
+    spread over the pair, which is also the data-parallel group (one copy: no replica_group), and
+    the full state_dict on the pair's rank 0. The world's rank 0 saves this module's references
+    (DIR/reference-moe-<optim>.pt): yields (case, "moe-<optim>", model, full state_dict, {})."""
+    _, test_tokens = task()
+    rank = dist.get_rank(group)
+    world = dist.get_world_size(group)
+    for optim in OPTIMS:
+        if dist.get_rank() == 0:
+            state, _ = reference(optim, batches, test_tokens)
+            torch.save(state, folder / f"reference-moe-{optim}.pt")
+        model, state, _ = run_expert_parallel(optim, batches, rank, world, group)
+        yield f"group-ep-{optim}", f"moe-{optim}", model, state, {}
 
 
 # The model as nanoGPT has it (tests/nanogpt_model.py), trained by its own recipe: (x, y) batches,

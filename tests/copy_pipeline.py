@@ -8,6 +8,10 @@ ACCUMULATE backward passes a step, each on a micro-batch of MICRO_BATCH sequence
 `calls` case, ACCUMULATE train_steps of one micro-batch before the optimizer's step. bf16: the
 CausalLM converted with .to(torch.bfloat16), 1F1B and zb-h1, against one process in bf16.
 
+On a process group (`group_cases`, tests/copy_cases.py --groups): the same two stages on each of
+the pairs {0, 2} and {1, 3} of a world of four, side by side, 1F1B with SGD and AdamW and zb-h1
+with SGD; each pipeline's tied wte.weight is summed in an embedding group of its own.
+
 nanoGPT (tests/nanogpt_model.py, `nanogpt_cases`): the model as it is, its parts named in a
 pipeline.Parts (GPT_PARTS), its loss, its configure_optimizers run on the stage, its (x, y)
 micro-batches as the schedule's, and the section's clip_grad_norm_ over the stages where nanoGPT
@@ -100,21 +104,23 @@ def received_dtypes(stage):
     return seen
 
 
+def split(model, schedule, group=None):
+    """(the technique that runs `schedule`, this rank's stage of the CausalLM `model` over the
+    pipeline on `group`, the world when None)."""
+    shape = (CONTEXT, model.embed.wte.embedding_dim)
+    if schedule == "1f1b":
+        return pipeline, pipeline.parallelize(model, CPU, activation_shape=shape, group=group)
+    chunks = 2 if schedule == "interleaved" else 1
+    stage = pipeline_schedules.parallelize(model, CPU, chunks, activation_shape=shape, group=group)
+    return pipeline_schedules, stage
+
+
 def run_pipeline(optim, batches, micro_batches, schedule="1f1b", depth=2, dtype=None):
     model = CausalLM(depth=depth)
     if dtype is not None:
         model = model.to(dtype)  # the boundary's dtype too: pipeline's default activation_dtype
-    shape = (CONTEXT, model.embed.wte.embedding_dim)
-    seen = set()
-    if schedule == "1f1b":
-        technique = pipeline
-        stage = pipeline.parallelize(model, CPU, activation_shape=shape)
-        seen = received_dtypes(stage)
-    else:
-        technique = pipeline_schedules
-        chunks = 2 if schedule == "interleaved" else 1
-        stage = pipeline_schedules.parallelize(model, CPU, chunks, activation_shape=shape)
-        seen = received_dtypes(stage)
+    technique, stage = split(model, schedule)
+    seen = received_dtypes(stage)
     optimizer = make_optimizer(stage_param_groups(stage, optim), optim)
     train(technique, schedule, stage, optimizer, batches, micro_batches)
     state = technique.full_state_dict(stage)
@@ -154,6 +160,27 @@ def cases(batches, rank, world, folder):
     stage, state, proof = run_pipeline("sgd", batches, ACCUMULATE, "interleaved", depth=4)
     proof["reference_eval_loss"] = reference_loss
     yield "pipeline_schedules-interleaved-sgd", "depth4-sgd", stage, state, proof
+
+
+# On a process group: case -> (schedule, optimizer). 1F1B with both optimizers (AdamW: the tied
+# copy in its no-decay group), and zb-h1, whose loop of its own sends on the group too.
+GROUP_RUNS = {
+    "group-pipeline-1f1b-sgd": ("1f1b", "sgd"),
+    "group-pipeline-1f1b-adamw": ("1f1b", "adamw"),
+    "group-pipeline_schedules-zb-h1-sgd": ("zb-h1", "sgd"),
+}
+GROUP_CASES = list(GROUP_RUNS)
+
+
+def group_cases(batches, group, folder):
+    """Yield (case name, its reference "sgd" or "adamw", the stage, the full state_dict on the
+    group's first rank (None on the other), {}), the pipeline's two stages on `group`'s ranks,
+    each fed the whole batch."""
+    for case, (schedule, optim) in GROUP_RUNS.items():
+        technique, stage = split(CausalLM(), schedule, group)
+        optimizer = make_optimizer(stage_param_groups(stage, optim), optim)
+        train(technique, schedule, stage, optimizer, batches, ACCUMULATE)
+        yield case, optim, stage, technique.full_state_dict(stage), {}
 
 
 # The model as nanoGPT has it (tests/nanogpt_model.py), trained by its own recipe: (x, y) batches,

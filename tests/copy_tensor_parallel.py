@@ -2,7 +2,9 @@
 whole micro-batch, as tensor parallelism does, and holds half of every block's heads and MLP
 columns. The change a GPT-2-like model needs is the plan below: its layers' names, q, k and v
 fused in c_attn, the head count and the causal mask; nanoGPT's model also names its blocks and,
-under sequence parallelism, where its tokens enter and leave them. Run by tests/copy_cases.py."""
+under sequence parallelism, where its tokens enter and leave them. With --groups the section runs
+on a pair of ranks of four (group_cases), ZeRO-R's variant among them. Run by
+tests/copy_cases.py."""
 
 import nanogpt_model
 import torch
@@ -10,6 +12,7 @@ import torch.distributed as dist
 from causal_lm import OPTIMS, CausalLM, make_optimizer, param_groups, train
 
 import tensor_parallel
+import tensor_parallel_zero_r
 from tensor_parallel import (
     ColumnParallelLinear,
     QKVParallelLinear,
@@ -74,6 +77,41 @@ def cases(batches, rank, world, folder):
         for optim in OPTIMS:
             name = f"tensor_parallel-{'sp' if sequence_parallel else 'tp'}-{optim}"
             yield name, optim, *run_tensor_parallel(sequence_parallel, optim, batches)
+
+
+# The section on a process group of its own (tests/copy_cases.py --groups): each pair of ranks of a
+# world of four splits the model between its two ranks alone. "pa": ZeRO-R's partitioned
+# activations (tensor_parallel_zero_r.py), whose all-gather before each recompute takes the group
+# too. Sequence parallelism trains with SGD: its partial gradient sum, run over all four ranks,
+# doubles the norms' gradients, which AdamW's steps barely show.
+
+GROUP_CASES = ["group-tp-adamw", "group-tp-sp-sgd", "group-tp-pa-sgd"]
+
+
+def run_on_group(section, optim, batches, group, **options):
+    """CausalLM split by `section` (tensor_parallel or its ZeRO-R variant) over `group`, trained
+    with every group rank feeding the whole micro-batch: (model, full state_dict on the group's
+    first rank, None on the other)."""
+    # GPT2_PLAN in the section's own classes: the variant file defines its own, which its
+    # parallelize tells apart by identity.
+    plan = {name: getattr(section, split.__name__) for name, split in GPT2_PLAN.items()}
+    model = section.parallelize(
+        CausalLM(), CPU, plan=plan, heads=HEADS, causal=True, group=group, **options
+    )
+    optimizer = make_optimizer(param_groups(model, optim), optim)
+    train(model, optimizer, batches)  # rank=0, world=1: every rank feeds the whole micro-batch
+    return model, section.full_state_dict(model, group)
+
+
+def group_cases(batches, group, folder):
+    """Yield (case name, its reference "sgd" or "adamw", the trained model, its full state_dict on
+    the group's first rank, {}), the section running on `group` alone."""
+    model, state = run_on_group(tensor_parallel, "adamw", batches, group)
+    yield "group-tp-adamw", "adamw", model, state, {}
+    model, state = run_on_group(tensor_parallel, "sgd", batches, group, sequence_parallel=True)
+    yield "group-tp-sp-sgd", "sgd", model, state, {}
+    model, state = run_on_group(tensor_parallel_zero_r, "sgd", batches, group, partition=True)
+    yield "group-tp-pa-sgd", "sgd", model, state, {}
 
 
 # The model as nanoGPT has it (tests/nanogpt_model.py), trained by its own recipe: (x, y) batches,

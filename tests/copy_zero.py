@@ -1,9 +1,15 @@
 """Copy cases for ddp.py, zero.py (stages 1-3) and zero_offload.py (to CPU, to disk): each rank
-trains on its slice of every micro-batch, as data parallelism does. Run by tests/copy_cases.py."""
+trains on its slice of every micro-batch, as data parallelism does. Run by tests/copy_cases.py, on
+the world (`cases`, `nanogpt_cases`) and, with --groups, on a data-parallel group of two ranks of
+four (`group_cases`)."""
+
+import math
 
 import nanogpt_model
 import torch
+import torch.distributed as dist
 from causal_lm import OPTIMS, CausalLM, make_optimizer, param_groups, train
+from torch.nn.utils import clip_grad_norm_
 
 import ddp
 import zero
@@ -20,28 +26,40 @@ def run_ddp(optim, batches, rank, world):
     return model, ddp.full_state_dict(model), dict(tied=tied)
 
 
-def run_zero(stage, optim, batches, rank, world):
+def run_zero(stage, optim, batches, rank, world, group=None, norms=None):
+    """ZeRO at `stage` over `group` (the world when None), rank and world the group's. `norms`: a
+    list to collect each step's gradient norm in, as the section's clip_grad_norm_ takes it."""
     model = CausalLM()
     units = [model.embed, *model.blocks, model.head]
-    model = zero.parallelize(model, CPU, stage, param_groups(model, optim), units=units)
+    model = zero.parallelize(
+        model, CPU, stage, param_groups(model, optim), units=units, group=group
+    )
     optimizer = make_optimizer(model.zero.param_groups, optim)
     zero.hook_optimizer(model, optimizer)
+    if norms is not None:
+        record_norms(optimizer, lambda: zero.clip_grad_norm_(model, math.inf), norms)
     train(model, optimizer, batches, rank, world)
     tied = model.head.lm_head.weight is model.embed.wte.weight
     return model, zero.full_state_dict(model), dict(tied=tied)
 
 
-def run_zero_offload(offload, stage, optim, batches, rank, world, folder):
+def run_zero_offload(offload, stage, optim, batches, rank, world, folder, group=None, norms=None):
     """zero_offload.py steps each group's pieces of the master (CPU, or the unit files on disk)
-    with the group's hyperparameters: AdamW's two weight-decay groups."""
+    with the group's hyperparameters: AdamW's two weight-decay groups. `group` and `norms`: as
+    run_zero's."""
     directory = folder / f"zero_offload-{offload}-{optim}-files"  # --offload disk's unit files
     directory.mkdir(exist_ok=True)
     model = CausalLM()
-    groups = param_groups(model, optim)
     units = [model.embed, *model.blocks, model.head]
-    model = zero_offload.parallelize(model, CPU, stage, groups, offload, directory, units=units)
+    # the groups made in the call, not kept in a variable: that would keep the model's original
+    # parameters alive, and hook_optimizer warn of it
+    model = zero_offload.parallelize(
+        model, CPU, stage, param_groups(model, optim), offload, directory, units=units, group=group
+    )
     optimizer = make_optimizer(model.zero.param_groups, optim)
     zero_offload.hook_optimizer(model, optimizer)
+    if norms is not None:
+        record_norms(optimizer, lambda: zero_offload.clip_grad_norm_(model, math.inf), norms)
     train(model, optimizer, batches, rank, world)
     tied = model.head.lm_head.weight is model.embed.wte.weight
     return model, zero_offload.full_state_dict(model), dict(tied=tied)
@@ -61,6 +79,59 @@ def cases(batches, rank, world, folder):
             name = f"zero_offload-{offload}{stage}-{optim}"
             case = run_zero_offload(offload, stage, optim, batches, rank, world, folder)
             yield name, optim, *case
+
+
+# The sections on a process group of their own (tests/copy_cases.py --groups): each pair of ranks
+# of a world of four shards the model between its two ranks alone, each rank training on its half
+# of every micro-batch. Each case also takes every step's gradient norm through the section's
+# clip_grad_norm_ (with no limit, so that nothing is scaled) and checks it against one process's:
+# the norm's all-reduce over the world would add the other pair's squares too.
+
+GROUP_CASES = ["group-zero1-sgd", "group-zero3-adamw", "group-zero_offload-cpu2-sgd"]
+
+
+def record_norms(optimizer, norm, norms):
+    """Before each optimizer.step() (after the engine's own pre-hook has finished the backward's
+    reduce-scatters), append norm() to `norms`."""
+    # torch calls a step hook as hook(optimizer, args, kwargs), with step()'s own arguments
+    optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: norms.append(norm()))
+
+
+def reference_norms(optim, batches):
+    """Each step's gradient norm in one process (torch's clip_grad_norm_, no limit), trained as
+    causal_lm.reference trains."""
+    model = CausalLM()
+    optimizer = make_optimizer(param_groups(model, optim), optim)
+    norms = []
+    record_norms(optimizer, lambda: clip_grad_norm_(model.parameters(), math.inf), norms)
+    train(model, optimizer, batches)
+    return norms
+
+
+def check_norms(case, norms, expected):
+    """The section's norms are one process's, to float32 round-off."""
+    close = torch.allclose(torch.stack(norms), torch.stack(expected), rtol=1e-4)
+    assert close, f"{case}: gradient norms {norms}, one process's {expected}"
+
+
+def group_cases(batches, group, folder):
+    """Yield (case name, its reference "sgd" or "adamw", the trained model, its full state_dict on
+    the group's first rank ({} on the other), {}), the sections running on `group` alone."""
+    rank = dist.get_rank(group)
+    world = dist.get_world_size(group)
+    expected = {optim: reference_norms(optim, batches) for optim in OPTIMS}
+    norms = []
+    model, state, _ = run_zero(1, "sgd", batches, rank, world, group, norms)
+    check_norms("group-zero1-sgd", norms, expected["sgd"])
+    yield "group-zero1-sgd", "sgd", model, state, {}
+    norms = []
+    model, state, _ = run_zero(3, "adamw", batches, rank, world, group, norms)
+    check_norms("group-zero3-adamw", norms, expected["adamw"])
+    yield "group-zero3-adamw", "adamw", model, state, {}
+    norms = []
+    model, state, _ = run_zero_offload("cpu", 2, "sgd", batches, rank, world, folder, group, norms)
+    check_norms("group-zero_offload-cpu2-sgd", norms, expected["sgd"])
+    yield "group-zero_offload-cpu2-sgd", "sgd", model, state, {}
 
 
 # The model as nanoGPT has it (tests/nanogpt_model.py), trained by its own recipe: (x, y) batches,

@@ -209,6 +209,30 @@ CASES = [
         "--schedule 1f1b needs --microbatches >= --pp: 2 < 4",
     ),
     (
+        "hybrid_parallel.py",
+        ["--dp", "2", "--tp", "2"],
+        as_rank0_of(2),
+        "--pp 1 x --dp 2 x --ep 1 x --cp 1 x --tp 2 = 4 ranks, but the world size is 2",
+    ),
+    (
+        "hybrid_parallel.py",
+        ["--cp", "2", "--tp", "2", "--dp", "1"],
+        as_rank0_of(4),
+        "--cp composes with --dp only (the data x context layout)",
+    ),
+    (
+        "hybrid_parallel.py",
+        ["--ep", "2", "--dp", "1"],
+        as_rank0_of(2),
+        "--experts goes with --ep > 1 (the data x expert layout)",
+    ),
+    (
+        "hybrid_parallel.py",
+        ["--cp", "3", "--dp", "1"],
+        as_rank0_of(3),
+        "the 16 tokens (--patch 7) are not divisible by the 3 ranks that split them",
+    ),
+    (
         "expert_parallel.py",
         ["--experts", "6"],
         as_rank0_of(4),

@@ -34,6 +34,7 @@ LAUNCHES = {
     "pipeline_schedules-zb-h1": ("pipeline_schedules.py", "--schedule", "zb-h1"),
     "pipeline_pipedream": ("pipeline_pipedream.py",),
     "nd_parallel-pp": ("nd_parallel.py", "--dp-shard", "1", "--pp", "2"),
+    "hybrid_parallel-pp": ("hybrid_parallel.py", "--dp", "1", "--pp", "2", "--zero-stage", "3"),
 }
 
 

@@ -299,12 +299,13 @@ class OneRankAtATime:
 
 
 class Message:
-    """dist.P2POp without a process group behind it."""
+    """dist.P2POp without a process group behind it: a peer given as a group rank is the rank
+    itself (one pipe, its ranks numbered from 0)."""
 
-    def __init__(self, op, tensor, peer, group=None):
+    def __init__(self, op, tensor, peer=None, group=None, group_peer=None):
         self.op = op
         self.tensor = tensor
-        self.peer = peer
+        self.peer = group_peer if peer is None else peer
 
 
 def three_stages_one_at_a_time(model, fake):

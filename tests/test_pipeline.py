@@ -10,7 +10,10 @@ saved state_dict loads in ddp.py.
 NCCL's rule, in-process: every communication each rank's training loop, evaluation and save issue,
 collectives included, recorded in order and replayed (`loop_calls` and `replay`, which the other
 pipeline tests share): no rank waits for ever; the replay does catch the one-op-per-group pairing
-that deadlocked, and a send left open across a collective. Bad input is refused."""
+that deadlocked, and a send left open across a collective. Two pipelines side by side in a world
+of four, each on its process group (peers are group ranks): each message stays in its pipeline,
+the save gathers on the pipeline's group, and the replay per communicator gets through. Bad input
+is refused."""
 
 import argparse
 import sys
@@ -209,18 +212,22 @@ def test_saved_state_loads_in_ddp(runs):
 # ------------------------------------------------------------------------ NCCL's rule, in-process
 # A rank's communications in the order it issued them, each one of
 #   ("p2p", [(peer, "send" | "recv", numel), ...])   a group of point-to-point ops, waited for
-#                                                     together (a blocking send or receive: one op)
-#   (collective, numel)                               all_reduce, gather_object, ... (numel None
-#                                                     for objects)
+#                                                     together (a blocking send or receive: one op);
+#                                                     peer: the global rank, whatever the group
+#   (collective, numel)                               all_reduce, gather_object, ... on the world
+#                                                     (numel None for objects)
+#   (collective, numel, ranks)                        the same on the process group of those
+#                                                     global ranks (tests/record_comm.py always
+#                                                     writes them, the world's too)
 
 
 def replay(calls):
     """NCCL's rule on `calls[r]`, rank r's communications: each rank runs its calls in order, each
     to completion. A point-to-point group completes once the partner of each of its ops (the n-th
     send r->q pairs with the n-th receive on q from r) is in a call its rank has reached; a
-    collective once every rank has reached it (its n-th collective: the ranks must issue the same
-    ones in the same order). Returns None when every rank gets through, else the call each rank
-    is stuck at."""
+    collective once every rank of its process group has reached it (its n-th collective on that
+    group: the group's ranks must issue the same ones in the same order). Returns None when every
+    rank gets through, else the call each rank is stuck at."""
     waits_for = [[[] for _ in rank_calls] for rank_calls in calls]
     pair_messages(calls, waits_for)
     line_up_collectives(calls, waits_for)
@@ -244,10 +251,10 @@ def pair_messages(calls, waits_for):
     ends = {}  # (sender, receiver, n) -> {"send": (rank, call, numel), "recv": (...)}
     counted = Counter()
     for rank, rank_calls in enumerate(calls):
-        for k, (kind, ops) in enumerate(rank_calls):
-            if kind != "p2p":
+        for k, call in enumerate(rank_calls):
+            if call[0] != "p2p":
                 continue
-            for peer, direction, numel in ops:
+            for peer, direction, numel in call[1]:
                 link = (rank, peer) if direction == "send" else (peer, rank)
                 n = counted[direction, link]
                 counted[direction, link] += 1
@@ -262,27 +269,35 @@ def pair_messages(calls, waits_for):
 
 
 def line_up_collectives(calls, waits_for):
-    """NCCL matches collectives by their order on a communicator: every rank's n-th must be the
-    same collective of the same size, and it completes when every rank has reached its n-th."""
-    positions = [
-        [k for k, call in enumerate(rank_calls) if call[0] != "p2p"] for rank_calls in calls
-    ]
-    issued = [[rank_calls[k] for k in ks] for rank_calls, ks in zip(calls, positions, strict=True)]
-    assert all(sequence == issued[0] for sequence in issued), (
-        f"the ranks' collectives differ: {issued}"
-    )
-    for rank, ks in enumerate(positions):
-        for n, k in enumerate(ks):
-            waits_for[rank][k] = [(q, positions[q][n]) for q in range(len(calls))]
+    """NCCL matches collectives by their order on a communicator, one a process group: on each
+    group, every one of its ranks' n-th must be the same collective of the same size, and it
+    completes when each rank of the group has reached its n-th."""
+    world = tuple(range(len(calls)))
+    positions = {}  # a group's ranks -> {rank: where its collectives on the group are in its calls}
+    for rank, rank_calls in enumerate(calls):
+        for k, call in enumerate(rank_calls):
+            if call[0] == "p2p":
+                continue
+            ranks = tuple(call[2]) if len(call) > 2 else world
+            assert rank in ranks, f"rank {rank} issues {call} on a group without it"
+            positions.setdefault(ranks, {q: [] for q in ranks})[rank].append(k)
+    for ranks, on_group in positions.items():
+        issued = [[calls[q][k][:2] for k in on_group[q]] for q in ranks]
+        assert all(sequence == issued[0] for sequence in issued), (
+            f"the ranks' collectives differ on group {ranks}: {issued}"
+        )
+        for rank, ks in on_group.items():
+            for n, k in enumerate(ks):
+                waits_for[rank][k] = [(q, on_group[q][n]) for q in ranks]
 
 
 def sends(calls):
     """The messages sent, every rank's together."""
     count = 0
     for rank_calls in calls:
-        for kind, ops in rank_calls:
-            if kind == "p2p":
-                count += sum(direction == "send" for _, direction, _ in ops)
+        for call in rank_calls:
+            if call[0] == "p2p":
+                count += sum(direction == "send" for _, direction, _ in call[1])
     return count
 
 
@@ -296,7 +311,10 @@ def test_replay_itself():
     ranks sending first, each send in a group of its own, deadlock (pipeline.py's old pairing);
     one sending first and the other receiving first pass; a send left open across an all-reduce
     that its receiver reaches first deadlocks (PipeDream's hang, issue 25), and posted after it
-    passes; ranks that disagree on their collectives fail."""
+    passes; ranks that disagree on their collectives fail. On process groups: a collective waits
+    for its group's ranks only; two groups' collectives in crossed orders deadlock (rank 1 waits
+    in group (0, 1) for rank 0, which waits in group (0, 2) for rank 2, which waits for rank 1's
+    send), as NCCL's communicators would, and in the same order pass."""
     send = ("p2p", [(1, "send", 4)])
     recv = ("p2p", [(1, "recv", 4)])
     send_back = ("p2p", [(0, "send", 4)])
@@ -313,14 +331,35 @@ def test_replay_itself():
         replay([[all_reduce], [("gather_object", None)]])
     with pytest.raises(AssertionError, match="has no partner"):
         replay([[send], []])
+    on_01 = ("all_reduce", 1, [0, 1])
+    on_02 = ("all_reduce", 1, [0, 2])
+    send_1_to_2 = ("p2p", [(2, "send", 4)])
+    recv_2_from_1 = ("p2p", [(1, "recv", 4)])
+    assert replay([[on_01], [on_01], []]) is None
+    assert replay([[on_02, on_01], [on_01, send_1_to_2], [recv_2_from_1, on_02]]) == [0, 0, 0]
+    assert replay([[on_02, on_01], [on_01, send_1_to_2], [on_02, recv_2_from_1]]) is None
+    with pytest.raises(AssertionError, match="collectives differ on group"):
+        replay([[on_01], [("gather_object", None, [0, 1])], []])
+
+
+class FakeGroup:
+    """Stands in for a process group (dist.new_group's): its global ranks, group rank r at r."""
+
+    def __init__(self, ranks):
+        self.ranks = sorted(ranks)
 
 
 class FakeOp:
-    """Stands in for dist.P2POp (which needs a process group)."""
+    """Stands in for dist.P2POp (which needs a process group). Its peer is the global rank, as
+    P2POp's is: given as one (peer), or as a rank of `group` (group_peer)."""
 
-    def __init__(self, op, tensor, peer, group=None, tag=0):
+    def __init__(self, op, tensor, peer=None, group=None, tag=0, group_peer=None):
         self.op = op
         self.tensor = tensor
+        if peer is None and group is None:
+            peer = group_peer
+        elif peer is None:
+            peer = group.ranks[group_peer]
         self.peer = peer
 
 
@@ -332,8 +371,10 @@ class FakeWork:
 class RecordedWorld:
     """torch.distributed as rank `rank` of a world of `world` sees it, in this process: every
     communication is appended to `calls` (the format above) and nothing is sent; received tensors
-    are filled with random numbers, so the computation goes on. A torch.distributed call this
-    does not stand in for finds no process group and raises: nothing communicates unrecorded."""
+    are filled with random numbers, so the computation goes on. dist.new_group makes a FakeGroup,
+    whose ranks get_rank, get_world_size and get_global_rank read; a collective on one is recorded
+    with its ranks. A torch.distributed call this does not stand in for finds no process group
+    and raises: nothing communicates unrecorded."""
 
     COLLECTIVES = (
         "all_reduce",
@@ -358,8 +399,10 @@ class RecordedWorld:
         self.world = world
         self.rank = 0
         self.calls = []
-        monkeypatch.setattr(dist, "get_rank", lambda group=None: self.rank)
-        monkeypatch.setattr(dist, "get_world_size", lambda group=None: self.world)
+        monkeypatch.setattr(dist, "get_rank", self.get_rank)
+        monkeypatch.setattr(dist, "get_world_size", self.get_world_size)
+        monkeypatch.setattr(dist, "new_group", lambda ranks, **kwargs: FakeGroup(ranks))
+        monkeypatch.setattr(dist, "get_global_rank", lambda group, rank: group.ranks[rank])
         monkeypatch.setattr(dist, "P2POp", FakeOp)
         monkeypatch.setattr(dist, "batch_isend_irecv", self.batch_isend_irecv)
         for name in ("isend", "send"):
@@ -373,6 +416,16 @@ class RecordedWorld:
         """From now on, record as rank `rank`, in a fresh list."""
         self.rank = rank
         self.calls = []
+
+    def get_rank(self, group=None):
+        if group is None:
+            return self.rank
+        return group.ranks.index(self.rank)
+
+    def get_world_size(self, group=None):
+        if group is None:
+            return self.world
+        return len(group.ranks)
 
     def batch_isend_irecv(self, ops):
         assert ops, "an empty group"
@@ -389,6 +442,9 @@ class RecordedWorld:
         """dist.isend / dist.send (direction "send") or dist.irecv / dist.recv: a group of one."""
 
         def point_to_point(tensor, peer=None, group=None, tag=0, **kwargs):
+            if peer is None:  # given as a rank of `group`: recorded as the global rank
+                group_peer = kwargs.get("group_dst", kwargs.get("group_src"))
+                peer = group_peer if group is None else group.ranks[group_peer]
             self.calls.append(("p2p", [(peer, direction, tensor.numel())]))
             if direction == "recv":
                 tensor.normal_()
@@ -399,7 +455,11 @@ class RecordedWorld:
     def collective(self, name):
         def issue(*args, **kwargs):
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
-            self.calls.append((name, tensors[0].numel() if tensors else None))
+            call = (name, tensors[0].numel() if tensors else None)
+            group = kwargs.get("group")  # the sections pass it by name
+            if group is not None:
+                call = (*call, group.ranks)
+            self.calls.append(call)
             if name == "gather_object" and len(args) > 1 and args[1] is not None:
                 args[1][:] = [args[0]] * len(args[1])  # every rank's part, as rank 0 gets them
             return FakeWork() if kwargs.get("async_op") else None
@@ -503,6 +563,34 @@ def test_p2p_order_is_nccl_safe(p, monkeypatch, one_thread):
             orders = [old_pairing(expected_order(name, m, p, s), s, p, message) for s in range(p)]
             old = replay(orders)
             assert (old is not None) == (name == "1f1b"), (name, p, m, old)
+
+
+def test_two_pipelines_on_groups_are_nccl_safe(monkeypatch, one_thread):
+    """Two pipelines of two stages side by side in a world of four, each on its process group,
+    {0, 2} and {1, 3} (hybrid_parallel.py's pp groups, whose ranks are not the world's): every
+    communication each rank's loop issues, replayed under NCCL's rule per communicator, gets
+    through. Each rank's messages go to its own pipeline's other stage only (the peers are group
+    ranks, the recorded peers global ones), each pipeline carries its 2m messages a step and one
+    an evaluation batch, and the save gathers on the pipeline's group while the loop's own
+    all-reduces stay on the world. A send, receive or gather that forgets the group fails here."""
+    m = 4
+    cpu = torch.device("cpu")
+
+    def on_pipes(model, args):
+        pipes = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank makes both
+        return pipeline.parallelize(model, cpu, group=pipes[dist.get_rank() % 2])
+
+    flags = [*LOOP, "--depth", DEPTH, "--batch-size", 2 * m]
+    flags += ["--schedule", "1f1b", "--microbatches", m]
+    calls = loop_calls(pipeline, flags, 4, monkeypatch, on_pipes)
+    for rank, rank_calls in enumerate(calls):
+        peers = {peer for call in rank_calls if call[0] == "p2p" for peer, _, _ in call[1]}
+        assert peers == {(rank + 2) % 4}, (rank, peers)
+        pipe = [rank % 2, rank % 2 + 2]
+        saved = ("gather_object", None, pipe)
+        assert collectives(rank_calls) == [*LOOP_COLLECTIVES[:-1], saved], rank
+    assert sends(calls) == 2 * (LOOP_STEPS * 2 * m + EVAL_BATCHES)
+    assert replay(calls) is None
 
 
 @pytest.mark.parametrize(

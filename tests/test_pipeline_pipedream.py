@@ -185,7 +185,7 @@ def test_the_replay_catches_a_send_left_open_across_the_loops_all_reduce(monkeyp
 
     def closing_send_at_once(stage, *args, **kwargs):
         loss = train_step(stage, *args, **kwargs)
-        pipeline_pipedream.p2p(stage.pending)
+        pipeline_pipedream.p2p(stage.pending, stage.group)
         stage.pending = []
         return loss
 
@@ -239,6 +239,7 @@ def test_infer_receives_in_the_model_dtype(monkeypatch):
         fake.rank = index
         fake.calls[index] = []
         stage = pipeline_pipedream.Stage(model, index, 3)
+        stage.group = None  # the world, as parallelize sets it for group=None
         outputs.append(pipeline_pipedream.infer(stage, images))
     assert all(messages == [] for messages in fake.in_flight.values()), "a message never received"
     with torch.no_grad():

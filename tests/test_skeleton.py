@@ -24,6 +24,7 @@ SCRIPTS = [
     "dp.py",
     "context_parallel.py",
     "nd_parallel.py",
+    "hybrid_parallel.py",
     "expert_parallel.py",
     "pipeline_schedules.py",
     "pipeline_pipedream.py",
@@ -39,25 +40,31 @@ MAX_DIFF = {
     "fsdp_resume.py": 321,  # 315 + fsdp.py's units argument
     # issue 32, core first: 591 + the split-out functions' def lines and docstrings, a ### more:
     # header a part, the language-model notes moved from the contract into their parts
-    "zero.py": 639,
-    # zero.py's 639 + the offload as one subclass (ZeROOffload) in a part of its own
-    "zero_offload.py": 930,
+    # issue 34: + the data-parallel `group` in every collective, the contract and docstrings
+    "zero.py": 650,
+    # zero.py's 650 + the offload as one subclass (ZeROOffload) in a part of its own
+    "zero_offload.py": 946,
     # core first: 574 + the paper's sketch of the MLP split, the part headers, the dropout refusal
-    "tensor_parallel.py": 604,
-    "tensor_parallel_zero_r.py": 687,  # tensor_parallel.py's 604 + ZeRO-R's checkpointed forward
+    # issue 34: + the tensor-parallel `group` (Functions taking it, operators(), split_tokens alone)
+    "tensor_parallel.py": 640,
+    "tensor_parallel_zero_r.py": 725,  # tensor_parallel.py's 640 + ZeRO-R's checkpointed forward
     # core first: 446 + the schedules' sketch, four part headers, the tie as named functions
-    "pipeline.py": 462,
+    # issue 34: + the pipeline's `group` (peers as group ranks, each pipe's embedding group)
+    "pipeline.py": 493,
     "dp.py": 342,
     # core first: 660 + the ring's messages by name, causal and zig-zag out of RingAttention into
     # helpers of their own, Ulysses in its own part, the part headers
-    "context_parallel.py": 732,
+    "context_parallel.py": 755,  # issue 34: + DDP's data_group apart from the context group
     # 474 + clip_grad_norm_ over each mesh (--clip), - a 25-line docstring, + infer's buffer dtype
     "nd_parallel.py": 495,
+    # issue 34: nd_parallel.py with PyTorch's pieces replaced by this codebase's own sections,
+    # and the layouts data x context and data x expert
+    "hybrid_parallel.py": 606,
     # core first: the MoE layer moved to common/moe.py (596 before), the step-time averager and
     # the backward one split
-    "expert_parallel.py": 545,
-    "pipeline_schedules.py": 584,  # pipeline.py's reshaping (+29), its own schedule sketch
-    "pipeline_pipedream.py": 416,  # pipeline.py's reshaping (+21), its tie refusal as a part
+    "expert_parallel.py": 555,  # issue 34: full_state_dict on the expert group
+    "pipeline_schedules.py": 616,  # pipeline.py's reshaping, its schedule sketch, the group
+    "pipeline_pipedream.py": 426,  # pipeline.py's reshaping, its tie refusal as a part, the group
     # the ds_config from the flags (and the user's, checked), deepspeed.initialize, the engine's
     # loop, a stage-3 gather for the state_dict, the optional import, NVMe's async_io checked,
     # --cpu-adam (DeepSpeed's C++ CPU Adam for its CPU offload)
@@ -73,7 +80,9 @@ VARIANTS = {
     ),
     "pipeline_pipedream.py": (
         "pipeline.py",
-        322,  # 292 + the contract and parallelize on the user's parts, without a tie
+        # 292 + the contract and parallelize on the user's parts, without a tie (issue 34: nor the
+        # tie's embedding_group)
+        327,
         ("def p2p(", "def infer(", "def full_state_dict(", "def evaluate(", "def setup("),
     ),
     "zero_offload.py": (
@@ -81,12 +90,12 @@ VARIANTS = {
         # 256 + the disk's files only for units with parameters, its shards for the clip, the
         # offload copies on their own CUDA stream with their waits; a docstring of its own; core
         # first (+27): the offload as one subclass of zero.py's engine in a part of its own
-        381,
+        388,  # issue 34: + its parallelize's `group`, wrapped, and the disk files' world rank
         ("class Unit", "def full_state_dict(", "def train(", "def evaluate(", "def setup("),
     ),
     "tensor_parallel_zero_r.py": (
         "tensor_parallel.py",
-        116,
+        117,  # issue 34: CheckpointedForward keeps its group
         (
             "class ColumnParallelLinear",
             "class RowParallelLinear",
@@ -134,18 +143,21 @@ def technique(text):
 # parent plus one part, so its core is its parent's.
 CORE_LINES = {
     "zero.py": 130,
-    "zero_offload.py": 130,
+    "zero_offload.py": 132,  # issue 34: its parallelize takes `group`, wrapped by the formatter
     "tensor_parallel.py": 140,
     "tensor_parallel_zero_r.py": 140,
     # ring attention with its backward (114 lines) and the ViT's wiring: over the issue's guide of
     # 160, as moving either out would split the technique; Ulysses, causal, zig-zag come after
-    "context_parallel.py": 200,
+    # issue 34: + 11, DDP's data group apart from the ring's, checked, and peers as group ranks
+    "context_parallel.py": 211,
     "expert_parallel.py": 160,
-    "pipeline.py": 100,
+    "pipeline.py": 104,  # issue 34: the pipeline's group, its peers as group ranks
     # the variants' own loops: chunked stages and zb-h1's split backward; PipeDream's stashed
     # weights and its closing sends
-    "pipeline_schedules.py": 138,
-    "pipeline_pipedream.py": 116,
+    "pipeline_schedules.py": 144,  # issue 34: + the group, as pipeline.py
+    # the three sections on their groups, the SP sum and the clip's weights on ZeRO's shards
+    "hybrid_parallel.py": 134,
+    "pipeline_pipedream.py": 120,
 }
 
 

@@ -309,7 +309,7 @@ if os.environ.get("MUTANT"):
 
         def _unpair(pipeline):
             p2p = pipeline.p2p
-            pipeline.p2p = lambda ops: [p2p([op]) for op in ops]
+            pipeline.p2p = lambda ops, group=None: [p2p([op], group) for op in ops]
 
         _after_import["pipeline"] = _unpair
     elif (
@@ -318,7 +318,7 @@ if os.environ.get("MUTANT"):
 
         def _unpair_schedules(schedules):
             p2p = schedules.p2p
-            schedules.p2p = lambda ops: [p2p([op]) for op in ops]
+            schedules.p2p = lambda ops, group=None: [p2p([op], group) for op in ops]
 
         _after_import["pipeline_schedules"] = _unpair_schedules
     elif _mutant == "pipedream-eager-send":  # PipeDream posts its closing send at once (hangs)
@@ -329,7 +329,7 @@ if os.environ.get("MUTANT"):
             def eager_train_step(stage, *args, **kwargs):
                 loss = train_step(stage, *args, **kwargs)
                 if stage.pending:
-                    pipedream.p2p(stage.pending)
+                    pipedream.p2p(stage.pending, stage.group)
                     stage.pending = []
                 return loss
 

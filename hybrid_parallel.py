@@ -1,0 +1,694 @@
+"""Hybrid parallelism: data, tensor and pipeline parallelism composed on one DeviceMesh
+(init_device_mesh) from this codebase's own sections, each on its dimension's process group, in
+this order: pipeline.py (1F1B or GPipe) over pp, tensor_parallel.py (Megatron, optionally with
+sequence parallelism) over tp, zero.py (stage 1, 2 or 3) over dp. W = P·D·T ranks on a mesh
+(pp, dp, tp), outermost to innermost; two more layouts: data x context (context_parallel.py's
+ring, --cp) and data x expert (expert_parallel.py, --ep). Two nodes of 4 GPUs, --pp 2 --dp 2 --tp 2:
+
+                            dp 0       dp 1
+    node 0, stage 0:        [0  1]     [2  3]       [a b]  a tp group: the blocks' heads split
+    node 1, stage 1:        [4  5]     [6  7]       0-2, 1-3, 4-6, 5-7: dp (ZeRO) groups
+                                                    0-4, 1-5, 2-6, 3-7: pp groups (the pipes)
+
+Memory per rank (fp32, AdamW, Ψ_s the stage's parameters after the tp split): ZeRO's on Ψ_s
+over D ranks: stage 1 (8 + 8/D)Ψ_s, stage 3 16Ψ_s/D. Per step (act: B/D samples x T tokens x D
+fp32): tp all-reduces 4·act a block; dp reduce-scatters 4Ψ_s per micro-batch and all-gathers 4Ψ_s
+(stage 3: twice per micro-batch); pp sends and receives act. Paper: Narayanan et al. 2021,
+"Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
+https://arxiv.org/abs/2104.04473. Layouts and traffic: docs/techniques.md#hybrid-parallelism
+
+    torchrun --standalone --nproc_per_node=8 hybrid_parallel.py --dp 2 --pp 2 --tp 2 --zero-stage 3
+    torchrun --standalone --nproc_per_node=4 hybrid_parallel.py --dp 2 --tp 2 --sequence-parallel
+    python hybrid_parallel.py --nproc 4 --dp 2 --cp 2 --patch 7           # data x context (ring)
+    python hybrid_parallel.py --nproc 4 --dp 2 --ep 2 --experts 4         # data x expert
+"""
+
+import math
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.utils.data import DataLoader, DistributedSampler
+
+import common
+import context_parallel
+import expert_parallel
+import pipeline
+import tensor_parallel
+import zero
+
+SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
+
+
+### begin: Hybrid parallel
+# Model contract: the three sections' own, each on its mesh dimension's group: pipeline.py's (the
+# ViT's embed, blocks and head; a [B/m, T, D] activation crosses each stage boundary, [B/m, T/T_tp,
+# D] under --sequence-parallel), tensor_parallel.py's (its PLAN splits each block's linears) and
+# zero.py's (the stage's units in forward order: the embedding on the first stage, the stage's
+# blocks, the head on the last). The loss is cross-entropy. The other layouts take
+# context_parallel.py's and expert_parallel.py's contracts: their `### more:` parts.
+
+# The mesh's dimensions, outermost to innermost. The tensor-parallel ranks exchange activations in
+# every block, so they are the innermost: the ranks of a node.
+MESH_DIMS = ("pp", "dp", "ep", "cp", "tp")
+
+
+def parallelize(model, mesh, device, args):
+    """This rank's part of the model: its pipeline stage, each block split by TP, the stage's units
+    sharded by ZeRO over the data-parallel ranks. Each section is told its group and nothing of the
+    others: pipeline.py sends to its pp peers, tensor_parallel.py's f and g all-reduce over tp,
+    zero.py reduce-scatters and all-gathers over dp."""
+    if args.cp > 1:
+        return parallelize_context(model, mesh, device)  # `### more: data x context`
+    if args.ep > 1:
+        return parallelize_experts(model, mesh, device)  # `### more: data x expert`
+    pp_group = mesh["pp"].get_group()
+    tp_group = mesh["tp"].get_group()
+    dp_group = mesh["dp"].get_group()
+    # 1. The pipeline split: this rank keeps its stage's blocks and nothing else.
+    tokens, dim = model.embed.pos.shape[1:]
+    if args.sequence_parallel:
+        tokens //= mesh["tp"].size()  # each tp rank's share of the tokens crosses the boundary
+    stage = pipeline.parallelize(model, device, (tokens, dim), group=pp_group)
+    blocks = [stage.get_submodule(name) for name in stage.block_names]
+    # 2. Tensor parallelism inside each of the stage's blocks: the same plan as tensor_parallel.py.
+    if mesh["tp"].size() > 1:
+        split_blocks(stage, blocks, tp_group, args.sequence_parallel)
+    # 3. ZeRO over the data-parallel ranks, on what the tp split left: each block is a unit, the
+    # embedding and the head are units on the stages that hold them.
+    units = list(blocks)
+    if stage.is_first:
+        units.insert(0, stage.embed)
+    if stage.is_last:
+        units.append(stage.head)
+    split_keys = tp_split_keys(stage)  # before ZeRO replaces the parameters
+    zero.parallelize(stage, device, args.zero_stage, units=units, group=dp_group)
+    mark_replicated(stage, split_keys, token_sharded=args.sequence_parallel)
+    # What train_step, infer and full_state_dict need besides the module, kept on the stage: the
+    # skeleton's train() and evaluate() pass them only `model`.
+    stage.layout = "pp x dp x tp"
+    stage.mesh = mesh
+    stage.schedule_name = args.schedule
+    stage.micro_batches = args.microbatches if mesh["pp"].size() > 1 else 1
+    stage.sequence_parallel = args.sequence_parallel and mesh["tp"].size() > 1
+    # Each test sample's logits are counted on one rank: the last stage's first tp rank. Its tp
+    # peers hold the same logits (the head is not split), and would count each sample T times.
+    stage.answers = stage.is_last and mesh["tp"].get_local_rank() == 0
+    return stage
+
+
+def split_blocks(stage, blocks, tp_group, sequence_parallel):
+    """tensor_parallel.py's split of each block over tp_group: Megatron's f before the column-
+    parallel layers, g after the row-parallel ones. Under sequence parallelism the first stage's
+    embedding hands each tp rank its T/T_tp tokens and the last stage's head gathers them back;
+    the stages between them receive and send token shards."""
+    f, g = tensor_parallel.operators(sequence_parallel, tp_group)
+    for block in blocks:
+        tensor_parallel.split_block(block, tensor_parallel.PLAN, f, g, tp_group)
+    if sequence_parallel:
+        embed = stage.embed if stage.is_first else None
+        head = stage.head if stage.is_last else None
+        tensor_parallel.split_tokens(blocks, embed, head, tp_group)
+
+
+def tp_split_keys(stage):
+    """The state_dict keys of the parameters tensor parallelism split (each tp rank holds other
+    rows or columns of them): the parallel linears' `shard_dims`."""
+    keys = set()
+    for module_name, module in stage.named_modules():
+        for name in getattr(module, "shard_dims", {}):
+            keys.add(f"{module_name}.{name}")
+    return keys
+
+
+def shard_slices(unit, rank, keys):
+    """The slices of this rank's ZeRO shard of `unit` that hold the parameters named by `keys`."""
+    shard_start = rank * unit.shard_numel
+    shard_end = shard_start + unit.shard_numel
+    slices = []
+    for key, tensor, offset in unit.params:
+        low = max(offset, shard_start)
+        high = min(offset + tensor.numel(), shard_end)
+        if key in keys and low < high:
+            slices.append(slice(low - shard_start, high - shard_start))
+    return slices
+
+
+def mark_replicated(stage, split_keys, token_sharded):
+    """On each ZeRO unit, the slices of this rank's shard whose parameters every tp rank holds
+    whole (`replicated`: the norms, the embedding, the head, the row-parallel biases), and under
+    sequence parallelism those of them whose gradients are partial sums over the tp ranks
+    (`token_sharded`: the blocks' norms and row-parallel biases, which saw T/T_tp tokens)."""
+    engine = stage.zero
+    for unit in engine.units:
+        keys = {key for key, _, _ in unit.params}
+        whole_keys = keys - split_keys
+        unit.replicated = shard_slices(unit, engine.rank, whole_keys)
+        unit.token_sharded = []
+        if token_sharded:
+            block_keys = {key for key in whole_keys if key.startswith("blocks.")}
+            unit.token_sharded = shard_slices(unit, engine.rank, block_keys)
+
+
+def grad_shard(unit):
+    """This rank's shard of the unit's averaged gradient, once zero's before_step has handed it to
+    the optimizer: the one piece's gradient (the optimizer has one group: one piece a unit)."""
+    ((_, _, piece),) = unit.pieces
+    return piece.grad
+
+
+def train_step(stage, x, y):
+    """Forward, loss and backward of this data-parallel rank's batch through the pipeline (its
+    micro-batches are ZeRO's gradient accumulation), then the gradients made whole: the last
+    reduce-scatter finished and, under sequence parallelism, the tp ranks' partial gradients
+    summed. Returns the batch's mean loss on the last stage, and 0 on the stages before it."""
+    if stage.layout != "pp x dp x tp":
+        return other_layout_step(stage, x, y)  # `### more: data x context`, `data x expert`
+    loss = pipeline.train_step(stage, x, y, stage.schedule_name, stage.micro_batches)
+    stage.zero.before_step()  # the optimizer's pre-hook finds it done
+    if stage.sequence_parallel:
+        sum_token_sharded(stage)
+    return loss
+
+
+def sum_token_sharded(stage):
+    """Sequence parallelism's partial gradients, summed over tp on ZeRO's shards. The blocks'
+    norms and row-parallel biases saw only this tp rank's tokens; tensor_parallel.py sums their
+    gradients in backward with hooks on the parameters, which ZeRO replaced. Summing afterwards,
+    on the reduce-scattered shards, gives the same: both sums are linear, and every tp rank's
+    shard holds the same parameters at the same offsets (its units have the same shapes)."""
+    units = [unit for unit in stage.zero.units if unit.token_sharded]
+    parts = [grad_shard(unit)[part] for unit in units for part in unit.token_sharded]
+    if not parts:
+        return
+    flat = torch.cat(parts)
+    dist.all_reduce(flat, group=stage.mesh["tp"].get_group())
+    summed = iter(flat.split([part.numel() for part in parts]))
+    for part in parts:
+        part.copy_(next(summed))
+
+
+@torch.no_grad()
+def infer(stage, x):
+    """The batch through the stages in turn (pipeline.py's infer on the pp group). Returns the
+    logits where stage.answers, None elsewhere."""
+    if stage.layout != "pp x dp x tp":
+        logits = stage(x)
+    else:
+        logits = pipeline.infer(stage, x)
+    if stage.answers:
+        return logits
+    return None
+
+
+def full_state_dict(stage, mesh):
+    """The plain model's state_dict on rank 0, None elsewhere, put together as it was taken apart,
+    in reverse: ZeRO gathers each unit's shards on the dp group's first rank, which holds this tp
+    rank's split of the stage; the tp ranks' splits are joined on the tp group's first rank; the
+    stages are gathered on rank 0 over the pp group (every coordinate but pp zero)."""
+    if stage.layout != "pp x dp x tp":
+        return other_layout_state_dict(stage)
+    split_state = zero.full_state_dict(stage)  # {} off the dp group's first rank
+    if mesh["dp"].get_local_rank() != 0:
+        return None
+    stage_state = join_tp_splits(stage, split_state, mesh["tp"].get_group())
+    if mesh["tp"].get_local_rank() != 0:
+        return None
+    pp_group = mesh["pp"].get_group()
+    stage_states = None  # gather_object fills a list on the destination only
+    if stage.is_first:
+        stage_states = [None] * stage.num_stages
+    dist.gather_object(stage_state, stage_states, group=pp_group, group_dst=0)
+    if not stage.is_first:
+        return None
+    # The stages' keys are disjoint (each block keeps its index in the model): merge them.
+    state = {}
+    for one_stage_state in stage_states:
+        state.update(one_stage_state)
+    return state
+
+
+def join_tp_splits(stage, split_state, tp_group):
+    """The tp ranks' splits of the stage joined on the tp group's first rank: each parameter a
+    parallel linear split is gathered and joined as it was cut (tensor_parallel.join_shards), in
+    the same key order on every tp rank so that the gathers pair up."""
+    tp_rank = dist.get_rank(tp_group)
+    tp_world = dist.get_world_size(tp_group)
+    state = {}
+    for key in sorted(split_state):
+        tensor = split_state[key]
+        module_name, _, name = key.rpartition(".")
+        module = stage.get_submodule(module_name)
+        shard_dims = getattr(module, "shard_dims", {})
+        if tp_world == 1 or name not in shard_dims:
+            state[key] = tensor  # every tp rank holds it whole
+            continue
+        shards = None  # dist.gather fills a list on the destination only
+        if tp_rank == 0:
+            shards = [torch.empty_like(tensor) for _ in range(tp_world)]
+        dist.gather(tensor, shards, group=tp_group, group_dst=0)
+        if tp_rank == 0:
+            state[key] = tensor_parallel.join_shards(shards, shard_dims[name], module.parts)
+    return state
+
+
+### more: gradient clipping over every dimension, each parameter counted once
+
+
+@torch.no_grad()
+def clip_grad_norm_(stage, max_norm):
+    """torch.nn.utils.clip_grad_norm_ as one process computes it, over parameters no rank holds
+    whole: each rank sums the squares of its ZeRO shards, a parameter every tp rank holds whole
+    weighted 1/T (T copies of it in the world), and the sums over every rank of the world are the
+    square of the global norm: the dp shards, the tp splits and the pp stages are disjoint. Every
+    rank scales its shards by the same factor. Call it after train_step, before the step."""
+    if stage.layout != "pp x dp x tp":
+        return other_layout_clip(stage, max_norm)
+    tp_size = stage.mesh["tp"].size()
+    shards = []
+    squares = torch.zeros((), device=stage.zero.device)
+    for unit in stage.zero.units:
+        if not unit.pieces:
+            continue
+        grad = grad_shard(unit)
+        shards.append(grad)
+        squares += grad.square().sum()
+        for part in unit.replicated:
+            squares -= (1 - 1 / tp_size) * grad[part].square().sum()
+    dist.all_reduce(squares)  # the world: every dimension at once
+    total_norm = squares.sqrt()
+    scale = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)  # torch's own formula
+    for grad in shards:
+        grad.mul_(scale)
+    return total_norm
+
+
+### more: data x context: context_parallel.py's ring over cp, its DDP over every rank
+
+
+def parallelize_context(model, mesh, device):
+    """Each sample's tokens split over the cp ranks (ring attention), the data over dp. DDP's
+    average over every rank of the mesh is the whole gradient of the global batch: each cp rank's
+    gradient is its tokens' part, made W_cp times larger by context_parallel.py's SumOverRanks."""
+    model = context_parallel.parallelize(
+        model.to(device), device, "ring", group=mesh["cp"].get_group(), data_group=None
+    )
+    model.layout = "dp x cp"
+    model.answers = mesh["cp"].get_local_rank() == 0  # the cp ranks pool the same logits
+    return model
+
+
+### more: data x expert: expert_parallel.py's experts over ep, every rank a data-parallel rank
+
+
+def parallelize_experts(model, mesh, device):
+    """Each MoE layer's experts spread over the ep ranks; every rank of the mesh trains on its own
+    slice of the batch. The dense part's gradients are averaged over every rank, each expert's
+    over the ranks holding it: one in each dp copy of the ep group."""
+    model = expert_parallel.parallelize(model.to(device), device, group=mesh["ep"].get_group())
+    model.layout = "dp x ep"
+    model.mesh = mesh
+    model.answers = True  # each rank evaluates samples of its own
+    return model
+
+
+def hook_optimizer(model, optimizer):
+    """The step's work the layout's sections do around optimizer.step(): ZeRO's, or the expert
+    layout's gradient averages."""
+    if model.layout == "dp x ep":
+        replica_group = model.mesh["dp"].get_group()
+        expert_parallel.hook_optimizer(
+            model, optimizer, data_group=None, replica_group=replica_group
+        )
+    elif model.layout == "pp x dp x tp":
+        zero.hook_optimizer(model, optimizer)
+
+
+def other_layout_step(model, x, y):
+    """Forward, loss and backward of the data x context and data x expert layouts."""
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    return loss.detach()
+
+
+def other_layout_clip(model, max_norm):
+    if model.layout == "dp x ep":
+        ep_group = model.mesh["ep"].get_group()
+        return expert_parallel.clip_grad_norm_(model, max_norm, group=ep_group)
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # DDP: whole gradients
+
+
+def other_layout_state_dict(model):
+    if model.layout == "dp x ep":
+        return expert_parallel.full_state_dict(model, group=model.mesh["ep"].get_group())
+    return context_parallel.full_state_dict(model)
+
+
+### end: Hybrid parallel
+
+
+def formula(own, world, args):
+    """Rank 0's bytes from its own parameter elements (`own`: its ZeRO shards of its stage, split
+    by T, each unit padded to a multiple of D; in the other layouts its whole copy, its experts
+    only), and each mesh dimension's traffic per step, which the report sets next to what the
+    Meter measured (per process group)."""
+    k = 8 if args.optim == "adamw" else 4  # the ZeRO paper's K: optimizer bytes per parameter
+    if args.cp > 1 or args.ep > 1:
+        return other_layout_formula(own, k, args)
+    psi_stage = args.dp * own  # Ψ_s
+    d = args.dp * args.ep
+    m = args.microbatches if args.pp > 1 else 1
+    tokens = (common.IMAGE // args.patch) ** 2
+    act = 4 * (args.batch_size // d) * tokens * args.dim  # bytes of [B/D, T, D] in fp32
+    boundary = act // args.tp if args.sequence_parallel else act  # what crosses a stage boundary
+    blocks = args.depth // args.pp  # rank 0's stage, the first
+    dims = dict(tp={}, dp={}, pp={})  # {dimension: {kind: bytes a step}}
+    if args.tp > 1 and args.sequence_parallel:
+        dims["tp"]["all_gather"] = (4 * blocks + 1 + (args.pp == 1)) * act
+        dims["tp"]["reduce_scatter"] = 4 * blocks * act
+    elif args.tp > 1:
+        dims["tp"]["all_reduce"] = 4 * blocks * act
+    if args.dp > 1:
+        dims["dp"]["reduce_scatter"] = m * 4 * psi_stage
+        gathers = 2 * m if args.zero_stage == 3 else 1
+        dims["dp"]["all_gather"] = gathers * 4 * psi_stage
+    if args.pp > 1:
+        dims["pp"]["send"] = boundary
+        dims["pp"]["recv"] = boundary
+    comm = {}  # the report's comm: {kind: bytes a step}, every dimension together
+    for traffic in dims.values():
+        for kind, nbytes in traffic.items():
+            comm[kind] = comm.get(kind, 0) + nbytes
+    params_sharded = args.zero_stage == 3
+    # Stage 1 with micro-batches hands the optimizer a shard of the summed gradient (zero.py's
+    # accumulation part); its whole flat gradient stays in the engine besides, unmeasured.
+    grads_sharded = args.zero_stage >= 2 or m > 1
+    return dict(
+        param_bytes=4 * psi_stage // args.dp if params_sharded else 4 * psi_stage,
+        grad_bytes=4 * psi_stage // args.dp if grads_sharded else 4 * psi_stage,
+        optim_bytes=k * psi_stage // args.dp,
+        comm=comm,
+        dims=dims,
+        notes=dict(
+            param_bytes="4Ψ_s/D sharded" if params_sharded else "4Ψ_s: stage 0 split by T",
+            grad_bytes="4Ψ_s/D sharded (stage 1: + 4Ψ_s whole, in the engine)"
+            if grads_sharded
+            else "4Ψ_s",
+            optim_bytes=f"{k}Ψ_s/D",
+            all_gather="dp: the updated shards (stage 3: each unit before each micro-batch's "
+            "forward and backward); tp under SP: f's tokens, the head's, gradients",
+            all_reduce="tp: g in forward, f in backward, 2 each a block",
+            reduce_scatter="dp: the stage's gradients each micro-batch; tp under SP: g, f's grads",
+            send="pp: m activations, act in all",
+            recv="pp: m gradients",
+        ),
+    )
+
+
+def other_layout_formula(own, k, args):
+    """Data x context: DDP's copy on every rank, its gradients all-reduced over every rank. Data x
+    expert: the dense part and E/ep experts. The ring's and the all-to-alls' traffic is measured
+    (their own groups' rows); context_parallel.py and expert_parallel.py derive it."""
+    comm = dict(all_reduce=4 * own) if args.cp > 1 else {}
+    return dict(
+        param_bytes=4 * own,
+        grad_bytes=4 * own,
+        optim_bytes=k * own,
+        comm=comm,
+        notes=dict(
+            param_bytes="4Ψ" if args.cp > 1 else "4(Ψ_d + Ψ_e/ep)",
+            grad_bytes="4Ψ" if args.cp > 1 else "4(Ψ_d + Ψ_e/ep)",
+            optim_bytes=f"{k}Ψ" if args.cp > 1 else f"{k}(Ψ_d + Ψ_e/ep)",
+            all_reduce="DDP over every rank: Ψ gradients" if args.cp > 1 else "",
+        ),
+    )
+
+
+def resolve_mesh_sizes(args, world):
+    """Set the one mesh size given as -1 ("the rest of the world") to world / the others, and
+    refuse sizes whose product is not the world."""
+    sizes = {dim: getattr(args, dim) for dim in MESH_DIMS}
+    rest_dims = [dim for dim, size in sizes.items() if size == -1]
+    common.check(
+        len(rest_dims) <= 1 and all(size == -1 or size >= 1 for size in sizes.values()),
+        f"mesh sizes {sizes}: each must be >= 1, and at most one -1 (the rest of the world)",
+    )
+    known_ranks = math.prod(size for size in sizes.values() if size != -1)
+    given = " x ".join(f"--{dim} {sizes[dim]}" for dim in sizes if dim not in rest_dims)
+    if rest_dims:
+        covered = world % known_ranks == 0  # the -1 takes the quotient
+    else:
+        covered = known_ranks == world
+    common.check(
+        covered,
+        f"{given} = {known_ranks} ranks, but the world size is {world}: "
+        "the mesh must cover every rank once",
+    )
+    if rest_dims:
+        setattr(args, rest_dims[0], world // known_ranks)
+
+
+def check_args(args, world):
+    """Resolve the one -1 ("the rest of the world") and refuse a layout that cannot work, before
+    any process group is formed."""
+    resolve_mesh_sizes(args, world)
+    common.check(
+        args.cp == 1 or args.pp == args.tp == args.ep == 1,
+        "--cp composes with --dp only (the data x context layout): give --pp, --tp and --ep 1",
+    )
+    common.check(
+        args.ep == 1 or args.pp == args.tp == args.cp == 1,
+        "--ep composes with --dp only (the data x expert layout): give --pp, --tp and --cp 1",
+    )
+    common.check(
+        bool(args.experts) == (args.ep > 1),
+        "--experts goes with --ep > 1 (the data x expert layout), and --ep > 1 with --experts",
+    )
+    common.check(
+        not args.experts or args.experts % args.ep == 0,
+        f"--experts {args.experts} is not divisible by --ep {args.ep}: each rank holds E/ep",
+    )
+    common.check(
+        args.heads % args.tp == 0,
+        f"--heads {args.heads} is not divisible by --tp {args.tp}: "
+        "tensor parallelism gives every rank whole heads",
+    )
+    tokens = (common.IMAGE // args.patch) ** 2
+    token_split = args.cp * (args.tp if args.sequence_parallel else 1)
+    common.check(
+        tokens % token_split == 0,
+        f"the {tokens} tokens (--patch {args.patch}) are not divisible by the {token_split} "
+        "ranks that split them (--cp, and --tp with --sequence-parallel)",
+    )
+    common.check(
+        args.pp <= args.depth,
+        f"--pp {args.pp} stages is more than --depth {args.depth} blocks",
+    )
+    common.check(
+        args.microbatches >= 1,
+        f"--microbatches must be >= 1, got {args.microbatches}",
+    )
+    dp_size = args.dp * args.ep
+    shares = dp_size
+    shares_named = f"the data-parallel size {dp_size}"
+    if args.pp > 1:  # every data-parallel rank's batch is cut again into m micro-batches
+        shares *= args.microbatches
+        shares_named += f" x {args.microbatches} micro-batches"
+    common.check(
+        args.batch_size % shares == 0,
+        f"--batch-size {args.batch_size} is not divisible by {shares_named}: "
+        "every share must be equal",
+    )
+    common.check(
+        args.pp == 1 or args.schedule != "1f1b" or args.microbatches >= args.pp,
+        f"--schedule 1f1b needs --microbatches >= --pp: {args.microbatches} < {args.pp} "
+        "(or use gpipe)",
+    )
+
+
+def setup(args):
+    """Join the process group. torchrun (or common.launch) put RANK, WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT in the environment; LOCAL_RANK picks this process's GPU."""
+    backend, device = common.pick_backend(args.backend)  # NCCL and a GPU per rank, else Gloo
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    rank, world = common.init_process_group(backend, device, args.timeout)
+    return rank, world, device, backend
+
+
+def cleanup():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
+    """The loop every script shares: forward, loss, backward, step, schedule, log."""
+    stop = args.max_steps or float("inf")
+    world = dist.get_world_size() // args.pp  # the ranks that hold a loss: the last stage's
+    loss_sum = torch.zeros((), device=device)  # stays on the device until a logging step
+    losses_summed = 0
+    last_loss = float("nan")
+    for epoch in range(step // len(loader), args.epochs):
+        if step >= stop:
+            break
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        loader.dataset.set_epoch(epoch)  # and new augmentations (--shift), the same everywhere
+        model.train()
+        bar = common.progress(loader, args, epoch)
+        for i, (x, y) in enumerate(bar):
+            x = x.to(device, non_blocking=True)
+            y = y.to(device, non_blocking=True)
+            loss = train_step(model, x, y)  # forward, loss, backward (micro-batches when pp > 1)
+            if args.clip:
+                clip_grad_norm_(model, args.clip)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            loss_sum += loss.detach()
+            losses_summed += 1
+            if step % args.log_every == 0 or step >= stop or i + 1 == len(loader):
+                # Only the last stage's ranks hold a loss (equal on its tp and cp ranks): average.
+                dist.all_reduce(loss_sum)
+                last_loss = loss_sum.item() / world / losses_summed
+                loss_sum.zero_()
+                losses_summed = 0
+                common.log_loss(bar, args, epoch, step, last_loss)
+            if step >= stop:
+                break
+        common.log(f"epoch {epoch}: step {step}, train loss {last_loss:.4f}")
+    return dict(steps=step, loss=last_loss)
+
+
+@torch.no_grad()
+def evaluate(model, loader, device):
+    """Exact: the loader pads every rank to the same number of batches (padding masked out), so
+    every rank runs the same forward passes and collectives and each sample counts once."""
+    model.eval()
+    counts = torch.zeros(2, dtype=torch.long, device=device)
+    for x, y, keep in loader:
+        x, y, keep = x.to(device), y.to(device), keep.to(device)
+        logits = infer(model, x)  # stage to stage: the logits on one rank per data-parallel rank
+        if logits is not None:
+            counts += torch.stack([((logits.argmax(1) == y) & keep).sum(), keep.sum()])
+    dist.all_reduce(counts)
+    return counts[0].item() / max(counts[1].item(), 1)
+
+
+def run(args):
+    """One rank, in the seeds' order: join the group, deal the data, build the model, wrap it,
+    train, evaluate, save on rank 0, leave the group."""
+    rank, world, device, backend = setup(args)
+    try:
+        train_set, test_set, source = common.load_data(args, device)
+        sizes = [getattr(args, dim) for dim in MESH_DIMS]
+        mesh = init_device_mesh(device.type, sizes, mesh_dim_names=MESH_DIMS)
+        # The data-parallel rank is the (dp, ep) coordinate, numbered row by row: ranks that differ
+        # only in tp, cp or pp read the same samples (the experts' ranks read samples of their own).
+        dp_mesh = mesh["dp"]
+        ep_mesh = mesh["ep"]
+        dp_rank = dp_mesh.get_local_rank() * ep_mesh.size() + ep_mesh.get_local_rank()
+        dp_world = dp_mesh.size() * ep_mesh.size()
+        sampler = DistributedSampler(
+            train_set,
+            num_replicas=dp_world,
+            rank=dp_rank,
+            shuffle=True,
+            seed=args.seed,
+            drop_last=True,
+        )
+        loader = DataLoader(
+            train_set,
+            batch_size=args.batch_size // dp_world,
+            sampler=sampler,
+            drop_last=True,
+            pin_memory=device.type == "cuda",
+        )
+        common.check(
+            len(loader) > 0,
+            f"{len(train_set)} training samples make no full batch of {args.batch_size}",
+        )
+        model = common.build_model(args)  # the same seeded weights on every rank
+        if args.load:
+            model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
+        psi = sum(p.numel() for p in model.parameters())
+        model = parallelize(model, mesh, device, args)
+        # this rank's parameter elements: its ZeRO shards of its stage, or its own whole copy
+        own = sum(p.numel() for p in model.parameters())
+        optimizer = common.make_optimizer(model.parameters(), args)
+        hook_optimizer(model, optimizer)
+        scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
+        common.log(
+            f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data "
+            f"({len(train_set)} train / {len(test_set)} test), "
+            f"batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
+        )
+        with common.Meter(model, optimizer, args, device=device) as meter:
+            out = train(model, optimizer, scheduler, loader, sampler, args, device)
+        test_loader = common.test_loader(
+            test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"
+        )
+        acc = evaluate(model, test_loader, device)
+        state = full_state_dict(model, mesh)  # every rank takes part; rank 0 holds the whole
+        if rank == 0 and args.save:
+            common.save_checkpoint(state, args.save)
+            common.log(f"saved {args.save}")
+        common.report(
+            SCRIPT,
+            args,
+            world=world,
+            backend=backend,
+            device=device,
+            data=source,
+            params=psi,
+            trained=out,
+            test_acc=acc,
+            meter=meter,
+            formula=formula(own, world, args),
+            **common.traffic_per_mesh_dimension(meter, mesh),
+        )
+    finally:
+        cleanup()
+
+
+def main():
+    parser = common.get_parser(
+        "Hybrid parallelism: ZeRO x TP x PP (or data x context, data x expert) on one DeviceMesh, "
+        "from this codebase's own sections, on the common ViT"
+    )
+    rest_help = "-1: the rest of the world"
+    parser.add_argument("--dp", type=int, default=-1, help=f"data-parallel ranks D; {rest_help}")
+    parser.add_argument("--tp", type=int, default=1, help=f"tensor-parallel ranks T; {rest_help}")
+    parser.add_argument("--pp", type=int, default=1, help=f"pipeline stages P; {rest_help}")
+    parser.add_argument("--cp", type=int, default=1, help=f"context-parallel ranks; {rest_help}")
+    parser.add_argument("--ep", type=int, default=1, help=f"expert-parallel ranks; {rest_help}")
+    parser.add_argument(
+        "--zero-stage",
+        type=int,
+        choices=[1, 2, 3],
+        default=1,
+        help="ZeRO over dp: 1 shards the optimizer state, 2 + the gradients, 3 + the parameters",
+    )
+    parser.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="with --tp > 1: the norms and residuals on T/tp tokens (Korthikanti et al. 2022)",
+    )
+    parser.add_argument(
+        "--microbatches", type=int, default=4, help="micro-batches per batch with --pp > 1 (m)"
+    )
+    parser.add_argument(
+        "--schedule",
+        choices=["gpipe", "1f1b"],
+        default="1f1b",
+        help="pipeline schedule with --pp > 1 (1f1b holds fewer activations)",
+    )
+    args = common.parse_args(parser)
+    check_args(args, common.world_size(args))
+    common.launch(run, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""hybrid_parallel.py: this codebase's own sections composed on one DeviceMesh, each on its
+dimension's group — ZeRO over dp, Megatron TP over tp, the 1F1B pipeline over pp; ring attention
+over cp beside dp; experts over ep beside dp — end with the parameters of the one-process ddp.py
+run (SGD: a sum where a mean belongs; AdamW: the sharded optimizer state); rank 0 holds ZeRO's
+bytes of its stage; --clip is the one global norm of one process; the save loads in ddp.py.
+
+One launch per world size runs its layouts one after another (tests/script_cases.py). The quick
+suite runs, at W=4, the three (dp, pp, tp) pairs with ZeRO stages 1 and 3 and sequence
+parallelism, data x context and data x expert; the full tier adds the 3-D (2, 2, 2) at W=8 with
+stages 1 and 3 and both optimizers, and AdamW for the other layouts."""
+
+import json
+import math
+
+import pytest
+from test_pipeline import replay
+
+from helpers import ddp_references, fork_launch, launch_cases, max_diff
+
+CFG = [
+    "--data",
+    "synthetic",
+    "--limit",
+    "256",
+    "--batch-size",
+    "32",
+    "--dim",
+    "32",
+    "--depth",
+    "2",
+    "--heads",
+    "4",
+    "--epochs",
+    "1",
+    "--max-steps",
+    "3",
+    "--no-progress",
+]
+EXPERTS = ["--experts", "4"]
+TOL = {"sgd": 1e-6, "adamw": 5e-5}
+M = 4  # micro-batches with a pipeline
+
+
+class Layout:
+    """One case: the mesh sizes and what else its flags say."""
+
+    def __init__(self, dp=1, pp=1, tp=1, cp=1, ep=1, stage=1, sp=False, optim="sgd", clip=None):
+        self.sizes = dict(dp=dp, pp=pp, tp=tp, cp=cp, ep=ep)
+        self.stage = stage
+        self.sp = sp
+        self.optim = optim
+        self.clip = clip
+
+    @property
+    def world(self):
+        return math.prod(self.sizes.values())
+
+    @property
+    def name(self):
+        mesh = "".join(f"{dim}{size}" for dim, size in self.sizes.items() if size > 1)
+        sp = "-sp" if self.sp else ""
+        clip = f"-clip{self.clip}" if self.clip else ""
+        return f"{mesh}-z{self.stage}{sp}{clip}-{self.optim}"
+
+    def flags(self):
+        argv = [*CFG, "--optim", self.optim, "--zero-stage", self.stage]
+        for dim, size in self.sizes.items():
+            argv += [f"--{dim}", size]
+        argv += ["--microbatches", M]
+        if self.sp:
+            argv.append("--sequence-parallel")
+        if self.sizes["ep"] > 1:
+            argv += EXPERTS
+        if self.clip:
+            argv += ["--clip", self.clip]
+        return argv
+
+    def reference_cfg(self):
+        """ddp.py's flags for the one-process run this layout must end at."""
+        cfg = list(CFG)
+        if self.sizes["ep"] > 1:
+            cfg += EXPERTS
+        if self.clip:
+            cfg += ["--clip", str(self.clip)]
+        return cfg
+
+
+CLIP = 0.05  # below every step's gradient norm here: each step is clipped
+QUICK = [
+    Layout(dp=2, tp=2, stage=1, sp=True),
+    Layout(dp=2, pp=2, stage=3),
+    Layout(pp=2, tp=2, stage=1),
+    Layout(dp=2, cp=2),
+    Layout(dp=2, ep=2),
+    Layout(dp=2, pp=2, tp=2, stage=3, sp=True, clip=CLIP),
+]
+FULL = [
+    Layout(dp=2, pp=2, tp=2, stage=1, optim="sgd"),
+    Layout(dp=2, pp=2, tp=2, stage=3, sp=True, optim="adamw"),
+    Layout(dp=2, tp=2, stage=3, optim="adamw"),
+    Layout(dp=2, pp=2, stage=1, optim="adamw"),
+    Layout(pp=2, tp=2, stage=3, sp=True, optim="adamw"),
+    Layout(dp=2, cp=2, optim="adamw"),
+    Layout(dp=2, ep=2, optim="adamw"),
+]
+CASES = [pytest.param(layout, id=layout.name) for layout in QUICK]
+CASES += [pytest.param(layout, id=layout.name, marks=pytest.mark.full) for layout in FULL]
+
+
+def selected_layouts(request):
+    """The layouts this session's selected tests of this module use."""
+    layouts = []
+    for item in request.session.items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if item.module is request.module and "layout" in params:
+            layouts.append(params["layout"])
+    return layouts
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    """{layout name: (RESULT, saved path)}: one launch per world size, its layouts in turn."""
+    folder = tmp_path_factory.mktemp("hybrid")
+    layouts = {layout.name: layout for layout in selected_layouts(request)}
+    out = {}
+    for world in sorted({layout.world for layout in layouts.values()}):
+        argv = []
+        names = []
+        for name, layout in layouts.items():
+            if layout.world == world:
+                saved = folder / f"{name}.pt"
+                argv.append(["hybrid_parallel", [*layout.flags(), "--save", saved]])
+                names.append((name, saved))
+        results = launch_cases(world, argv, timeout=300 + 150 * len(argv))
+        for (name, saved), (result, _) in zip(names, results, strict=True):
+            out[name] = (result, saved)
+    return out
+
+
+@pytest.mark.parametrize("layout", CASES)
+def test_same_parameters_as_ddp_one_process(layout, runs, tmp_path_factory):
+    r, path = runs[layout.name]
+    reference = ddp_references(tmp_path_factory, layout.reference_cfg(), (layout.optim,))
+    diff = max_diff(reference[layout.optim], path)
+    print(f"hybrid_parallel {layout.name}: max |Δparam| vs ddp.py W=1 = {diff:.3g}")
+    assert r["world_size"] == layout.world and r["steps"] == 3
+    assert r["mesh"] == layout.sizes
+    assert diff < TOL[layout.optim]
+
+
+def test_clip_bites(tmp_path_factory):
+    """The clipped reference is far from the unclipped one: the clip case's equality means the
+    clip ran, with one process's norm."""
+    clipped = Layout(clip=CLIP).reference_cfg()
+    paths = [ddp_references(tmp_path_factory, cfg, ("sgd",))["sgd"] for cfg in (CFG, clipped)]
+    assert max_diff(*paths) > 100 * TOL["sgd"]
+
+
+THREE_D = [param for param in CASES if param.values[0].sizes["cp"] == param.values[0].sizes["ep"]]
+
+
+@pytest.mark.parametrize("layout", THREE_D)
+def test_measured_next_to_the_formula(layout, runs):
+    """Rank 0's parameter, gradient and optimizer bytes are ZeRO's on its stage's tp split
+    (stage 1 with micro-batches hands the optimizer a shard of the gradient: the whole flat one
+    stays in the engine), and each mesh dimension carries what the formula says: every kind, its
+    bytes a step, exactly; under sequence parallelism the tp all-reduce of the norms' partial
+    gradients on ZeRO's shards is at most their 6·D a block."""
+    r, _ = runs[layout.name]
+    formula = r["formula"]
+    for kind in ("param_bytes", "grad_bytes", "optim_bytes"):
+        assert r[kind] == formula[kind], (kind, r[kind], formula[kind])
+    measured = r["comm_by_dim"]
+    for dim, traffic in formula["dims"].items():
+        for kind, nbytes in traffic.items():
+            assert measured[dim][kind][1] == nbytes, (dim, kind, measured[dim], nbytes)
+    if layout.sp:
+        dim = 32
+        blocks = 2 // layout.sizes["pp"]
+        assert 0 < measured["tp"]["all_reduce"][1] <= 4 * 6 * dim * blocks
+
+
+# ------------------------------------------------------------------------ NCCL's rule, at W=8
+
+
+def test_p2p_and_collectives_are_nccl_safe_at_w8(tmp_path):
+    """The 3-D layout at W=8, (dp, pp, tp) = (2, 2, 2) with ZeRO-3, sequence parallelism and
+    --clip, recorded as its ranks issue every communication (tests/record_comm.py: the loop past
+    logging steps and an epoch boundary, evaluation, the save), replayed under NCCL's rule per
+    communicator (tests/test_pipeline.py's replay): no rank waits for ever, every message has a
+    partner of its size, and the ranks of each process group issue the same collectives in the
+    same order."""
+    flags = [*CFG, "--epochs", 2, "--limit", 64, "--max-steps", 3, "--log-every", 1]
+    flags += ["--dp", 2, "--pp", 2, "--tp", 2, "--zero-stage", 3, "--sequence-parallel"]
+    flags += ["--microbatches", 2, "--clip", 1.0]
+    run = fork_launch("tests/record_comm.py", 8, tmp_path, "hybrid_parallel", *flags, timeout=400)
+    assert run.returncode == 0, run.output
+    calls = [json.loads((tmp_path / f"calls-{rank}.json").read_text()) for rank in range(8)]
+    groups = {tuple(call[2]) for rank_calls in calls for call in rank_calls if call[0] != "p2p"}
+    assert {(0, 1), (0, 2), (0, 4)} <= groups, groups  # tp, dp and pp of rank 0 all carry some
+    assert replay(calls) is None
