@@ -27,18 +27,19 @@ def cases():
 
 @pytest.fixture(scope="module")
 def on_groups(tmp_path_factory):
-    """Every module's group cases in one launch at W=4: (the folder of saved state_dicts, each
-    case's reference)."""
+    """Every module's group cases in one launch at W=4: (the launch, the folder of its saved
+    state_dicts). A launch that fails fails each test, not the fixture: a section that talks to
+    the wrong ranks often fails the launch itself."""
     folder = tmp_path_factory.mktemp("groups")
     run = fork_launch("tests/copy_cases.py", 4, folder, "--groups", *MODULES, timeout=400)
-    assert run.returncode == 0, run.output
-    references = json.loads((folder / "group_references.json").read_text())
-    return folder, references
+    return run, folder
 
 
 @pytest.mark.parametrize("module, case", cases())
 def test_section_on_a_group_equals_one_process(on_groups, module, case):
-    folder, references = on_groups
+    run, folder = on_groups
+    assert run.returncode == 0, run.output
+    references = json.loads((folder / "group_references.json").read_text())
     reference = references[case]  # "sgd", "adamw", or a case module's own ("moe-sgd")
     optim = reference.split("-")[-1]
     for pair in (0, 1):

@@ -169,6 +169,18 @@ MUTANTS = {
         "CP sends the ring's blocks on DDP's process group",
         "test_context_parallel.py::test_attention_on_its_own_process_group",
     ),
+    "zero-world-group": (
+        "ZeRO reduce-scatters over the world, not its data-parallel group",
+        "test_groups.py::test_section_on_a_group_equals_one_process[group-zero1-sgd]",
+    ),
+    "tp-world-group": (
+        "TP's f and g all-reduce over the world, not the tensor-parallel group",
+        "test_groups.py::test_section_on_a_group_equals_one_process[group-tp-adamw]",
+    ),
+    "pipeline-world-peers": (
+        "the pipeline's messages name world ranks, not its group's",
+        "test_groups.py::test_section_on_a_group_equals_one_process[group-pipeline-1f1b-sgd]",
+    ),
     "cp-index-per-call": (
         "CP builds its positions, causal mask and Ulysses' order at every call",
         "test_context_parallel.py::test_index_tensors_made_once",

@@ -621,5 +621,26 @@ if os.environ.get("MUTANT"):
                 setattr(context_parallel, name, _emptied_before_each_call(cached))
 
         _after_import["context_parallel"] = _uncached
+    elif _mutant == "zero-world-group":  # ZeRO's reduce-scatter forgets its group: the world's
+        _rs_on_group = dist.reduce_scatter_tensor
+
+        def _rs_on_world(output, input, *a, group=None, **k):
+            return _rs_on_group(output, input, *a, **k)
+
+        dist.reduce_scatter_tensor = _rs_on_world
+    elif _mutant == "tp-world-group":  # TP's f and g all-reduce over the world, not their group
+
+        def _tp_on_world(tensor_parallel):
+            all_reduce = tensor_parallel.all_reduce
+            tensor_parallel.all_reduce = lambda partial, group=None: all_reduce(partial)
+
+        _after_import["tensor_parallel"] = _tp_on_world
+    elif _mutant == "pipeline-world-peers":  # the stages' messages name their peers in the world
+
+        def _peers_in_world(pipeline):
+            p2p = pipeline.p2p
+            pipeline.p2p = lambda ops, group=None: p2p(ops)
+
+        _after_import["pipeline"] = _peers_in_world
     else:
         raise SystemExit(f"tests/faults: unknown MUTANT={_mutant}")
