@@ -73,6 +73,9 @@ INTERLEAVED="--schedule interleaved --virtual-stages 2 --microbatches 4"
 HSDP="--dp-replicate 2 --dp-shard 1"
 SNAPSHOT="--snapshot $LOGS/snapshot.pt"
 PARTITION="--partition-activations"
+HYBRID_SP="--dp 2 --tp 2 --sequence-parallel"
+HYBRID_3D="--dp 2 --pp 2 --tp 2 --zero-stage 3"
+HYBRID_PP="--dp 2 --pp 2 --zero-stage 3"
 RUNS=(
   "quick|dp|python|dp.py|"
   "quick|ddp|ranks|ddp.py|"
@@ -112,6 +115,12 @@ RUNS=(
   "all|nd_parallel TP x PP (1,1,2,2)|ranks:4|nd_parallel.py --dp-shard 1 --tp 2 --pp 2|"
   "all|nd_parallel FSDP x TP x PP (1,2,2,2)|ranks:8|nd_parallel.py --dp-shard 2 --tp 2 --pp 2|"
   "all|nd_parallel HSDP x TP (2,2,2,1)|ranks:8|nd_parallel.py --dp-replicate 2 --dp-shard 2 --tp 2|"
+  # hybrid_parallel: this codebase's own sections on one mesh, (D, P, T) = (dp, pp, tp)
+  "quick|hybrid_parallel ZeRO-3 x PP (2,2,1)|ranks:4|hybrid_parallel.py $HYBRID_PP|"
+  "all|hybrid_parallel ZeRO-1 x TP+SP (2,1,2)|ranks:4|hybrid_parallel.py $HYBRID_SP|"
+  "all|hybrid_parallel ZeRO-3 x PP x TP (2,2,2)|ranks:8|hybrid_parallel.py $HYBRID_3D|"
+  "all|hybrid_parallel data x ring (2 x 2)|ranks:4|hybrid_parallel.py --dp 2 --cp 2|"
+  "all|hybrid_parallel data x expert (2 x 2)|ranks:4|hybrid_parallel.py --dp 2 --ep 2 $MOE|MoE"
   # no training: collectives.py checks every primitive's result and prints its own line below
   "quick|collectives|ranks|collectives.py|"
 )
