@@ -15,7 +15,7 @@ over D ranks: stage 1 (8 + 8/D)Ψ_s, stage 3 16Ψ_s/D. Per step (act: B/D sample
 fp32): tp all-reduces 4·act a block; dp reduce-scatters 4Ψ_s per micro-batch and all-gathers 4Ψ_s
 (stage 3: twice per micro-batch); pp sends and receives act. Paper: Narayanan et al. 2021,
 "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
-https://arxiv.org/abs/2104.04473. Layouts and traffic: docs/techniques.md#hybrid-parallelism
+https://arxiv.org/abs/2104.04473. Layouts, traffic, several nodes: docs/hybrid_parallel.md
 
     torchrun --standalone --nproc_per_node=8 hybrid_parallel.py --dp 2 --pp 2 --tp 2 --zero-stage 3
     torchrun --standalone --nproc_per_node=4 hybrid_parallel.py --dp 2 --tp 2 --sequence-parallel
@@ -47,7 +47,9 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 # ViT's embed, blocks and head; a [B/m, T, D] activation crosses each stage boundary, [B/m, T/T_tp,
 # D] under --sequence-parallel), tensor_parallel.py's (its PLAN splits each block's linears) and
 # zero.py's (the stage's units in forward order: the embedding on the first stage, the stage's
-# blocks, the head on the last). The loss is cross-entropy. The other layouts take
+# blocks, the head on the last). The loss is train_step's loss_fn, cross-entropy by default. A
+# language model's parts, fused q, k, v, optimizer groups and a weight tied across the first and
+# the last stage (GPT-2's) go in a Contract: `### more: a language model`. The other layouts take
 # context_parallel.py's and expert_parallel.py's contracts: their `### more:` parts.
 
 # The mesh's dimensions, outermost to innermost. The tensor-parallel ranks exchange activations in
@@ -55,37 +57,45 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 MESH_DIMS = ("pp", "dp", "ep", "cp", "tp")
 
 
-def parallelize(model, mesh, device, args):
+def parallelize(model, mesh, device, args, contract=None):
     """This rank's part of the model: its pipeline stage, each block split by TP, the stage's units
     sharded by ZeRO over the data-parallel ranks. Each section is told its group and nothing of the
     others: pipeline.py sends to its pp peers, tensor_parallel.py's f and g all-reduce over tp,
-    zero.py reduce-scatters and all-gathers over dp."""
+    zero.py reduce-scatters and all-gathers over dp. `contract`: what the sections need of a model
+    other than the common ViT (a Contract; None: the ViT's)."""
     if args.cp > 1:
         return parallelize_context(model, mesh, device)  # `### more: data x context`
     if args.ep > 1:
         return parallelize_experts(model, mesh, device)  # `### more: data x expert`
+    # The ViT's names and plan, or a language model's: `### more: a language model`.
+    contract = contract_or_vit(contract, args.sequence_parallel)
     pp_group = mesh["pp"].get_group()
     tp_group = mesh["tp"].get_group()
     dp_group = mesh["dp"].get_group()
     # 1. The pipeline split: this rank keeps its stage's blocks and nothing else.
-    tokens, dim = model.embed.pos.shape[1:]
+    tokens, dim = contract.activation_shape or model.embed.pos.shape[1:]
     if args.sequence_parallel:
         tokens //= mesh["tp"].size()  # each tp rank's share of the tokens crosses the boundary
-    stage = pipeline.parallelize(model, device, (tokens, dim), group=pp_group)
+    stage = pipeline.parallelize(model, device, (tokens, dim), contract.parts, group=pp_group)
     blocks = [stage.get_submodule(name) for name in stage.block_names]
     # 2. Tensor parallelism inside each of the stage's blocks: the same plan as tensor_parallel.py.
     if mesh["tp"].size() > 1:
-        split_blocks(stage, blocks, tp_group, args.sequence_parallel)
-    # 3. ZeRO over the data-parallel ranks, on what the tp split left: each block is a unit, the
-    # embedding and the head are units on the stages that hold them.
+        split_blocks(stage, blocks, tp_group, args.sequence_parallel, contract)
+    # 3. ZeRO over the data-parallel ranks, on what the tp split left: each block is a unit, and so
+    # is each module the first stage runs before them (the embedding) and the last after them (the
+    # head), as the pipeline's Parts name them.
     units = list(blocks)
     if stage.is_first:
-        units.insert(0, stage.embed)
+        units = [stage.get_submodule(name) for name in stage.parts.first] + units
     if stage.is_last:
-        units.append(stage.head)
+        units += [stage.get_submodule(name) for name in stage.parts.last]
     split_keys = tp_split_keys(stage)  # before ZeRO replaces the parameters
-    zero.parallelize(stage, device, args.zero_stage, units=units, group=dp_group)
+    tied_keys = tied_weight_keys(stage)  # likewise
+    # The optimizer's groups (None: one group), over the parameters the tp split left.
+    param_groups = contract.param_groups(stage) if contract.param_groups else None
+    zero.parallelize(stage, device, args.zero_stage, param_groups, units=units, group=dp_group)
     mark_replicated(stage, split_keys, token_sharded=args.sequence_parallel)
+    mark_tied(stage, tied_keys)  # `### more: a language model`
     # What train_step, infer and full_state_dict need besides the module, kept on the stage: the
     # skeleton's train() and evaluate() pass them only `model`.
     stage.layout = "pp x dp x tp"
@@ -99,14 +109,17 @@ def parallelize(model, mesh, device, args):
     return stage
 
 
-def split_blocks(stage, blocks, tp_group, sequence_parallel):
-    """tensor_parallel.py's split of each block over tp_group: Megatron's f before the column-
-    parallel layers, g after the row-parallel ones. Under sequence parallelism the first stage's
-    embedding hands each tp rank its T/T_tp tokens and the last stage's head gathers them back;
-    the stages between them receive and send token shards."""
+def split_blocks(stage, blocks, tp_group, sequence_parallel, contract):
+    """tensor_parallel.py's split of each block over tp_group, as the contract's plan says:
+    Megatron's f before the column-parallel layers, g after the row-parallel ones; a fused q, k, v
+    attends with this rank's H/T_tp heads. Under sequence parallelism the first stage's embedding
+    hands each tp rank its T/T_tp tokens and the last stage's head gathers them back; the stages
+    between them receive and send token shards."""
     f, g = tensor_parallel.operators(sequence_parallel, tp_group)
     for block in blocks:
-        tensor_parallel.split_block(block, tensor_parallel.PLAN, f, g, tp_group)
+        tensor_parallel.split_block(block, contract.plan, f, g, tp_group)
+    if tensor_parallel.QKVParallelLinear in contract.plan.values():
+        tensor_parallel.attend_local_heads_in(blocks, contract.heads, contract.causal, tp_group)
     if sequence_parallel:
         embed = stage.embed if stage.is_first else None
         head = stage.head if stage.is_last else None
@@ -152,24 +165,21 @@ def mark_replicated(stage, split_keys, token_sharded):
             unit.token_sharded = shard_slices(unit, engine.rank, block_keys)
 
 
-def grad_shard(unit):
-    """This rank's shard of the unit's averaged gradient, once zero's before_step has handed it to
-    the optimizer: the one piece's gradient (the optimizer has one group: one piece a unit)."""
-    ((_, _, piece),) = unit.pieces
-    return piece.grad
-
-
-def train_step(stage, x, y):
-    """Forward, loss and backward of this data-parallel rank's batch through the pipeline (its
-    micro-batches are ZeRO's gradient accumulation), then the gradients made whole: the last
-    reduce-scatter finished and, under sequence parallelism, the tp ranks' partial gradients
-    summed. Returns the batch's mean loss on the last stage, and 0 on the stages before it."""
+def train_step(stage, x, y, loss_fn=F.cross_entropy):
+    """Forward, loss_fn and backward of this data-parallel rank's batch through the pipeline (its
+    micro-batches are ZeRO's gradient accumulation), then the gradients made whole on ZeRO's
+    shards: the last reduce-scatter finished, so that each unit's `grad_shard` is this rank's shard
+    of its averaged gradient, and, under sequence parallelism, the tp ranks' partial gradients
+    summed (once a step: call train_step once before each optimizer step). The optimizer's pre-hook
+    (zero.py's before_step) hands the shards to its pieces, a slice for each optimizer group.
+    Returns the batch's mean loss on the last stage, and 0 on the stages before it."""
     if stage.layout != "pp x dp x tp":
         return other_layout_step(stage, x, y)  # `### more: data x context`, `data x expert`
-    loss = pipeline.train_step(stage, x, y, stage.schedule_name, stage.micro_batches)
-    stage.zero.before_step()  # the optimizer's pre-hook finds it done
+    loss = pipeline.train_step(stage, x, y, stage.schedule_name, stage.micro_batches, loss_fn)
+    stage.zero.finish_reduce_scatter()
     if stage.sequence_parallel:
         sum_token_sharded(stage)
+    sum_tied_copies(stage)  # `### more: a language model`
     return loss
 
 
@@ -180,7 +190,7 @@ def sum_token_sharded(stage):
     on the reduce-scattered shards, gives the same: both sums are linear, and every tp rank's
     shard holds the same parameters at the same offsets (its units have the same shapes)."""
     units = [unit for unit in stage.zero.units if unit.token_sharded]
-    parts = [grad_shard(unit)[part] for unit in units for part in unit.token_sharded]
+    parts = [unit.grad_shard[part] for unit in units for part in unit.token_sharded]
     if not parts:
         return
     flat = torch.cat(parts)
@@ -262,18 +272,22 @@ def clip_grad_norm_(stage, max_norm):
     """torch.nn.utils.clip_grad_norm_ as one process computes it, over parameters no rank holds
     whole: each rank sums the squares of its ZeRO shards, a parameter every tp rank holds whole
     weighted 1/T (T copies of it in the world), and the sums over every rank of the world are the
-    square of the global norm: the dp shards, the tp splits and the pp stages are disjoint. Every
-    rank scales its shards by the same factor. Call it after train_step, before the step."""
+    square of the global norm: the dp shards, the tp splits and the pp stages are disjoint, but for
+    a weight tied across the first and the last stage, whose two copies hold the same summed
+    gradient after train_step: the first stage counts it. Every rank scales its shards by the same
+    factor, both copies too. Call it after train_step, before the step."""
     if stage.layout != "pp x dp x tp":
         return other_layout_clip(stage, max_norm)
     tp_size = stage.mesh["tp"].size()
     shards = []
     squares = torch.zeros((), device=stage.zero.device)
     for unit in stage.zero.units:
-        if not unit.pieces:
-            continue
-        grad = grad_shard(unit)
+        grad = unit.grad_shard
+        if grad is None:
+            continue  # a unit with no parameter of its own (nanoGPT's drop, or a tied lm_head)
         shards.append(grad)
+        if unit in stage.tied_units and not stage.is_first:
+            continue  # the last stage's copy of a tied weight: the first stage's counts
         squares += grad.square().sum()
         for part in unit.replicated:
             squares -= (1 - 1 / tp_size) * grad[part].square().sum()
@@ -283,6 +297,93 @@ def clip_grad_norm_(stage, max_norm):
     for grad in shards:
         grad.mul_(scale)
     return total_norm
+
+
+### more: a language model (parts, plan, a tied weight across the first and last stage)
+# What the cores read off the ViT, another model names in a Contract: pipeline.py's Parts and the
+# (T, D) crossing a stage boundary; tensor_parallel.py's plan, with the head count and the causal
+# mask of a fused q, k, v (GPT-2's c_attn); the optimizer's groups, built on the stage the tp split
+# left, where zero.py cuts each unit's shard into pieces. GPT-2's tied embedding (wte.weight is
+# lm_head.weight) is one weight on two stages: pipeline.py gives the last stage a copy and sums the
+# two copies' .grad after the backward, but under ZeRO the copies are flat shards without a .grad.
+# So each copy is a ZeRO unit of its own (its module holds nothing else): the same shape on both
+# ends, the same padding and shard cut, so dp rank d holds the same elements of it on both. After
+# the step's last reduce-scatter, each end's shard of it is summed over the pipe's embedding group
+# (its first and last stage, at this rank's dp and tp coordinate): both copies take the same step.
+
+
+class Contract:
+    """What the sections need of a model, by name; the defaults are the common ViT's. parts: a
+    pipeline.Parts (None: the ViT's embed, blocks, head). activation_shape: (T, D) of a sample's
+    activation between stages (None: model.embed.pos's). plan, heads, causal: tensor_parallel.py's
+    (heads and causal for a QKVParallelLinear). param_groups: a function of the stage returning the
+    optimizer's groups over its parameters as the tp split left them, each copy of a tied weight in
+    a group with the same hyperparameters on both ends (None: one group)."""
+
+    def __init__(
+        self,
+        parts=None,
+        activation_shape=None,
+        plan=tensor_parallel.PLAN,
+        heads=None,
+        causal=False,
+        param_groups=None,
+    ):
+        self.parts = parts
+        self.activation_shape = activation_shape
+        self.plan = plan
+        self.heads = heads
+        self.causal = causal
+        self.param_groups = param_groups
+
+
+def contract_or_vit(contract, sequence_parallel):
+    """The ViT's Contract when none is given. Parts of another model are refused under sequence
+    parallelism: the token split hooks the ViT's embed (its output is the first block's input) and
+    head, which a Parts does not name (CausalLM and nanoGPT add wte's and wpe's outputs inline)."""
+    if contract is None:
+        return Contract()
+    if sequence_parallel and contract.parts is not None:
+        raise ValueError(
+            "--sequence-parallel splits the tokens after the ViT's embed and gathers them before "
+            "its head: a Contract with Parts of its own runs without it"
+        )
+    return contract
+
+
+def tied_weight_keys(stage):
+    """The state_dict keys of the stage's copies of the weights tied across the first and the last
+    stage (pipeline.py's stage.tied, in the same order on both ends: GPT-2's embed.wte.weight on
+    the first stage, head.lm_head.weight on the last), read before ZeRO replaces them."""
+    key_of = {param: key for key, param in stage.named_parameters()}
+    return [key_of[param] for param in stage.tied]
+
+
+def mark_tied(stage, tied_keys):
+    """After ZeRO: `stage.tied_units`, the unit of each tied copy, in tied_keys' order, which must
+    hold it alone. pipeline.py's stage.tied is emptied: ZeRO replaced its copies, so its train_step
+    has no .grad to sum, and the list would keep the originals' memory alive."""
+    stage.tied_units = []
+    for key in tied_keys:
+        (unit,) = [unit for unit in stage.zero.units if key in {k for k, _, _ in unit.params}]
+        if len(unit.params) > 1:
+            raise ValueError(
+                f"{key}: a weight tied across the first and the last stage must be a ZeRO unit of "
+                "its own on both ends (the same shard cut on both): name the module holding it, "
+                "and nothing else, in the Parts' first and last (GPT-2's wte, lm_head)"
+            )
+        stage.tied_units.append(unit)
+    stage.tied = []
+
+
+def sum_tied_copies(stage):
+    """train_step's, after the step's last reduce-scatter, on the first and the last stage: each
+    copy's gradient shard holds its stage's part of the tied weight's gradient (the embedding's
+    use, the head's), averaged over dp; summed over the embedding group, both hold the shard of the
+    whole gradient (the same slices: the same unit shape, the same dp rank), and both copies take
+    the same step. The stages between hold no copy."""
+    for unit in stage.tied_units:
+        dist.all_reduce(unit.grad_shard, group=stage.tied_group)
 
 
 ### more: data x context: context_parallel.py's ring over cp, its DDP over every rank
