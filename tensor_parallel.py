@@ -181,7 +181,17 @@ def operators(sequence_parallel=False, group=None):
         g = ReduceScatterFromTensorParallel
     # Their forwards take the group after the tensor: bound here, so that a hook or a layer calls
     # f(x) and g(y) on the tensor alone.
-    return functools.partial(f.apply, group=group), functools.partial(g.apply, group=group)
+    return with_group(f, group), with_group(g, group)
+
+
+def with_group(function, group):
+    """function.apply(x, group) as a callable on x alone. Not functools.partial(function.apply,
+    group=group): torch 2.11's Function.apply takes no keyword arguments."""
+
+    def apply(x):
+        return function.apply(x, group)
+
+    return apply
 
 
 def split_block(block, plan, f, g, group=None):
