@@ -1,30 +1,34 @@
 """Hybrid parallelism: data, tensor and pipeline parallelism composed on one DeviceMesh
 (init_device_mesh) from this codebase's own sections, each on its dimension's process group, in
 this order: pipeline.py (1F1B or GPipe) over pp, tensor_parallel.py (Megatron, optionally with
-sequence parallelism) over tp, zero.py (stage 1, 2 or 3) over dp. W = P·D·T ranks on a mesh
-(pp, dp, tp), outermost to innermost; two more layouts: data x context (context_parallel.py's
-ring, --cp) and data x expert (expert_parallel.py, --ep). Two nodes of 4 GPUs, --pp 2 --dp 2 --tp 2:
+sequence parallelism) over tp, zero.py (ZeRO-1, 2 or 3) over dp. W = P·N·T ranks on the mesh
+(pp, dp, ep, cp, tp), outermost to innermost, ep = cp = 1; two more layouts: data x context
+(context_parallel.py's ring, --cp) and data x expert (expert_parallel.py, --ep). Two nodes of 4
+GPUs, --pp 2 --dp 2 --tp 2:
 
                             dp 0       dp 1
     node 0, stage 0:        [0  1]     [2  3]       [a b]  a tp group: the blocks' heads split
     node 1, stage 1:        [4  5]     [6  7]       0-2, 1-3, 4-6, 5-7: dp (ZeRO) groups
                                                     0-4, 1-5, 2-6, 3-7: pp groups (the pipes)
 
-Memory per rank (fp32, AdamW, Ψ_s the stage's parameters after the tp split): ZeRO's on Ψ_s
-over D ranks: stage 1 (8 + 8/D)Ψ_s, stage 3 16Ψ_s/D. Per step (act: B/D samples x T tokens x D
-fp32): tp all-reduces 4·act a block; dp reduce-scatters 4Ψ_s per micro-batch and all-gathers 4Ψ_s
-(stage 3: twice per micro-batch); pp sends and receives act. Paper: Narayanan et al. 2021,
-"Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
-https://arxiv.org/abs/2104.04473. Layouts, traffic, several nodes: docs/hybrid_parallel.md
+Memory per rank (fp32, AdamW; Ψ_s the stage's parameters after the tp split, each ZeRO unit
+padded to a multiple of N): ZeRO-1 (8 + 8/N)Ψ_s, ZeRO-2 (4 + 12/N)Ψ_s, ZeRO-3 16Ψ_s/N. Per step
+(act: B/N samples x L tokens x D fp32, m micro-batches): tp all-reduces 4·act a block; dp
+reduce-scatters 4Ψ_s·m and all-gathers 4Ψ_s (ZeRO-3: 2m times); pp sends and receives act (act/T
+under sequence parallelism). Paper: Narayanan et al. 2021, "Efficient Large-Scale Language Model
+Training on GPU Clusters Using Megatron-LM", https://arxiv.org/abs/2104.04473. Layouts, traffic
+and several nodes: docs/hybrid_parallel.md
 
     torchrun --standalone --nproc_per_node=8 hybrid_parallel.py --dp 2 --pp 2 --tp 2 --zero-stage 3
     torchrun --standalone --nproc_per_node=4 hybrid_parallel.py --dp 2 --tp 2 --sequence-parallel
-    python hybrid_parallel.py --nproc 4 --dp 2 --cp 2 --patch 7           # data x context (ring)
+    python hybrid_parallel.py --nproc 4 --dp 2 --cp 2                     # data x context (ring)
     python hybrid_parallel.py --nproc 4 --dp 2 --ep 2 --experts 4         # data x expert
 """
 
 import math
 import os
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -44,43 +48,62 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 ### begin: Hybrid parallel
 # Model contract: the three sections' own, each on its mesh dimension's group: pipeline.py's (the
-# ViT's embed, blocks and head; a [B/m, T, D] activation crosses each stage boundary, [B/m, T/T_tp,
-# D] under --sequence-parallel), tensor_parallel.py's (its PLAN splits each block's linears) and
+# ViT's embed, blocks and head; a [B/m, L, D] activation crosses each stage boundary, [B/m, L/T,
+# D] under sequence parallelism), tensor_parallel.py's (its PLAN splits each block's linears) and
 # zero.py's (the stage's units in forward order: the embedding on the first stage, the stage's
-# blocks, the head on the last). The loss is train_step's loss_fn, cross-entropy by default. A
-# language model's parts, fused q, k, v, optimizer groups and a weight tied across the first and
-# the last stage (GPT-2's) go in a Contract: `### more: a language model`. The other layouts take
-# context_parallel.py's and expert_parallel.py's contracts: their `### more:` parts.
+# blocks, the head on the last). `mesh` is a DeviceMesh over the whole world with the dimensions
+# MESH_DIMS: the loss's and the clip's all-reduces run over every rank. The loss is train_step's
+# loss_fn, cross-entropy by default. Build the optimizer over model.zero.param_groups after
+# parallelize, then call hook_optimizer. A language model's parts, fused q, k, v, optimizer groups
+# and a weight tied across the first and the last stage (GPT-2's) go in a Contract: `### more: a
+# language model`. The layouts data x context and data x expert take context_parallel.py's and
+# expert_parallel.py's contracts: their `### more:` parts, entered where a function checks
+# `model.layout`.
 
 # The mesh's dimensions, outermost to innermost. The tensor-parallel ranks exchange activations in
-# every block, so they are the innermost: the ranks of a node.
+# every block, so they are the innermost: the ranks of a node. ep and cp, used beside dp only,
+# sit between dp and tp: inside a node too, where their all-to-alls and ring are cheapest.
 MESH_DIMS = ("pp", "dp", "ep", "cp", "tp")
+# What parallelize built, kept at model.layout: this section's core, or one of the other layouts.
+THREE_D = "pp x dp x tp"
+CONTEXT = "dp x cp"
+EXPERTS = "dp x ep"
 
 
-def parallelize(model, mesh, device, args, contract=None):
+def parallelize(
+    model,
+    mesh,
+    device,
+    zero_stage=1,
+    schedule="1f1b",
+    micro_batches=1,
+    sequence_parallel=False,
+    contract=None,
+):
     """This rank's part of the model: its pipeline stage, each block split by TP, the stage's units
-    sharded by ZeRO over the data-parallel ranks. Each section is told its group and nothing of the
-    others: pipeline.py sends to its pp peers, tensor_parallel.py's f and g all-reduce over tp,
-    zero.py reduce-scatters and all-gathers over dp. `contract`: what the sections need of a model
-    other than the common ViT (a Contract; None: the ViT's)."""
-    if args.cp > 1:
-        return parallelize_context(model, mesh, device)  # `### more: data x context`
-    if args.ep > 1:
-        return parallelize_experts(model, mesh, device)  # `### more: data x expert`
+    sharded by ZeRO (`zero_stage`) over the data-parallel ranks. Each section is told its group
+    and nothing of the others: pipeline.py sends to its pp peers, tensor_parallel.py's f and g
+    all-reduce over tp, zero.py reduce-scatters and all-gathers over dp. `schedule` and
+    `micro_batches`: the pipeline's (the micro-batches are also ZeRO's gradient accumulation).
+    `contract`: what the sections need of a model other than the common ViT (a Contract; None:
+    the ViT's)."""
+    if mesh["cp"].size() > 1 or mesh["ep"].size() > 1:
+        return parallelize_other_layout(model, mesh, device, contract)  # their `### more:` parts
     # The ViT's names and plan, or a language model's: `### more: a language model`.
-    contract = contract_or_vit(contract, args.sequence_parallel)
+    contract = resolve_contract(contract, model, sequence_parallel)
     pp_group = mesh["pp"].get_group()
     tp_group = mesh["tp"].get_group()
     dp_group = mesh["dp"].get_group()
+    sequence_parallel = sequence_parallel and mesh["tp"].size() > 1
     # 1. The pipeline split: this rank keeps its stage's blocks and nothing else.
-    tokens, dim = contract.activation_shape or model.embed.pos.shape[1:]
-    if args.sequence_parallel:
+    tokens, dim = contract.activation_shape
+    if sequence_parallel:
         tokens //= mesh["tp"].size()  # each tp rank's share of the tokens crosses the boundary
     stage = pipeline.parallelize(model, device, (tokens, dim), contract.parts, group=pp_group)
     blocks = [stage.get_submodule(name) for name in stage.block_names]
     # 2. Tensor parallelism inside each of the stage's blocks: the same plan as tensor_parallel.py.
     if mesh["tp"].size() > 1:
-        split_blocks(stage, blocks, tp_group, args.sequence_parallel, contract)
+        split_blocks(stage, blocks, tp_group, sequence_parallel, contract)
     # 3. ZeRO over the data-parallel ranks, on what the tp split left: each block is a unit, and so
     # is each module the first stage runs before them (the embedding) and the last after them (the
     # head), as the pipeline's Parts name them.
@@ -89,20 +112,26 @@ def parallelize(model, mesh, device, args, contract=None):
         units = [stage.get_submodule(name) for name in stage.parts.first] + units
     if stage.is_last:
         units += [stage.get_submodule(name) for name in stage.parts.last]
-    split_keys = tp_split_keys(stage)  # before ZeRO replaces the parameters
-    tied_keys = tied_weight_keys(stage)  # likewise
+    # Read by name before ZeRO replaces the parameters, found again in its units after.
+    split_keys = keys_of(stage, tp_split_params(stage))
+    token_sharded_keys = set()
+    if sequence_parallel:
+        token_sharded_keys = keys_of(stage, tensor_parallel.token_sharded_params(blocks))
+    tied_keys = tied_weight_keys(stage)  # `### more: a language model`
     # The optimizer's groups (None: one group), over the parameters the tp split left.
     param_groups = contract.param_groups(stage) if contract.param_groups else None
-    zero.parallelize(stage, device, args.zero_stage, param_groups, units=units, group=dp_group)
-    mark_replicated(stage, split_keys, token_sharded=args.sequence_parallel)
+    zero.parallelize(stage, device, zero_stage, param_groups, units=units, group=dp_group)
+    for unit in stage.zero.units:
+        unit.token_sharded = shard_slices(unit, stage.zero.rank, token_sharded_keys)
+    mark_replicated(stage, split_keys)  # for clip_grad_norm_: its `### more:` part
     mark_tied(stage, tied_keys)  # `### more: a language model`
     # What train_step, infer and full_state_dict need besides the module, kept on the stage: the
     # skeleton's train() and evaluate() pass them only `model`.
-    stage.layout = "pp x dp x tp"
+    stage.layout = THREE_D
     stage.mesh = mesh
-    stage.schedule_name = args.schedule
-    stage.micro_batches = args.microbatches if mesh["pp"].size() > 1 else 1
-    stage.sequence_parallel = args.sequence_parallel and mesh["tp"].size() > 1
+    stage.schedule_name = schedule
+    stage.micro_batches = micro_batches
+    stage.sequence_parallel = sequence_parallel
     # Each test sample's logits are counted on one rank: the last stage's first tp rank. Its tp
     # peers hold the same logits (the head is not split), and would count each sample T times.
     stage.answers = stage.is_last and mesh["tp"].get_local_rank() == 0
@@ -112,9 +141,11 @@ def parallelize(model, mesh, device, args, contract=None):
 def split_blocks(stage, blocks, tp_group, sequence_parallel, contract):
     """tensor_parallel.py's split of each block over tp_group, as the contract's plan says:
     Megatron's f before the column-parallel layers, g after the row-parallel ones; a fused q, k, v
-    attends with this rank's H/T_tp heads. Under sequence parallelism the first stage's embedding
-    hands each tp rank its T/T_tp tokens and the last stage's head gathers them back; the stages
-    between them receive and send token shards."""
+    attends with this rank's H/T heads. Under sequence parallelism the first stage's embedding
+    hands each tp rank its L/T tokens and the last stage's head gathers them back; the stages
+    between them receive and send token shards. Not tensor_parallel.parallelize, which would hook
+    model.embed and model.head on every stage, and sum the norms' partial gradients with hooks on
+    parameters that ZeRO replaces (sum_token_sharded does it on ZeRO's shards instead)."""
     f, g = tensor_parallel.operators(sequence_parallel, tp_group)
     for block in blocks:
         tensor_parallel.split_block(block, contract.plan, f, g, tp_group)
@@ -126,14 +157,22 @@ def split_blocks(stage, blocks, tp_group, sequence_parallel, contract):
         tensor_parallel.split_tokens(blocks, embed, head, tp_group)
 
 
-def tp_split_keys(stage):
-    """The state_dict keys of the parameters tensor parallelism split (each tp rank holds other
-    rows or columns of them): the parallel linears' `shard_dims`."""
-    keys = set()
-    for module_name, module in stage.named_modules():
-        for name in getattr(module, "shard_dims", {}):
-            keys.add(f"{module_name}.{name}")
-    return keys
+def tp_split_params(stage):
+    """The parameters tensor parallelism split, each tp rank holding other rows or columns of
+    them: those the parallel linears name in their `shard_dims`."""
+    split = []
+    for module in stage.modules():
+        shard_dims = getattr(module, "shard_dims", {})
+        for name, param in module.named_parameters(recurse=False):
+            if name in shard_dims:
+                split.append(param)
+    return split
+
+
+def keys_of(stage, params):
+    """The state_dict keys of `params` in the stage."""
+    key_of = {param: key for key, param in stage.named_parameters()}
+    return {key_of[param] for param in params}
 
 
 def shard_slices(unit, rank, keys):
@@ -149,32 +188,24 @@ def shard_slices(unit, rank, keys):
     return slices
 
 
-def mark_replicated(stage, split_keys, token_sharded):
-    """On each ZeRO unit, the slices of this rank's shard whose parameters every tp rank holds
-    whole (`replicated`: the norms, the embedding, the head, the row-parallel biases), and under
-    sequence parallelism those of them whose gradients are partial sums over the tp ranks
-    (`token_sharded`: the blocks' norms and row-parallel biases, which saw T/T_tp tokens)."""
-    engine = stage.zero
-    for unit in engine.units:
-        keys = {key for key, _, _ in unit.params}
-        whole_keys = keys - split_keys
-        unit.replicated = shard_slices(unit, engine.rank, whole_keys)
-        unit.token_sharded = []
-        if token_sharded:
-            block_keys = {key for key in whole_keys if key.startswith("blocks.")}
-            unit.token_sharded = shard_slices(unit, engine.rank, block_keys)
+def hook_optimizer(model, optimizer):
+    """zero.py's work around optimizer.step(): the gradient shards handed to the optimizer before
+    it, the updated shards all-gathered after it (stages 1-2). The other layouts' own."""
+    if model.layout != THREE_D:
+        return hook_other_layout_optimizer(model, optimizer)
+    zero.hook_optimizer(model, optimizer)
 
 
 def train_step(stage, x, y, loss_fn=F.cross_entropy):
     """Forward, loss_fn and backward of this data-parallel rank's batch through the pipeline (its
     micro-batches are ZeRO's gradient accumulation), then the gradients made whole on ZeRO's
     shards: the last reduce-scatter finished, so that each unit's `grad_shard` is this rank's shard
-    of its averaged gradient, and, under sequence parallelism, the tp ranks' partial gradients
-    summed (once a step: call train_step once before each optimizer step). The optimizer's pre-hook
-    (zero.py's before_step) hands the shards to its pieces, a slice for each optimizer group.
-    Returns the batch's mean loss on the last stage, and 0 on the stages before it."""
-    if stage.layout != "pp x dp x tp":
-        return other_layout_step(stage, x, y)  # `### more: data x context`, `data x expert`
+    of its averaged gradient, and under sequence parallelism the tp ranks' partial gradients summed.
+    Call it once per optimizer step: those sums, and a tied weight's, are not to be repeated. The
+    optimizer's pre-hook (zero.py's before_step) hands the shards to its pieces. Returns the
+    batch's mean loss on the last stage, and 0 on the stages before it."""
+    if stage.layout != THREE_D:
+        return other_layout_step(stage, x, y, loss_fn)
     loss = pipeline.train_step(stage, x, y, stage.schedule_name, stage.micro_batches, loss_fn)
     stage.zero.finish_reduce_scatter()
     if stage.sequence_parallel:
@@ -189,22 +220,23 @@ def sum_token_sharded(stage):
     gradients in backward with hooks on the parameters, which ZeRO replaced. Summing afterwards,
     on the reduce-scattered shards, gives the same: both sums are linear, and every tp rank's
     shard holds the same parameters at the same offsets (its units have the same shapes)."""
-    units = [unit for unit in stage.zero.units if unit.token_sharded]
-    parts = [unit.grad_shard[part] for unit in units for part in unit.token_sharded]
-    if not parts:
+    partials = []
+    for unit in stage.zero.units:
+        partials += [unit.grad_shard[part] for part in unit.token_sharded]
+    if not partials:
         return
-    flat = torch.cat(parts)
+    flat = torch.cat(partials)  # one all-reduce, not one per parameter, as Megatron does
     dist.all_reduce(flat, group=stage.mesh["tp"].get_group())
-    summed = iter(flat.split([part.numel() for part in parts]))
-    for part in parts:
-        part.copy_(next(summed))
+    sums = flat.split([partial.numel() for partial in partials])
+    for partial, summed in zip(partials, sums, strict=True):
+        partial.copy_(summed)
 
 
 @torch.no_grad()
 def infer(stage, x):
     """The batch through the stages in turn (pipeline.py's infer on the pp group). Returns the
     logits where stage.answers, None elsewhere."""
-    if stage.layout != "pp x dp x tp":
+    if stage.layout != THREE_D:
         logits = stage(x)
     else:
         logits = pipeline.infer(stage, x)
@@ -217,8 +249,8 @@ def full_state_dict(stage, mesh):
     """The plain model's state_dict on rank 0, None elsewhere, put together as it was taken apart,
     in reverse: ZeRO gathers each unit's shards on the dp group's first rank, which holds this tp
     rank's split of the stage; the tp ranks' splits are joined on the tp group's first rank; the
-    stages are gathered on rank 0 over the pp group (every coordinate but pp zero)."""
-    if stage.layout != "pp x dp x tp":
+    stages are gathered on rank 0 over the pp group of the ranks at dp 0 and tp 0."""
+    if stage.layout != THREE_D:
         return other_layout_state_dict(stage)
     split_state = zero.full_state_dict(stage)  # {} off the dp group's first rank
     if mesh["dp"].get_local_rank() != 0:
@@ -243,7 +275,8 @@ def full_state_dict(stage, mesh):
 def join_tp_splits(stage, split_state, tp_group):
     """The tp ranks' splits of the stage joined on the tp group's first rank: each parameter a
     parallel linear split is gathered and joined as it was cut (tensor_parallel.join_shards), in
-    the same key order on every tp rank so that the gathers pair up."""
+    the same key order on every tp rank so that the gathers pair up. zero.full_state_dict hands
+    CPU tensors; each travels from the device, where NCCL can send it."""
     tp_rank = dist.get_rank(tp_group)
     tp_world = dist.get_world_size(tp_group)
     state = {}
@@ -251,32 +284,43 @@ def join_tp_splits(stage, split_state, tp_group):
         tensor = split_state[key]
         module_name, _, name = key.rpartition(".")
         module = stage.get_submodule(module_name)
-        shard_dims = getattr(module, "shard_dims", {})
-        if tp_world == 1 or name not in shard_dims:
+        shard_dims = getattr(module, "shard_dims", {})  # only the parallel linears have them
+        if name not in shard_dims:
             state[key] = tensor  # every tp rank holds it whole
             continue
+        tensor = tensor.to(stage.zero.device)
         shards = None  # dist.gather fills a list on the destination only
         if tp_rank == 0:
             shards = [torch.empty_like(tensor) for _ in range(tp_world)]
         dist.gather(tensor, shards, group=tp_group, group_dst=0)
         if tp_rank == 0:
-            state[key] = tensor_parallel.join_shards(shards, shard_dims[name], module.parts)
+            # module.parts: 3 for a fused q, k, v, whose shards hold a third of each
+            whole = tensor_parallel.join_shards(shards, shard_dims[name], module.parts)
+            state[key] = whole.cpu()
     return state
 
 
 ### more: gradient clipping over every dimension, each parameter counted once
 
 
+def mark_replicated(stage, split_keys):
+    """On each ZeRO unit, `replicated`: the slices of this rank's shard whose parameters every tp
+    rank holds whole (the norms, the embedding, the head, the row-parallel biases)."""
+    for unit in stage.zero.units:
+        whole_keys = {key for key, _, _ in unit.params} - split_keys
+        unit.replicated = shard_slices(unit, stage.zero.rank, whole_keys)
+
+
 @torch.no_grad()
 def clip_grad_norm_(stage, max_norm):
     """torch.nn.utils.clip_grad_norm_ as one process computes it, over parameters no rank holds
-    whole: each rank sums the squares of its ZeRO shards, a parameter every tp rank holds whole
-    weighted 1/T (T copies of it in the world), and the sums over every rank of the world are the
-    square of the global norm: the dp shards, the tp splits and the pp stages are disjoint, but for
-    a weight tied across the first and the last stage, whose two copies hold the same summed
-    gradient after train_step: the first stage counts it. Every rank scales its shards by the same
-    factor, both copies too. Call it after train_step, before the step."""
-    if stage.layout != "pp x dp x tp":
+    whole. The dp shards, the tp splits and the pp stages are disjoint: the squares summed over
+    every rank of the world are the square of the global norm, but for two kinds of copies. A
+    parameter every tp rank holds whole counts 1/T on each; a weight tied across the first and the
+    last stage counts on the first only (after train_step both copies hold its whole gradient).
+    Every rank scales its shards, both copies too, by the same factor. Call it after train_step,
+    before the step; returns the total norm, as torch's does."""
+    if stage.layout != THREE_D:
         return other_layout_clip(stage, max_norm)
     tp_size = stage.mesh["tp"].size()
     shards = []
@@ -288,9 +332,9 @@ def clip_grad_norm_(stage, max_norm):
         shards.append(grad)
         if unit in stage.tied_units and not stage.is_first:
             continue  # the last stage's copy of a tied weight: the first stage's counts
-        squares += grad.square().sum()
-        for part in unit.replicated:
-            squares -= (1 - 1 / tp_size) * grad[part].square().sum()
+        replicated = sum(grad[part].square().sum() for part in unit.replicated)
+        split = grad.square().sum() - replicated
+        squares += split + replicated / tp_size
     dist.all_reduce(squares)  # the world: every dimension at once
     total_norm = squares.sqrt()
     scale = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)  # torch's own formula
@@ -301,7 +345,7 @@ def clip_grad_norm_(stage, max_norm):
 
 ### more: a language model (parts, plan, a tied weight across the first and last stage)
 # What the cores read off the ViT, another model names in a Contract: pipeline.py's Parts and the
-# (T, D) crossing a stage boundary; tensor_parallel.py's plan, with the head count and the causal
+# (L, D) crossing a stage boundary; tensor_parallel.py's plan, with the head count and the causal
 # mask of a fused q, k, v (GPT-2's c_attn); the optimizer's groups, built on the stage the tp split
 # left, where zero.py cuts each unit's shard into pieces. GPT-2's tied embedding (wte.weight is
 # lm_head.weight) is one weight on two stages: pipeline.py gives the last stage a copy and sums the
@@ -312,41 +356,38 @@ def clip_grad_norm_(stage, max_norm):
 # (its first and last stage, at this rank's dp and tp coordinate): both copies take the same step.
 
 
-class Contract:
+class Contract(NamedTuple):
     """What the sections need of a model, by name; the defaults are the common ViT's. parts: a
-    pipeline.Parts (None: the ViT's embed, blocks, head). activation_shape: (T, D) of a sample's
-    activation between stages (None: model.embed.pos's). plan, heads, causal: tensor_parallel.py's
-    (heads and causal for a QKVParallelLinear). param_groups: a function of the stage returning the
-    optimizer's groups over its parameters as the tp split left them, each copy of a tied weight in
-    a group with the same hyperparameters on both ends (None: one group)."""
+    pipeline.Parts (None: the ViT's embed, blocks, head). activation_shape: (L, D) of a sample's
+    activation between stages (None: model.embed.pos's, the ViT's). plan, heads, causal:
+    tensor_parallel.py's (heads and causal for a QKVParallelLinear). param_groups: a function of
+    the stage returning the optimizer's groups over its parameters as the tp split left them,
+    each copy of a tied weight in a group with the same hyperparameters on both ends (None: one
+    group)."""
 
-    def __init__(
-        self,
-        parts=None,
-        activation_shape=None,
-        plan=tensor_parallel.PLAN,
-        heads=None,
-        causal=False,
-        param_groups=None,
-    ):
-        self.parts = parts
-        self.activation_shape = activation_shape
-        self.plan = plan
-        self.heads = heads
-        self.causal = causal
-        self.param_groups = param_groups
+    parts: pipeline.Parts | None = None
+    activation_shape: tuple | None = None
+    plan: dict = tensor_parallel.PLAN
+    heads: int | None = None
+    causal: bool = False
+    param_groups: Callable | None = None
 
 
-def contract_or_vit(contract, sequence_parallel):
-    """The ViT's Contract when none is given. Parts of another model are refused under sequence
-    parallelism: the token split hooks the ViT's embed (its output is the first block's input) and
-    head, which a Parts does not name (CausalLM and nanoGPT add wte's and wpe's outputs inline)."""
+def resolve_contract(contract, model, sequence_parallel):
+    """The ViT's Contract when none is given, with its activation shape read off the model. A
+    model of another layout names that shape itself, and runs without sequence parallelism: the
+    token split hooks the ViT's embed (its output is the first block's input) and head, which a
+    Parts does not name (CausalLM and nanoGPT add wte's and wpe's outputs inline)."""
     if contract is None:
-        return Contract()
-    if sequence_parallel and contract.parts is not None:
+        contract = Contract()
+    if contract.parts is None:
+        return contract._replace(activation_shape=tuple(model.embed.pos.shape[1:]))
+    if contract.activation_shape is None:
+        raise ValueError("a Contract with Parts of its own names its activation_shape: (L, D)")
+    if sequence_parallel:
         raise ValueError(
-            "--sequence-parallel splits the tokens after the ViT's embed and gathers them before "
-            "its head: a Contract with Parts of its own runs without it"
+            "sequence parallelism splits the tokens after the ViT's embed and gathers them "
+            "before its head: a Contract with Parts of its own runs without it"
         )
     return contract
 
@@ -365,7 +406,12 @@ def mark_tied(stage, tied_keys):
     has no .grad to sum, and the list would keep the originals' memory alive."""
     stage.tied_units = []
     for key in tied_keys:
-        (unit,) = [unit for unit in stage.zero.units if key in {k for k, _, _ in unit.params}]
+        holding = []  # the units that flattened this copy: exactly one
+        for unit in stage.zero.units:
+            unit_keys = [unit_key for unit_key, _, _ in unit.params]
+            if key in unit_keys:
+                holding.append(unit)
+        (unit,) = holding
         if len(unit.params) > 1:
             raise ValueError(
                 f"{key}: a weight tied across the first and the last stage must be a ZeRO unit of "
@@ -386,63 +432,62 @@ def sum_tied_copies(stage):
         dist.all_reduce(unit.grad_shard, group=stage.tied_group)
 
 
-### more: data x context: context_parallel.py's ring over cp, its DDP over every rank
+### more: the layouts data x context and data x expert
 
 
-def parallelize_context(model, mesh, device):
-    """Each sample's tokens split over the cp ranks (ring attention), the data over dp. DDP's
-    average over every rank of the mesh is the whole gradient of the global batch: each cp rank's
-    gradient is its tokens' part, made W_cp times larger by context_parallel.py's SumOverRanks."""
-    model = context_parallel.parallelize(
-        model.to(device), device, "ring", group=mesh["cp"].get_group(), data_group=None
-    )
-    model.layout = "dp x cp"
-    model.answers = mesh["cp"].get_local_rank() == 0  # the cp ranks pool the same logits
-    return model
-
-
-### more: data x expert: expert_parallel.py's experts over ep, every rank a data-parallel rank
-
-
-def parallelize_experts(model, mesh, device):
-    """Each MoE layer's experts spread over the ep ranks; every rank of the mesh trains on its own
-    slice of the batch. The dense part's gradients are averaged over every rank, each expert's
-    over the ranks holding it: one in each dp copy of the ep group."""
-    model = expert_parallel.parallelize(model.to(device), device, group=mesh["ep"].get_group())
-    model.layout = "dp x ep"
+def parallelize_other_layout(model, mesh, device, contract):
+    """Data x context (mesh["cp"] > 1): each sample's tokens split over the cp ranks (ring
+    attention), the data over dp; DDP averages over every rank of the mesh, which is the whole
+    gradient of the global batch (each cp rank's gradient is its tokens' part, made W_cp times
+    larger by context_parallel.py's SumOverRanks). Data x expert (mesh["ep"] > 1): each MoE
+    layer's experts spread over the ep ranks, every rank a data-parallel rank on its own slice of
+    the batch. Both take the ViT as context_parallel.py and expert_parallel.py do: no Contract."""
+    if contract is not None:
+        raise ValueError("a Contract is for the pp x dp x tp layout; cp and ep take the ViT")
+    model = model.to(device)
+    if mesh["cp"].size() > 1:
+        cp_group = mesh["cp"].get_group()
+        model = context_parallel.parallelize(model, device, "ring", cp_group, data_group=None)
+        model.layout = CONTEXT
+        model.answers = mesh["cp"].get_local_rank() == 0  # the cp ranks pool the same logits
+    else:
+        model = expert_parallel.parallelize(model, device, group=mesh["ep"].get_group())
+        model.layout = EXPERTS
+        model.answers = True  # each rank evaluates samples of its own
     model.mesh = mesh
-    model.answers = True  # each rank evaluates samples of its own
     return model
 
 
-def hook_optimizer(model, optimizer):
-    """The step's work the layout's sections do around optimizer.step(): ZeRO's, or the expert
-    layout's gradient averages."""
-    if model.layout == "dp x ep":
+def hook_other_layout_optimizer(model, optimizer):
+    """Data x expert: the dense part's gradients averaged over every rank before the step, each
+    expert's over the ranks holding it (one in each dp copy of the ep group). Data x context:
+    nothing, DDP averages in backward."""
+    if model.layout == EXPERTS:
         replica_group = model.mesh["dp"].get_group()
         expert_parallel.hook_optimizer(
             model, optimizer, data_group=None, replica_group=replica_group
         )
-    elif model.layout == "pp x dp x tp":
-        zero.hook_optimizer(model, optimizer)
 
 
-def other_layout_step(model, x, y):
+def other_layout_step(model, x, y, loss_fn):
     """Forward, loss and backward of the data x context and data x expert layouts."""
-    loss = F.cross_entropy(model(x), y)
+    loss = loss_fn(model(x), y)
     loss.backward()
     return loss.detach()
 
 
 def other_layout_clip(model, max_norm):
-    if model.layout == "dp x ep":
+    """Data x expert: expert_parallel.py's clip over the ep group. Data x context: torch's, as
+    every rank holds every whole gradient after DDP's average."""
+    if model.layout == EXPERTS:
         ep_group = model.mesh["ep"].get_group()
         return expert_parallel.clip_grad_norm_(model, max_norm, group=ep_group)
-    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # DDP: whole gradients
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
 def other_layout_state_dict(model):
-    if model.layout == "dp x ep":
+    """The plain state_dict on rank 0: the experts gathered over the ep group, or DDP's copy."""
+    if model.layout == EXPERTS:
         return expert_parallel.full_state_dict(model, group=model.mesh["ep"].get_group())
     return context_parallel.full_state_dict(model)
 
@@ -450,25 +495,62 @@ def other_layout_state_dict(model):
 ### end: Hybrid parallel
 
 
-def formula(own, world, args):
-    """Rank 0's bytes from its own parameter elements (`own`: its ZeRO shards of its stage, split
-    by T, each unit padded to a multiple of D; in the other layouts its whole copy, its experts
-    only), and each mesh dimension's traffic per step, which the report sets next to what the
-    Meter measured (per process group)."""
+def rank0_units(args):
+    """Rank 0's ZeRO units (pipeline stage 0, tp rank 0), counted off the model's shapes: for each
+    unit, its parameters in the order zero.py flattens them, as (elements after the tp split,
+    whether it is a block parameter the split left whole: under sequence parallelism its gradient
+    is a partial sum over the tp ranks)."""
+    model = common.build_model(args)
+    stage = pipeline.Stage(model, 0, args.pp)
+    modules = {"embed": stage.embed}
+    for name in stage.block_names:
+        modules[name] = stage.get_submodule(name)
+    if stage.is_last:
+        modules["head"] = stage.head
+    units = []
+    for module_name, module in modules.items():
+        in_block = module_name.startswith("blocks.")
+        params = []
+        for name, param in module.named_parameters():
+            layer, _, kind = name.rpartition(".")
+            style = tensor_parallel.PLAN.get(layer) if in_block and args.tp > 1 else None
+            column = style is tensor_parallel.ColumnParallelLinear
+            row_weight = style is tensor_parallel.RowParallelLinear and kind == "weight"
+            numel = param.numel()
+            if column or row_weight:
+                numel //= args.tp
+            params.append((numel, in_block and not (column or row_weight)))
+        units.append(params)
+    return units
+
+
+def formula(psi, world, args):
+    """Rank 0's bytes from its stage's shapes (Ψ_s: split by T, each ZeRO unit padded to a multiple
+    of N), and each mesh dimension's traffic per step, which the report sets next to what the Meter
+    measured (per process group)."""
     k = 8 if args.optim == "adamw" else 4  # the ZeRO paper's K: optimizer bytes per parameter
     if args.cp > 1 or args.ep > 1:
-        return other_layout_formula(own, k, args)
-    psi_stage = args.dp * own  # Ψ_s
-    d = args.dp * args.ep
+        return other_layout_formula(psi, k, args)
+    psi_stage = 0  # Ψ_s
+    partial_elements = 0  # of rank 0's shards: the norms' and row biases' under SP
+    for params in rank0_units(args):
+        shard = math.ceil(sum(numel for numel, _ in params) / args.dp)
+        psi_stage += shard * args.dp
+        offset = 0  # where the parameter starts in the unit's flat buffer; rank 0's shard: [0, S)
+        for numel, partial in params:
+            if partial:
+                partial_elements += max(0, min(offset + numel, shard) - offset)
+            offset += numel
     m = args.microbatches if args.pp > 1 else 1
     tokens = (common.IMAGE // args.patch) ** 2
-    act = 4 * (args.batch_size // d) * tokens * args.dim  # bytes of [B/D, T, D] in fp32
+    act = 4 * (args.batch_size // args.dp) * tokens * args.dim  # bytes of [B/N, L, D] in fp32
     boundary = act // args.tp if args.sequence_parallel else act  # what crosses a stage boundary
     blocks = args.depth // args.pp  # rank 0's stage, the first
     dims = dict(tp={}, dp={}, pp={})  # {dimension: {kind: bytes a step}}
     if args.tp > 1 and args.sequence_parallel:
         dims["tp"]["all_gather"] = (4 * blocks + 1 + (args.pp == 1)) * act
         dims["tp"]["reduce_scatter"] = 4 * blocks * act
+        dims["tp"]["all_reduce"] = 4 * partial_elements
     elif args.tp > 1:
         dims["tp"]["all_reduce"] = 4 * blocks * act
     if args.dp > 1:
@@ -483,7 +565,7 @@ def formula(own, world, args):
         for kind, nbytes in traffic.items():
             comm[kind] = comm.get(kind, 0) + nbytes
     params_sharded = args.zero_stage == 3
-    # Stage 1 with micro-batches hands the optimizer a shard of the summed gradient (zero.py's
+    # ZeRO-1 with micro-batches hands the optimizer a shard of the summed gradient (zero.py's
     # accumulation part); its whole flat gradient stays in the engine besides, unmeasured.
     grads_sharded = args.zero_stage >= 2 or m > 1
     return dict(
@@ -493,14 +575,15 @@ def formula(own, world, args):
         comm=comm,
         dims=dims,
         notes=dict(
-            param_bytes="4Ψ_s/D sharded" if params_sharded else "4Ψ_s: stage 0 split by T",
-            grad_bytes="4Ψ_s/D sharded (stage 1: + 4Ψ_s whole, in the engine)"
+            param_bytes="4Ψ_s/N sharded" if params_sharded else "4Ψ_s: stage 0 split by T",
+            grad_bytes="4Ψ_s/N sharded (ZeRO-1: + 4Ψ_s whole, in the engine)"
             if grads_sharded
             else "4Ψ_s",
-            optim_bytes=f"{k}Ψ_s/D",
+            optim_bytes=f"{k}Ψ_s/N",
             all_gather="dp: the updated shards (stage 3: each unit before each micro-batch's "
             "forward and backward); tp under SP: f's tokens, the head's, gradients",
-            all_reduce="tp: g in forward, f in backward, 2 each a block",
+            all_reduce="tp: g in forward, f in backward, 2 each a block; under SP the norms' "
+            "and row biases' partial gradients in rank 0's shards",
             reduce_scatter="dp: the stage's gradients each micro-batch; tp under SP: g, f's grads",
             send="pp: m activations, act in all",
             recv="pp: m gradients",
@@ -508,10 +591,16 @@ def formula(own, world, args):
     )
 
 
-def other_layout_formula(own, k, args):
+def other_layout_formula(psi, k, args):
     """Data x context: DDP's copy on every rank, its gradients all-reduced over every rank. Data x
     expert: the dense part and E/ep experts. The ring's and the all-to-alls' traffic is measured
     (their own groups' rows); context_parallel.py and expert_parallel.py derive it."""
+    own = psi
+    if args.ep > 1:
+        model = common.build_model(args)
+        named = model.named_parameters()
+        experts = sum(param.numel() for name, param in named if ".experts." in name)
+        own = psi - experts + experts // args.ep
     comm = dict(all_reduce=4 * own) if args.cp > 1 else {}
     return dict(
         param_bytes=4 * own,
@@ -570,6 +659,10 @@ def check_args(args, world):
     common.check(
         not args.experts or args.experts % args.ep == 0,
         f"--experts {args.experts} is not divisible by --ep {args.ep}: each rank holds E/ep",
+    )
+    common.check(
+        args.tp > 1 or not args.sequence_parallel,
+        "--sequence-parallel splits the tokens over the tensor-parallel ranks: give --tp > 1",
     )
     common.check(
         args.heads % args.tp == 0,
@@ -715,9 +808,16 @@ def run(args):
         if args.load:
             model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
         psi = sum(p.numel() for p in model.parameters())
-        model = parallelize(model, mesh, device, args)
-        # this rank's parameter elements: its ZeRO shards of its stage, or its own whole copy
-        own = sum(p.numel() for p in model.parameters())
+        micro_batches = args.microbatches if args.pp > 1 else 1
+        model = parallelize(
+            model,
+            mesh,
+            device,
+            args.zero_stage,
+            args.schedule,
+            micro_batches,
+            args.sequence_parallel,
+        )
         optimizer = common.make_optimizer(model.parameters(), args)
         hook_optimizer(model, optimizer)
         scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
@@ -747,7 +847,7 @@ def run(args):
             trained=out,
             test_acc=acc,
             meter=meter,
-            formula=formula(own, world, args),
+            formula=formula(psi, world, args),
             **common.traffic_per_mesh_dimension(meter, mesh),
         )
     finally:

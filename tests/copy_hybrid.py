@@ -14,7 +14,6 @@ weight-decay groups), the clip with no limit (it scales by 1 and returns the nor
 one process's). `nanogpt_cases`: nanoGPT's model as it is (tests/nanogpt_model.py), its
 configure_optimizers' groups, its (x, y) micro-batches and loss, its clip at a limit that clips."""
 
-import argparse
 import math
 
 import nanogpt_model
@@ -70,19 +69,6 @@ def make_mesh(world):
     assert world == math.prod(SIZES.values()), f"the hybrid cases run at W=8, not {world}"
     sizes = [SIZES[dim] for dim in hybrid_parallel.MESH_DIMS]
     return init_device_mesh("cpu", sizes, mesh_dim_names=hybrid_parallel.MESH_DIMS)
-
-
-def flags(zero_stage):
-    """The flags parallelize reads: the 3-D layout, 1F1B of ACCUMULATE micro-batches, no sequence
-    parallelism (a Contract with Parts of its own runs without it)."""
-    return argparse.Namespace(
-        cp=1,
-        ep=1,
-        sequence_parallel=False,
-        zero_stage=zero_stage,
-        schedule="1f1b",
-        microbatches=ACCUMULATE,
-    )
 
 
 def train(stage, optimizer, step_batches, loss_fn, max_norm, mesh):
@@ -148,7 +134,12 @@ def causal_lm_contract(optim):
 
 def run_causal_lm(zero_stage, optim, batches, mesh):
     stage = hybrid_parallel.parallelize(
-        CausalLM(), mesh, CPU, flags(zero_stage), causal_lm_contract(optim)
+        CausalLM(),
+        mesh,
+        CPU,
+        zero_stage,
+        micro_batches=ACCUMULATE,
+        contract=causal_lm_contract(optim),
     )
     optimizer = make_optimizer(stage.zero.param_groups, optim)
     hybrid_parallel.hook_optimizer(stage, optimizer)
@@ -212,7 +203,10 @@ def nanogpt_contract(optim):
 
 def run_nanogpt(zero_stage, prefix, optim, mesh):
     gpt = nanogpt_model.model(nanogpt_model.CONFIGS[prefix])
-    stage = hybrid_parallel.parallelize(gpt, mesh, CPU, flags(zero_stage), nanogpt_contract(optim))
+    contract = nanogpt_contract(optim)
+    stage = hybrid_parallel.parallelize(
+        gpt, mesh, CPU, zero_stage, micro_batches=ACCUMULATE, contract=contract
+    )
     del gpt  # its lm_head (not on the first stage) would keep the tied original alive
     # the user's optimizer class over ZeRO's groups, which keep the groups' hyperparameters
     optimizer = OPTIMIZERS[optim](stage.zero.param_groups)

@@ -106,7 +106,10 @@ def test_a_tied_weight_sharing_its_unit_is_refused():
 def test_sequence_parallel_with_parts_of_another_model_is_refused():
     """Sequence parallelism splits the tokens on the ViT's embed and head, which a Parts does not
     name: a Contract with Parts of its own is refused under it, rather than trained wrongly."""
-    contract = hybrid_parallel.Contract(parts=CAUSAL_LM_PARTS)
-    with pytest.raises(ValueError, match="--sequence-parallel"):
-        hybrid_parallel.contract_or_vit(contract, sequence_parallel=True)
-    assert hybrid_parallel.contract_or_vit(contract, sequence_parallel=False) is contract
+    contract = hybrid_parallel.Contract(parts=CAUSAL_LM_PARTS, activation_shape=(16, 32))
+    with pytest.raises(ValueError, match="sequence parallelism splits the tokens"):
+        hybrid_parallel.resolve_contract(contract, None, sequence_parallel=True)
+    assert hybrid_parallel.resolve_contract(contract, None, sequence_parallel=False) is contract
+    without_shape = hybrid_parallel.Contract(parts=CAUSAL_LM_PARTS)
+    with pytest.raises(ValueError, match="names its activation_shape"):
+        hybrid_parallel.resolve_contract(without_shape, None, sequence_parallel=False)

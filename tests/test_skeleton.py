@@ -45,9 +45,10 @@ MAX_DIFF = {
     # zero.py's 650 + the offload as one subclass (ZeROOffload) in a part of its own
     "zero_offload.py": 946,
     # core first: 574 + the paper's sketch of the MLP split, the part headers, the dropout refusal
-    # issue 34: + the tensor-parallel `group` (Functions taking it, operators(), split_tokens alone)
-    "tensor_parallel.py": 640,
-    "tensor_parallel_zero_r.py": 725,  # tensor_parallel.py's 640 + ZeRO-R's checkpointed forward
+    # issue 34: + the tensor-parallel `group` (Functions taking it, operators() binding it,
+    # split_tokens alone)
+    "tensor_parallel.py": 650,
+    "tensor_parallel_zero_r.py": 735,  # tensor_parallel.py's 650 + ZeRO-R's checkpointed forward
     # core first: 446 + the schedules' sketch, four part headers, the tie as named functions
     # issue 34: + the pipeline's `group` (peers as group ranks, each pipe's embedding group)
     "pipeline.py": 493,
@@ -59,7 +60,8 @@ MAX_DIFF = {
     "nd_parallel.py": 495,
     # issue 34: nd_parallel.py with PyTorch's pieces replaced by this codebase's own sections,
     # and the layouts data x context and data x expert
-    "hybrid_parallel.py": 711,  # + the language model part (Contract, the tied weight on ZeRO)
+    # + the language model part (Contract, the tied weight on ZeRO), the formula off the shapes
+    "hybrid_parallel.py": 803,
     # core first: the MoE layer moved to common/moe.py (596 before), the step-time averager and
     # the backward one split
     "expert_parallel.py": 555,  # issue 34: full_state_dict on the expert group
@@ -156,7 +158,8 @@ CORE_LINES = {
     # weights and its closing sends
     "pipeline_schedules.py": 144,  # issue 34: + the group, as pipeline.py
     # the three sections on their groups, the SP sum and the clip's weights on ZeRO's shards
-    "hybrid_parallel.py": 138,
+    # + parallelize's keywords (one a line), hook_optimizer, the layouts named
+    "hybrid_parallel.py": 156,
     "pipeline_pipedream.py": 120,
 }
 
