@@ -154,7 +154,7 @@ def split_blocks(stage, blocks, tp_group, sequence_parallel, contract):
     if sequence_parallel:
         embed = stage.embed if stage.is_first else None
         head = stage.head if stage.is_last else None
-        tensor_parallel.split_tokens(blocks, embed, head, tp_group)
+        tensor_parallel.split_tokens(embed, head, tp_group)
 
 
 def tp_split_params(stage):
@@ -653,6 +653,13 @@ def check_args(args, world):
         "--ep composes with --dp only (the data x expert layout): give --pp, --tp and --cp 1",
     )
     common.check(
+        args.zero_stage is None or args.cp == args.ep == 1,
+        "--zero-stage is for the pp x dp x tp layout: data x context runs DDP, data x expert "
+        "expert_parallel.py's averages",
+    )
+    if args.zero_stage is None:
+        args.zero_stage = 1
+    common.check(
         bool(args.experts) == (args.ep > 1),
         "--experts goes with --ep > 1 (the data x expert layout), and --ep > 1 with --experts",
     )
@@ -869,8 +876,9 @@ def main():
         "--zero-stage",
         type=int,
         choices=[1, 2, 3],
-        default=1,
-        help="ZeRO over dp: 1 shards the optimizer state, 2 + the gradients, 3 + the parameters",
+        default=None,
+        help="ZeRO over dp: 1 (the default) shards the optimizer state, 2 + the gradients, "
+        "3 + the parameters; the pp x dp x tp layout only",
     )
     parser.add_argument(
         "--sequence-parallel",

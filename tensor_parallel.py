@@ -239,7 +239,7 @@ def parallelize(
     if sequence_parallel:  # the embedding and head on all T tokens, the blocks on T/W
         embed = model.embed if embed is None else embed
         head = model.head if head is None else head
-        split_tokens(blocks, embed, head, group)
+        split_tokens(embed, head, group)
         sum_partial_gradients(token_sharded_params(blocks), group)
     return model
 
@@ -443,8 +443,8 @@ def leave_sequence_parallel(group, head, inputs):
     return LeaveSequenceParallel.apply(shard, group)
 
 
-def split_tokens(blocks, embed, head, group=None):
-    """The way in and out of --sequence-parallel, once `blocks` are split with its f and g: the
+def split_tokens(embed, head, group=None):
+    """The way in and out of --sequence-parallel, once the blocks are split with its f and g: the
     blocks run on this rank's T/W tokens, the embedding and the head on all T. `embed` or `head`
     None: this rank holds none (a pipeline stage after the first, or before the last). The
     gradients of what the blocks hold whole are not summed here: see sum_partial_gradients."""

@@ -228,6 +228,12 @@ CASES = [
     ),
     (
         "hybrid_parallel.py",
+        ["--cp", "2", "--dp", "1", "--zero-stage", "3"],
+        as_rank0_of(2),
+        "--zero-stage is for the pp x dp x tp layout",
+    ),
+    (
+        "hybrid_parallel.py",
         ["--cp", "3", "--dp", "1"],
         as_rank0_of(3),
         "the 16 tokens (--patch 7) are not divisible by the 3 ranks that split them",

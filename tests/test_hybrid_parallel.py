@@ -64,7 +64,9 @@ class Layout:
         return f"{mesh}-z{self.stage}{sp}{clip}-{self.optim}"
 
     def flags(self):
-        argv = [*CFG, "--optim", self.optim, "--zero-stage", self.stage]
+        argv = [*CFG, "--optim", self.optim]
+        if self.sizes["cp"] == self.sizes["ep"] == 1:  # ZeRO is the pp x dp x tp layout's
+            argv += ["--zero-stage", self.stage]
         for dim, size in self.sizes.items():
             argv += [f"--{dim}", size]
         argv += ["--microbatches", M]
