@@ -43,26 +43,15 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 ### begin: Context parallel
 # Model contract: the blocks (`blocks=`, `model.blocks` by default), each `attn` with q, k, v,
-# proj (nn.Linear) and head_dim; `model.embed` (proj on patch² pixels, pos [1, T, D], patch) and
-# `model.head` (fc applied to norm(x).mean(1)). The same weights on every rank; every rank feeds
-# the same batch. Another attention is passed to parallelize as `attention=` (GPT-2's fused
-# c_attn: GPT2Attention, below); a decoder language model passes causal=True and splits its own
-# (x, y) batches (split_batch and causal_lm_loss, below).
+# proj (nn.Linear) and head_dim; for the ViT, `model.embed` (proj on patch² pixels, pos [1, T, D],
+# patch) and `model.head` (fc applied to norm(x).mean(1)): split_patches, below. The same weights
+# on every rank; every rank feeds the same batch. Another attention is passed to parallelize as
+# `attention=` (GPT-2's fused c_attn: GPT2Attention, below); a decoder language model passes
+# causal=True and splits its own (x, y) batches (split_batch and causal_lm_loss, below).
 # Two groups, None meaning the world for each. The context group, the ranks that split each
 # sample's tokens and feed the same batch, is parallelize's `group` and that of split_tokens,
 # split_batch and causal_lm_loss. DDP's, parallelize's `data_group`, is every rank that holds a
 # copy of the model: the context group times its data-parallel copies.
-
-
-def token_positions(tokens, rank, world, zigzag=False):
-    """The positions, in a sequence of `tokens`, of the T/W tokens `rank` holds: its contiguous
-    run, or with zigzag the two chunks that balance a causal mask (zigzag_positions, below)."""
-    if zigzag:
-        return zigzag_positions(tokens, rank, world)
-    if tokens % world:
-        raise ValueError(f"{tokens} tokens do not split into {world} equal chunks")
-    size = tokens // world
-    return torch.arange(rank * size, (rank + 1) * size)
 
 
 class RingPass:
@@ -273,6 +262,62 @@ class ContextParallelAttention(nn.Module):
         return self.proj(out.transpose(1, 2).reshape(B, local_tokens, D))
 
 
+def parallelize(
+    model,
+    device,
+    method="ring",
+    group=None,
+    data_group=None,
+    causal=False,
+    zigzag=False,
+    attention=ContextParallelAttention,
+    blocks=None,
+):
+    """Every rank keeps the whole model and runs it on its T/W tokens of every sample (which ones:
+    token_positions). group: the context group, the W ranks that split the tokens (None: the
+    world). data_group: DDP's, every rank that holds a copy of the model (None: the world); it
+    holds the context group. Beside data parallelism on a DeviceMesh ("dp", "cp") that is the
+    world: group=mesh["cp"].get_group(), data_group=None. blocks: the modules whose `attn` attends
+    over the sequence (model.blocks when None). Every rank of the world calls parallelize, in the
+    same order as its other new groups: it makes attention's own process group (own_group)."""
+    group = group or dist.group.WORLD
+    check_data_group(group, data_group)
+    attention_group = own_group(group)
+    for block in model.blocks if blocks is None else blocks:
+        block.attn = attention(block.attn, method, attention_group, causal, zigzag)
+    # A language model (causal) splits its own batches and sums its loss over the ranks:
+    # split_batch and causal_lm_loss, below. The ViT's patches are split here (split_patches).
+    if not causal:
+        split_patches(model, group, zigzag)
+    # DDP's average of the ranks' gradients is the whole gradient: SumOverRanks, below, says why.
+    return DDP(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        process_group=data_group,  # None: DDP's default, the world
+        gradient_as_bucket_view=True,
+    )  # grads live in DDP's buckets: no second copy
+
+
+def full_state_dict(model):
+    """The plain state_dict of the model: every rank holds it whole, the group's rank 0 among
+    them, so it gathers nothing and takes no group."""
+    return {k: v.detach().cpu() for k, v in model.module.state_dict().items()}
+
+
+### more: the ViT's patches and its pooled head: this rank's tokens in, every rank's mean out
+
+
+def token_positions(tokens, rank, world, zigzag=False):
+    """The positions, in a sequence of `tokens`, of the T/W tokens `rank` holds: its contiguous
+    run, or with zigzag the two chunks that balance a causal mask (zigzag_positions, below)."""
+    if zigzag:
+        return zigzag_positions(tokens, rank, world)
+    if tokens % world:
+        raise ValueError(f"{tokens} tokens do not split into {world} equal chunks")
+    size = tokens // world
+    return torch.arange(rank * size, (rank + 1) * size)
+
+
 class LocalPatchEmbed(nn.Module):
     """The model's patch embedding for this rank's tokens only (its `positions` among the T
     patches) and their position embeddings."""
@@ -316,65 +361,21 @@ class SumOverRanks(torch.autograd.Function):
         return grad * ctx.world, None
 
 
-def parallelize(
-    model,
-    device,
-    method="ring",
-    group=None,
-    data_group=None,
-    causal=False,
-    zigzag=False,
-    attention=ContextParallelAttention,
-    blocks=None,
-):
-    """Every rank keeps the whole model and runs it on its T/W tokens of every sample (which ones:
-    token_positions). group: the context group, the W ranks that split the tokens (None: the
-    world). data_group: DDP's, every rank that holds a copy of the model (None: the world); it
-    holds the context group. Beside data parallelism on a DeviceMesh ("dp", "cp") that is the
-    world: group=mesh["cp"].get_group(), data_group=None. blocks: the modules whose `attn` attends
-    over the sequence (model.blocks when None). Every rank of the world calls parallelize, in the
-    same order as its other new groups: it makes attention's own process group (own_group)."""
-    group = group or dist.group.WORLD
+def split_patches(model, group, zigzag=False):
+    """The ViT's embedding makes this rank's T/W patches only (LocalPatchEmbed), and its head's
+    classifier takes the mean over all T tokens, summed over the ranks (SumOverRanks)."""
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
-    # DDP's average over data_group is the whole gradient only when it adds every context rank's
-    # part: over the data-parallel group alone (one rank of each context group) it would not.
-    context_ranks = set(dist.get_process_group_ranks(group))
-    data_ranks = set(dist.get_process_group_ranks(data_group or dist.group.WORLD))
-    if not context_ranks <= data_ranks:
-        raise ValueError(
-            f"data_group {sorted(data_ranks)} does not hold the context group "
-            f"{sorted(context_ranks)}: DDP's group is every rank holding a copy of the model"
-        )
-    attention_group = own_group(group)
-    for block in model.blocks if blocks is None else blocks:
-        block.attn = attention(block.attn, method, attention_group, causal, zigzag)
-    # A language model (causal) splits its own batches and sums its loss over the ranks:
-    # split_batch and causal_lm_loss, below. The ViT's patches are split here.
-    if not causal:
-        tokens = model.embed.pos.shape[1]
-        model.embed = LocalPatchEmbed(model.embed, token_positions(tokens, rank, world, zigzag))
+    tokens = model.embed.pos.shape[1]
+    model.embed = LocalPatchEmbed(model.embed, token_positions(tokens, rank, world, zigzag))
 
-        def mean_over_all_tokens(fc, inputs):
-            # A forward pre-hook gets fc's inputs as a tuple and returns what fc takes instead.
-            # The mean over T tokens is the sum over ranks of each rank's mean over T/W, / W.
-            local_mean = inputs[0]
-            return SumOverRanks.apply(local_mean / world, group)
+    def mean_over_all_tokens(fc, inputs):
+        # A forward pre-hook gets fc's inputs as a tuple and returns what fc takes instead.
+        # The mean over T tokens is the sum over ranks of each rank's mean over T/W, / W.
+        local_mean = inputs[0]
+        return SumOverRanks.apply(local_mean / world, group)
 
-        model.head.fc.register_forward_pre_hook(mean_over_all_tokens)
-    # DDP's average of the ranks' gradients is the whole gradient: SumOverRanks says why.
-    return DDP(
-        model,
-        device_ids=[device.index] if device.type == "cuda" else None,
-        process_group=data_group,  # None: DDP's default, the world
-        gradient_as_bucket_view=True,
-    )  # grads live in DDP's buckets: no second copy
-
-
-def full_state_dict(model):
-    """The plain state_dict of the model: every rank holds it whole, the group's rank 0 among
-    them, so it gathers nothing and takes no group."""
-    return {k: v.detach().cpu() for k, v in model.module.state_dict().items()}
+    model.head.fc.register_forward_pre_hook(mean_over_all_tokens)
 
 
 ### more: Ulysses, the other method: all-to-all from the token split to a head split and back
@@ -667,6 +668,22 @@ class GPT2Attention(nn.Module):
         q, k, v = (t.view(shape).transpose(1, 2) for t in self.c_attn(x).split(D, dim=2))
         y = context_attention(q, k, v, self.method, self.group, self.causal, self.zigzag)
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, local_tokens, D)))
+
+
+### more: DDP's group beside data parallelism: it must hold every context rank
+
+
+def check_data_group(group, data_group):
+    """Raise unless DDP's group (data_group, None meaning the world) holds the context group.
+    DDP's average over data_group is the whole gradient only when it adds every context rank's
+    part: over the data-parallel group alone (one rank of each context group) it would not."""
+    context_ranks = set(dist.get_process_group_ranks(group))
+    data_ranks = set(dist.get_process_group_ranks(data_group or dist.group.WORLD))
+    if not context_ranks <= data_ranks:
+        raise ValueError(
+            f"data_group {sorted(data_ranks)} does not hold the context group "
+            f"{sorted(context_ranks)}: DDP's group is every rank holding a copy of the model"
+        )
 
 
 ### more: attention on a process group of its own, apart from DDP's (for NCCL)
