@@ -11,8 +11,8 @@ outermost to innermost. Two nodes of 4 GPUs, --pp 2 --dp-shard 2 --tp 2:
 
 Memory per rank (fp32, AdamW, Ψ parameters): ≈ 16Ψ/(P·T·S) bytes. Per step (act: B/(R·S)
 samples x T tokens x D, fp32): tp all-reduces 6·act a block; dp_shard all-gathers ≈ 2·4Ψ/(P·T)
-and reduce-scatters ≈ 4Ψ/(P·T); dp_replicate all-reduces ≈ 4Ψ/(P·T·S); pp sends and receives
-act.
+and reduce-scatters ≈ 4Ψ/(P·T); dp_replicate all-reduces ≈ 4Ψ/(P·T·S); pp sends and
+receives act.
 Paper: Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
 Using Megatron-LM", https://arxiv.org/abs/2104.04473. Layout and traffic derived:
 docs/techniques.md#n-d-parallelism-mesh-layout-and-traffic

@@ -2,7 +2,7 @@
 each global batch; unlike DDP, the W ranks split what DDP replicates: the optimizer state (stage 1),
 also the gradients (stage 2), also the parameters (stage 3). zero_offload.py adds ZeRO-Offload.
 
-    a unit (a module) of n parameters, one flat buffer of W·S elements (S = ⌈n/W⌉, zero-padded):
+    a unit (a module) of n parameters, one flat buffer of W·S elements (S = ⌈n/W⌉, padded):
     [ shard 0 | shard 1 | ... | shard W-1 ]      rank r's optimizer steps shard r only
 
     backward, unit by unit:  the unit's gradient --reduce-scatter / W--> own shard of the average

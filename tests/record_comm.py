@@ -22,24 +22,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the scripts
 
-COLLECTIVES = [
-    "all_reduce",
-    "reduce",
-    "broadcast",
-    "barrier",
-    "all_gather",
-    "all_gather_into_tensor",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "all_to_all",
-    "all_to_all_single",
-    "gather",
-    "scatter",
-    "gather_object",
-    "all_gather_object",
-    "broadcast_object_list",
-    "scatter_object_list",
-]
+from test_pipeline import RecordedWorld  # noqa: E402 (it imports the scripts)
+
+# the collectives test_pipeline's in-process stand-in records: the same list here
+COLLECTIVES = RecordedWorld.COLLECTIVES
 calls = []
 
 

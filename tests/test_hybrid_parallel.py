@@ -14,29 +14,11 @@ import json
 import math
 
 import pytest
+from test_nd_parallel import CFG  # the same small ViT, data and steps as nd_parallel.py's tests
 from test_pipeline import replay
 
 from helpers import ddp_references, fork_launch, launch_cases, max_diff
 
-CFG = [
-    "--data",
-    "synthetic",
-    "--limit",
-    "256",
-    "--batch-size",
-    "32",
-    "--dim",
-    "32",
-    "--depth",
-    "2",
-    "--heads",
-    "4",
-    "--epochs",
-    "1",
-    "--max-steps",
-    "3",
-    "--no-progress",
-]
 EXPERTS = ["--experts", "4"]
 TOL = {"sgd": 1e-6, "adamw": 5e-5}
 M = 4  # micro-batches with a pipeline
