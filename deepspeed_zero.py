@@ -279,6 +279,8 @@ def run(args):
             sampler=sampler,
             drop_last=True,
             pin_memory=device.type == "cuda",
+            num_workers=args.workers,
+            persistent_workers=args.workers > 0,  # started once, not every epoch
         )
         common.check(
             len(loader) > 0,

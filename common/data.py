@@ -295,18 +295,25 @@ class Digits(Dataset):
     With shift=s (the training set, --shift), sample i in epoch e is moved by a whole number of
     pixels in [-s, s] along each axis, drawn from (seed, e, i) alone: every world size and every
     technique sees the same augmented batches. set_epoch(e) picks the epoch, as the sampler's
-    does."""
+    does, also for DataLoader workers (--workers): each holds a copy of this dataset made when it
+    started, and a persistent one lives for the whole run, so the epoch is kept in shared memory,
+    where every copy reads the number set_epoch wrote. (A plain attribute would give every epoch
+    epoch 0's shifts in the workers, a different run from --workers 0.)"""
 
     def __init__(self, x, y, shift=0, seed=0):
         self.x = x
         self.y = y
         self.shift = shift
         self.seed = seed
-        self.epoch = 0
+        self.shared_epoch = torch.zeros((), dtype=torch.long).share_memory_()
         self.background = x.amin() if len(x) else 0.0  # the value a shift fills in with
 
     def set_epoch(self, epoch):
-        self.epoch = epoch
+        self.shared_epoch.fill_(epoch)
+
+    @property
+    def epoch(self):
+        return int(self.shared_epoch)
 
     def __len__(self):
         return len(self.y)

@@ -9,6 +9,7 @@ script runs in one launch, one after another (tests/script_cases.py): all of the
 import re
 
 import pytest
+import torch
 
 from helpers import launch_cases
 
@@ -42,7 +43,7 @@ def needed(request):
     """The configurations this session's selected tests check: every one in a whole run."""
     names = []
     for item in request.session.items:
-        if item.module is request.module:
+        if item.module is request.module and hasattr(item, "callspec"):
             names.append(item.callspec.params["name"])
     return names
 
@@ -70,3 +71,17 @@ def test_the_loop_runs_past_logging_steps_and_an_epoch_boundary(loops, name):
     assert logged == [("0", "2"), ("1", "4")], output
     if name == "ddp_torchrun":  # the snapshot at the first epoch's end, and at the run's end
         assert "snapshot: step 3 saved" in output and "snapshot: step 5 saved" in output, output
+
+
+def test_workers_change_nothing(tmp_path):
+    """--workers N loads the batches in N processes per rank, kept across epochs: the run is the
+    same bit for bit as loading in the training process. Three epochs with --shift: a worker's
+    copy of the dataset must see each epoch's set_epoch, or it repeats epoch 0's shifts."""
+    flags = [*LOOP, "--max-steps", "0", "--epochs", "3", "--shift", "2", "--optim", "sgd"]
+    argv = [["ddp", [*flags, "--workers", w, "--save", tmp_path / f"w{w}.pt"]] for w in (0, 2)]
+    (loading_here, _), (in_workers, _) = launch_cases(2, argv, timeout=180)
+    assert loading_here["steps"] == in_workers["steps"] == 3 * 96 // 32
+    saved_here = torch.load(tmp_path / "w0.pt", weights_only=True)
+    saved_by_workers = torch.load(tmp_path / "w2.pt", weights_only=True)
+    for name, tensor in saved_here.items():
+        assert torch.equal(tensor, saved_by_workers[name]), name
