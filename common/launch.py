@@ -4,6 +4,7 @@ import argparse
 import datetime
 import gc
 import os
+import re
 import socket
 import sys
 
@@ -214,12 +215,48 @@ def _spawned(local_rank, nproc, run, args):
     run_and_collect(run, args)
 
 
-# Launchers that start every rank themselves name the rank's place on its node in their own
-# variables: (the local rank, the number of ranks on this node), SLURM's srun's and Open MPI's.
-LAUNCHER_LOCAL_VARIABLES = (
-    ("SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
-    ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+# A rank that srun or mpirun started (not torchrun, nor --nproc) finds its place on its node in
+# the launcher's own variables. Open MPI's and MPICH's (Hydra's) come first: mpirun inside a SLURM
+# allocation gives every rank the batch script's SLURM variables, in which each is task 0 of its
+# node (SLURM_LOCALID=0), so all would take GPU 0.
+MPI_LOCAL_VARIABLES = (
+    ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),  # Open MPI's mpirun
+    ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"),  # MPICH's and Intel MPI's mpirun (Hydra)
 )
+# srun: the task's index on its node, the node's index in the job step, and the step's tasks per
+# node, which srun always sets (SLURM_NTASKS_PER_NODE only comes with --ntasks-per-node); else the
+# allocation's SLURM_TASKS_PER_NODE.
+SLURM_LOCAL_VARIABLES = ("SLURM_LOCALID", "SLURM_NODEID")
+SLURM_TASKS_PER_NODE = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+
+
+def slurm_tasks_on_node(tasks_per_node, node):
+    """The number of tasks SLURM runs on node `node` (its SLURM_NODEID), read from SLURM's
+    compressed list: "2(x3),1" is 2 tasks on each of nodes 0, 1 and 2, then 1 task on node 3."""
+    groups = tasks_per_node.split(",")
+    well_formed = all(re.fullmatch(r"\d+(\(x\d+\))?", group) for group in groups)
+    check(well_formed, f"SLURM's tasks per node {tasks_per_node!r}: expected e.g. '2(x3),1'")
+    first_node = 0
+    for group in groups:
+        count, _, repeat = group.partition("(x")
+        nodes = int(repeat.rstrip(")")) if repeat else 1
+        if node < first_node + nodes:
+            return int(count)
+        first_node += nodes
+    fail(f"SLURM_NODEID={node} is past the {first_node} nodes of SLURM's {tasks_per_node!r}")
+
+
+def launcher_local_rank(env):
+    """(LOCAL_RANK, LOCAL_WORLD_SIZE) of this rank from the variables of the launcher that
+    started it, mpirun's before srun's, or None where there are none."""
+    for local_rank, local_world in MPI_LOCAL_VARIABLES:
+        if local_rank in env and local_world in env:
+            return int(env[local_rank]), int(env[local_world])
+    tasks_per_node = [env[name] for name in SLURM_TASKS_PER_NODE if name in env]
+    if all(name in env for name in SLURM_LOCAL_VARIABLES) and tasks_per_node:
+        node = int(env["SLURM_NODEID"])
+        return int(env["SLURM_LOCALID"]), slurm_tasks_on_node(tasks_per_node[0], node)
+    return None
 
 
 def adopt_launcher_environment(args):
@@ -233,23 +270,23 @@ def adopt_launcher_environment(args):
         "torchrun must export RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for every rank",
     )
     check(args.nproc is None, "--nproc starts ranks itself: not with RANK set by a launcher")
-    for local_rank, local_world in LAUNCHER_LOCAL_VARIABLES:
-        if local_rank in os.environ and local_world in os.environ:
-            # SLURM writes e.g. "4(x2)" when several nodes run 4 tasks each: the count comes first
-            ranks_on_node = os.environ[local_world].split("(")[0]
-            os.environ.update(LOCAL_RANK=os.environ[local_rank], LOCAL_WORLD_SIZE=ranks_on_node)
-            return
-    fail(
-        "RANK and WORLD_SIZE are set but not LOCAL_RANK, nor SLURM_LOCALID and "
-        "SLURM_NTASKS_PER_NODE (srun), nor OMPI_COMM_WORLD_LOCAL_RANK and "
-        "OMPI_COMM_WORLD_LOCAL_SIZE (mpirun): export LOCAL_RANK and LOCAL_WORLD_SIZE, which pick "
-        "each rank's GPU, or use torchrun"
+    local = launcher_local_rank(os.environ)
+    check(
+        local is not None,
+        "RANK and WORLD_SIZE are set but not LOCAL_RANK, nor SLURM_LOCALID, SLURM_NODEID and "
+        "SLURM_STEP_TASKS_PER_NODE (srun), nor OMPI_COMM_WORLD_LOCAL_RANK and "
+        "OMPI_COMM_WORLD_LOCAL_SIZE (Open MPI's mpirun), nor MPI_LOCALRANKID and MPI_LOCALNRANKS "
+        "(MPICH's): export LOCAL_RANK and LOCAL_WORLD_SIZE, which pick each rank's GPU, "
+        "or use torchrun",
     )
+    local_rank, local_world = local
+    os.environ.update(LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(local_world))
 
 
 def launch(run, args):
-    """Start `run(args)` on every rank. Under torchrun, or a launcher that exports RANK,
-    WORLD_SIZE, MASTER_ADDR and MASTER_PORT (SLURM's srun, mpirun), this process is one rank.
+    """Start `run(args)` on every rank. Under torchrun this process is one rank; so it is under
+    srun or mpirun (Open MPI's, MPICH's) when RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are
+    exported for every rank (docs/reliability.md), the local rank taken from the launcher's own.
     Otherwise `python X.py --nproc N` spawns N processes on this machine on a free port, and plain
     `python X.py` is a world of one."""
     import torch.multiprocessing as mp

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 import common
+from common.launch import adopt_launcher_environment, launcher_local_rank, slurm_tasks_on_node
 from helpers import ROOT, kill_group
 
 ARGS = ["--data", "synthetic", "--limit", "300"]
@@ -807,9 +808,11 @@ def start_ranks_by_hand(envs, timeout=120):
 
 
 def test_ranks_started_without_torchrun_meet_at_their_master():
-    """Two "nodes" of one rank each, as srun starts them: RANK, WORLD_SIZE, MASTER_ADDR and
-    MASTER_PORT exported by hand, the local rank in SLURM_LOCALID. Both ranks join one world at the
-    exported master and train (before: each made its own store on a random port and waited)."""
+    """Two "nodes" of one rank each, as a plain srun (no --ntasks-per-node) starts them: RANK,
+    WORLD_SIZE, MASTER_ADDR and MASTER_PORT exported by hand, the place on the node in
+    SLURM_LOCALID, SLURM_NODEID and SLURM_STEP_TASKS_PER_NODE (no SLURM_NTASKS_PER_NODE, which
+    srun sets only with --ntasks-per-node). Both ranks join one world at the exported master and
+    train (before: each made its own store on a random port and waited; then: refused)."""
     port = str(common.free_port())
     envs = [
         dict(
@@ -818,13 +821,87 @@ def test_ranks_started_without_torchrun_meet_at_their_master():
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=port,
             SLURM_LOCALID="0",
-            SLURM_NTASKS_PER_NODE="1",
+            SLURM_NODEID=str(rank),
+            SLURM_STEP_TASKS_PER_NODE="1(x2)",
         )
         for rank in range(2)
     ]
     (code_0, out_0, err_0), (code_1, _, err_1) = start_ranks_by_hand(envs)
     assert code_0 == 0 and code_1 == 0, (err_0, err_1)
     assert '"world_size": 2' in out_0, out_0
+
+
+@pytest.mark.parametrize(
+    "tasks_per_node, counts",
+    [("4", [4]), ("4(x2)", [4, 4]), ("2(x3),1", [2, 2, 2, 1]), ("1,3(x2),2", [1, 3, 3, 2])],
+)
+def test_slurm_tasks_per_node_are_read_at_this_node(tasks_per_node, counts):
+    """SLURM's compressed count of tasks per node, read at each SLURM_NODEID: "2(x3),1" is 2
+    tasks on nodes 0-2 and 1 on node 3 (the first number alone would give node 3 two ranks)."""
+    nodes = range(len(counts))
+    assert [slurm_tasks_on_node(tasks_per_node, node) for node in nodes] == counts
+
+
+@pytest.mark.parametrize(
+    "tasks_per_node, node, message",
+    [("2(x3),1", 4, "SLURM_NODEID=4 is past the 4 nodes"), ("2(3)", 0, "expected e.g.")],
+)
+def test_slurm_tasks_per_node_that_do_not_fit_are_one_error(tasks_per_node, node, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        slurm_tasks_on_node(tasks_per_node, node)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.count(message) == 1
+
+
+SRUN = dict(SLURM_LOCALID="1", SLURM_NODEID="3", SLURM_STEP_TASKS_PER_NODE="2(x3),1")
+
+
+@pytest.mark.parametrize(
+    "env, local",
+    [
+        # plain srun, 7 tasks on 4 nodes: the second task of node 2, which runs 2
+        ({**SRUN, "SLURM_NODEID": "2"}, (1, 2)),
+        # an sbatch script's srun that leaves the step's count out: the allocation's
+        (dict(SLURM_LOCALID="0", SLURM_NODEID="1", SLURM_TASKS_PER_NODE="3(x2)"), (0, 3)),
+        # Open MPI's mpirun inside an allocation: its daemons, one a node, were started by
+        # `srun --ntasks-per-node=1`, whose SLURM variables every rank inherits (task 0 of 1)
+        (
+            dict(
+                SLURM_LOCALID="0",
+                SLURM_NODEID="1",
+                SLURM_STEP_TASKS_PER_NODE="1(x2)",
+                SLURM_NTASKS_PER_NODE="1",
+                OMPI_COMM_WORLD_LOCAL_RANK="3",
+                OMPI_COMM_WORLD_LOCAL_SIZE="4",
+            ),
+            (3, 4),
+        ),
+        # MPICH's or Intel MPI's mpirun (Hydra) inside an allocation
+        ({**SRUN, "MPI_LOCALRANKID": "2", "MPI_LOCALNRANKS": "4"}, (2, 4)),
+        (dict(SLURM_LOCALID="0", SLURM_PROCID="0"), None),  # no tasks per node: nothing to go by
+    ],
+)
+def test_the_local_rank_is_the_launchers(env, local):
+    """The place on the node that picks a rank's GPU, from the variables of whichever launcher
+    started it: mpirun's before the SLURM ones its ranks inherit (every one SLURM_LOCALID=0, so
+    every rank would take GPU 0), srun's read at this node."""
+    assert launcher_local_rank(env) == local
+
+
+def test_srun_and_mpirun_ranks_get_their_local_rank(monkeypatch):
+    """adopt_launcher_environment sets LOCAL_RANK and LOCAL_WORLD_SIZE from the launcher's
+    variables, which pick_backend then reads: under mpirun inside SLURM, Open MPI's."""
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    variables = dict(RANK="5", WORLD_SIZE="8", MASTER_ADDR="127.0.0.1", MASTER_PORT="29999")
+    # mpirun's daemons, one a node, were started by `srun --ntasks-per-node=1`: task 0 of 1
+    variables.update(SLURM_LOCALID="0", SLURM_NODEID="1", SLURM_NTASKS_PER_NODE="1")
+    variables.update(SLURM_STEP_TASKS_PER_NODE="1(x2)")
+    variables.update(OMPI_COMM_WORLD_LOCAL_RANK="1", OMPI_COMM_WORLD_LOCAL_SIZE="4")
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    adopt_launcher_environment(parse())
+    assert (os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"]) == ("1", "4")
 
 
 def test_ranks_without_a_local_rank_are_refused_in_one_message():
