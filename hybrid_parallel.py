@@ -140,21 +140,21 @@ def parallelize(
 
 def split_blocks(stage, blocks, tp_group, sequence_parallel, contract):
     """tensor_parallel.py's split of each block over tp_group, as the contract's plan says:
-    Megatron's f before the column-parallel layers, g after the row-parallel ones; a fused q, k, v
-    attends with this rank's H/T heads. Under sequence parallelism the first stage's embedding
-    hands each tp rank its L/T tokens and the last stage's head gathers them back; the stages
-    between them receive and send token shards. Not tensor_parallel.parallelize, which would hook
-    model.embed and model.head on every stage, and sum the norms' partial gradients with hooks on
-    parameters that ZeRO replaces (sum_token_sharded does it on ZeRO's shards instead)."""
+    Megatron's f on the column-parallel layers' input, g on the row-parallel ones' output; the
+    model's own attention runs on this rank's H/T heads. Under sequence parallelism the first
+    stage's first block hands each tp rank its L/T tokens and the last stage's head gathers them
+    back; the stages between them receive and send token shards. Not
+    tensor_parallel.parallelize, which would hook the first block and model.head on every stage,
+    and sum the norms' partial gradients with hooks on parameters that ZeRO replaces
+    (sum_token_sharded does it on ZeRO's shards instead)."""
     f, g = tensor_parallel.operators(sequence_parallel, tp_group)
     for block in blocks:
         tensor_parallel.split_block(block, contract.plan, f, g, tp_group)
-    if tensor_parallel.QKVParallelLinear in contract.plan.values():
-        tensor_parallel.attend_local_heads_in(blocks, contract.heads, contract.causal, tp_group)
     if sequence_parallel:
-        embed = stage.embed if stage.is_first else None
+        tensor_parallel.gather_tokens_into(blocks, tp_group)
+        first_block = blocks[0] if stage.is_first else None
         head = stage.head if stage.is_last else None
-        tensor_parallel.split_tokens(embed, head, tp_group)
+        tensor_parallel.split_tokens(first_block, head, tp_group)
 
 
 def tp_split_params(stage):
@@ -345,11 +345,12 @@ def clip_grad_norm_(stage, max_norm):
 
 ### more: a language model (parts, plan, a tied weight across the first and last stage)
 # What the cores read off the ViT, another model names in a Contract: pipeline.py's Parts and the
-# (L, D) crossing a stage boundary; tensor_parallel.py's plan, with the head count and the causal
-# mask of a fused q, k, v (GPT-2's c_attn); the optimizer's groups, built on the stage the tp split
-# left, where zero.py cuts each unit's shard into pieces. GPT-2's tied embedding (wte.weight is
-# lm_head.weight) is one weight on two stages: pipeline.py gives the last stage a copy and sums the
-# two copies' .grad after the backward, but under ZeRO the copies are flat shards without a .grad.
+# (L, D) crossing a stage boundary; tensor_parallel.py's plan (its layers, a fused q, k, v as
+# GPT-2's c_attn, the head counts it divides); the optimizer's groups, built on the stage the tp
+# split left, where zero.py cuts each unit's shard into pieces. GPT-2's tied embedding
+# (wte.weight is lm_head.weight) is one weight on two stages: pipeline.py gives the last stage a
+# copy and sums the two copies' .grad after the backward, but under ZeRO the copies are flat shards
+# without a .grad.
 # So each copy is a ZeRO unit of its own (its module holds nothing else): the same shape on both
 # ends, the same padding and shard cut, so dp rank d holds the same elements of it on both. After
 # the step's last reduce-scatter, each end's shard of it is summed over the pipe's embedding group
@@ -359,8 +360,8 @@ def clip_grad_norm_(stage, max_norm):
 class Contract(NamedTuple):
     """What the sections need of a model, by name; the defaults are the common ViT's. parts: a
     pipeline.Parts (None: the ViT's embed, blocks, head). activation_shape: (L, D) of a sample's
-    activation between stages (None: model.embed.pos's, the ViT's). plan, heads, causal:
-    tensor_parallel.py's (heads and causal for a QKVParallelLinear). param_groups: a function of
+    activation between stages (None: model.embed.pos's, the ViT's). plan: tensor_parallel.py's
+    (None: its PLAN, the ViT's). param_groups: a function of
     the stage returning the optimizer's groups over its parameters as the tp split left them,
     each copy of a tied weight in a group with the same hyperparameters on both ends (None: one
     group)."""
@@ -368,8 +369,6 @@ class Contract(NamedTuple):
     parts: pipeline.Parts | None = None
     activation_shape: tuple | None = None
     plan: dict = tensor_parallel.PLAN
-    heads: int | None = None
-    causal: bool = False
     param_groups: Callable | None = None
 
 

@@ -25,6 +25,7 @@ The split in detail, SP, the counts: docs/techniques.md#tensor-parallelism
     python tensor_parallel.py --nproc 2          # the same, through mp.spawn on a free port
 """
 
+import contextlib
 import functools
 import os
 
@@ -40,16 +41,16 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 
 ### begin: Tensor parallel
-# Model contract: `model.embed` -> [B, T, D] -> `model.blocks` -> `model.head`, the same weights on
-# every rank of the group, and each of them fed the same batch; a block is x + attn(norm1(x)),
-# x + mlp(norm2(x)) under any names, and its forward is kept. `plan` maps the name of each
-# nn.Linear in a block to its split; PLAN is the ViT's, whose attention reads its head count off
-# q's width, so it runs this rank's H/W heads unchanged. The tensor-parallel group is the `group`
+# Model contract: [B, T, D] activations through `model.blocks`, the same weights on every rank of
+# the group, and each of them fed the same batch. `plan` names, in a block, each
+# layer to split (nn.Linear, or HuggingFace's Conv1D) and how; the block's own forward runs on the
+# split layers, so its attention must take its head count off the width it is given (PLAN is the
+# ViT's, whose attention reads it off q's width). The tensor-parallel group is the `group`
 # argument, the world when None: every collective runs on it, W is its size and a rank's shard is
 # cut by its rank in it. Clip with the section's clip_grad_norm_(model, max_norm, group), not
 # torch's.
-# A language model's fused q, k, v and names, sequence parallelism and clipping: the `### more:`
-# parts after the core.
+# A language model's fused q, k, v and head counts, sequence parallelism and clipping: the
+# `### more:` parts after the core.
 
 # Shoeybi et al. 2019, section 3 and Figure 3 (https://arxiv.org/abs/1909.08053): the MLP's first
 # weight A split by columns (output features), its second B by rows (input features), so that
@@ -64,6 +65,10 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 # f and g, a conjugate pair:  forward     backward
 #                         f   identity    all-reduce
 #                         g   all-reduce  identity
+#
+# f sits where a column-parallel layer's input enters it, g where a row-parallel layer's output
+# leaves it, both inside the split layers: whatever the block passes its attention (positions,
+# masks, keyword arguments), no path crosses f or g twice.
 
 
 def shard_of(tensor, dim, parts=1, group=None):
@@ -113,43 +118,50 @@ class ReduceFromTensorParallel(torch.autograd.Function):
 
 
 class ColumnParallelLinear(nn.Module):
-    """Y_r = X·A_r: this rank's 1/W of a linear layer's output features (rows of nn.Linear's
-    [out, in] weight, and of its bias). Its input comes through f, which parallelize puts once on
-    the input of the attention (for q, k and v together) and of the MLP; its output stays split."""
+    """Y_r = f(X)·A_r: this rank's 1/W of a layer's output features and of its bias, with f on
+    its input; its output stays split. The weight keeps the layer's layout (nn.Linear's [out, in]
+    split by rows, Conv1D's [in, out] by columns), so the state_dict keeps its shapes' order."""
 
-    shard_dims = {"weight": 0, "bias": 0}  # where full_state_dict joins the shards
     parts = 1  # the output features are one matrix's (QKVParallelLinear: three side by side)
 
-    def __init__(self, linear, group=None):
+    def __init__(self, layer, f, g, group=None):
         super().__init__()
-        self.weight = nn.Parameter(shard_of(linear.weight, dim=0, parts=self.parts, group=group))
-        bias = linear.bias  # None for the key projection
-        self.bias = None
-        if bias is not None:
-            self.bias = nn.Parameter(shard_of(bias, dim=0, parts=self.parts, group=group))
+        self.in_out = stores_in_out(layer)
+        out_dim = 1 if self.in_out else 0
+        self.shard_dims = {"weight": out_dim}  # where full_state_dict joins the shards
+        self.weight = nn.Parameter(shard_of(layer.weight, out_dim, self.parts, group))
+        self.bias = None  # None for the key projection
+        if layer.bias is not None:
+            self.shard_dims["bias"] = 0
+            self.bias = nn.Parameter(shard_of(layer.bias, 0, self.parts, group))
+        self.f = f
 
     def forward(self, x):
-        return F.linear(x, self.weight, self.bias)
+        weight = self.weight.t() if self.in_out else self.weight  # F.linear takes [out, in]
+        return F.linear(self.f(x), weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
-    """Z = g(Y_r·B_r) + b = Σ_r Y_r·B_r + b: this rank's 1/W of a linear layer's input features
-    (columns of the weight), applied to the column-parallel layer's split output Y_r, then g sums
-    the W partial products. The bias is whole and added once, after g: added before it, the sum
-    would count it W times. That is why g lives here rather than in the block."""
+    """Z = g(Y_r·B_r) + b = Σ_r Y_r·B_r + b: this rank's 1/W of a layer's input features,
+    applied to the column-parallel layer's split output Y_r, then g sums the W partial products.
+    The bias is whole and added once, after g: added before it, the sum would count it W times.
+    That is why g lives here rather than in the block."""
 
-    shard_dims = {"weight": 1}  # where full_state_dict joins the shards; the bias is replicated
     parts = 1  # full_state_dict reads it off every parallel linear
 
-    def __init__(self, linear, g, group=None):
+    def __init__(self, layer, f, g, group=None):
         super().__init__()
-        self.weight = nn.Parameter(shard_of(linear.weight, dim=1, group=group))
-        bias = linear.bias  # None with bias=False
+        self.in_out = stores_in_out(layer)
+        in_dim = 0 if self.in_out else 1
+        self.shard_dims = {"weight": in_dim}  # where full_state_dict joins; the bias is whole
+        self.weight = nn.Parameter(shard_of(layer.weight, in_dim, group=group))
+        bias = layer.bias  # None with bias=False
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
         self.g = g
 
     def forward(self, y):
-        z = self.g(F.linear(y, self.weight))
+        weight = self.weight.t() if self.in_out else self.weight  # F.linear takes [out, in]
+        z = self.g(F.linear(y, weight))
         return z if self.bias is None else z + self.bias
 
 
@@ -164,24 +176,14 @@ PLAN = {
 }
 
 
-def apply_f(f, module, inputs):
-    """A forward pre-hook (f bound by functools.partial) on the attention and on the MLP: f on
-    their input, the normed x, before their column-parallel layers. One f serves q, k and v, so
-    backward all-reduces their summed dX once, not thrice."""
-    (x,) = inputs
-    return f(x)
-
-
 def operators(sequence_parallel=False, group=None):
     """Megatron's f and g, each a callable on a tensor that runs its collectives on `group`."""
-    f = CopyToTensorParallel
-    g = ReduceFromTensorParallel
-    if sequence_parallel:  # f and g on T/W tokens: `### more: sequence parallelism`
-        f = GatherToTensorParallel
-        g = ReduceScatterFromTensorParallel
-    # Their forwards take the group after the tensor: bound here, so that a hook or a layer calls
-    # f(x) and g(y) on the tensor alone.
-    return with_group(f, group), with_group(g, group)
+    f = OncePerInput(with_group(CopyToTensorParallel, group))
+    g = with_group(ReduceFromTensorParallel, group)
+    if sequence_parallel:  # the tokens gathered at the module's input: `### more: sequence ...`
+        f = tokens_gathered
+        g = with_group(ReduceScatterFromTensorParallel, group)
+    return f, g
 
 
 def with_group(function, group):
@@ -195,21 +197,12 @@ def with_group(function, group):
 
 
 def split_block(block, plan, f, g, group=None):
-    """Swap the block's linears named in `plan` for their split, in place (the same names, so the
-    same state_dict keys), each keeping this rank's shard in `group`, and put f on the input of the
-    sub-modules holding them (attn, mlp)."""
-    owners = {}  # the sub-modules holding split layers, each once, in plan order
-    for name, parallel_linear in plan.items():
-        owner_name, _, layer_name = name.rpartition(".")
+    """Put each of the block's layers named in `plan` in place by its split (the same names, so
+    the same state_dict keys), each keeping this rank's shard in `group`, with f and g inside."""
+    for name, split in plan.items():
+        owner_name, _, attribute = name.rpartition(".")
         owner = block.get_submodule(owner_name)
-        linear = owner.get_submodule(layer_name)
-        if parallel_linear is RowParallelLinear:  # g goes inside it, before its bias
-            setattr(owner, layer_name, RowParallelLinear(linear, g, group))
-        else:
-            setattr(owner, layer_name, parallel_linear(linear, group))
-        owners[owner_name] = owner
-    for owner in owners.values():
-        owner.register_forward_pre_hook(functools.partial(apply_f, f))
+        setattr(owner, attribute, split(getattr(owner, attribute), f, g, group))
 
 
 def parallelize(
@@ -217,29 +210,23 @@ def parallelize(
     device,
     sequence_parallel=False,
     plan=PLAN,
-    heads=None,
-    causal=False,
     blocks=None,
-    embed=None,
     head=None,
     group=None,
 ):
-    """Split every block's linears in place as `plan` says, over the ranks of `group` (None: the
+    """Split every block's layers in place as `plan` says, over the ranks of `group` (None: the
     world); the embedding and the head stay replicated (every rank sees the whole batch, so their
-    gradients are the same everywhere). `blocks`: model.blocks unless given. `heads` and `causal`
-    are for a fused q, k, v, `embed` and `head` for sequence parallelism: see their `### more:`
-    parts. `device` is unused: the model is already on it (the argument keeps every script's call
-    the same)."""
+    gradients are the same everywhere). `blocks`: model.blocks unless given. `head` is for
+    sequence parallelism: see its `### more:` part. `device` is unused: the model is
+    already on it (the argument keeps every script's call the same)."""
     f, g = operators(sequence_parallel, group)
     blocks = model.blocks if blocks is None else blocks
     for block in blocks:
         split_block(block, plan, f, g, group)
-    if QKVParallelLinear in plan.values():  # `### more: q, k and v fused in one layer`
-        attend_local_heads_in(blocks, heads, causal, group)
-    if sequence_parallel:  # the embedding and head on all T tokens, the blocks on T/W
-        embed = model.embed if embed is None else embed
+    if sequence_parallel:  # the blocks on T/W tokens, the embedding and the head on all T
+        gather_tokens_into(blocks, group)
         head = model.head if head is None else head
-        split_tokens(embed, head, group)
+        split_tokens(next(iter(blocks)), head, group)
         sum_partial_gradients(token_sharded_params(blocks), group)
     return model
 
@@ -252,92 +239,136 @@ def join_shards(shards, dim, parts=1):
 
 
 def full_state_dict(model, group=None):
-    """The model's plain state_dict on the group's rank 0 (None elsewhere): model.state_dict()
-    (buffers and whole parameters as every rank holds them), each split parameter gathered to the
-    group's rank 0 and its shards joined as they were cut. Every rank walks the modules in the same
-    order, so their gathers pair up."""
+    """The unsplit model's state_dict() on the group's rank 0 (None elsewhere): each split tensor
+    gathered there and joined as it was cut, then the model's own state_dict() taken with the
+    whole tensors in place of the shards, so that its keys, shapes, buffers and hooks are the
+    unsplit model's. Every rank walks the modules in the same order, so their gathers pair up."""
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
-    state = {key: value.detach().cpu() for key, value in model.state_dict().items()}
-    for module_name, module in model.named_modules():
-        shard_dims = getattr(module, "shard_dims", {})  # only the parallel linears have them
-        for name, param in module.named_parameters(recurse=False):
-            if name not in shard_dims:
-                continue
+    wholes = []  # (module, name, the whole tensor), on rank 0
+    for module in model.modules():
+        for name, dim in getattr(module, "shard_dims", {}).items():  # the parallel layers'
+            shard = getattr(module, name).detach().contiguous()
             shards = None  # dist.gather fills a list on the destination only
             if rank == 0:
-                shards = [torch.empty_like(param) for _ in range(world)]
-            dist.gather(param.detach().contiguous(), shards, group=group, group_dst=0)
+                shards = [torch.empty_like(shard) for _ in range(world)]
+            dist.gather(shard, shards, group=group, group_dst=0)
             if rank == 0:
-                whole = join_shards(shards, shard_dims[name], module.parts)
-                state[f"{module_name}.{name}"] = whole.cpu()
-    return state if rank == 0 else None
+                whole = join_shards(shards, dim, module.parts)
+                wholes.append((module, name, nn.Parameter(whole, requires_grad=False)))
+    if rank != 0:
+        return None
+    wholes += whole_counts(model)  # the head counts a plan divided: `### more: a language model`
+    with swapped(wholes):
+        return {key: value.detach().cpu() for key, value in model.state_dict().items()}
 
 
-### more: q, k and v fused in one layer (GPT-2, nanoGPT), and a model's own names
-# GPT-2 and nanoGPT fuse q, k, v in one layer (c_attn: q, then k, then v) that their forward
-# splits by D into all H heads. Give parallelize their plan, `heads` (H) and `causal=True`, and
-# that attention runs attend_local_heads on this rank's H/W heads instead (scaled-dot-product;
-# its RowParallelLinear is the output projection):
-#   {"attn.c_attn": QKVParallelLinear, "attn.c_proj": RowParallelLinear,
-#    "mlp.c_fc": ColumnParallelLinear, "mlp.c_proj": RowParallelLinear}
-# Under other names give the modules themselves: `blocks` (nanoGPT: transformer.h), and for
-# --sequence-parallel the module whose output the first block takes, `embed` (nanoGPT's forward
-# adds wte's and wpe's outputs inline, so transformer.drop), and the module that takes the last
-# block's output, `head` (transformer.ln_f). Linears and norms with bias=False need nothing.
+### more: one f per input tensor, Conv1D's [in, out] weights, the state_dict of the whole model
+# What the split layers and full_state_dict above need beyond the paper's picture: q, k and v
+# entering through one f, HuggingFace's transposed weights, the whole tensors in place of the
+# shards while the model's own state_dict() runs.
+
+
+class OncePerInput:
+    """f for every column-parallel layer, entered once per input tensor: q, k and v read the same
+    normed x, and one f on it all-reduces the sum of their three dX in backward, not each apart
+    (the sum is the same, the traffic a third). It keeps the last tensor it entered until the
+    next one comes."""
+
+    def __init__(self, f):
+        self.f = f
+        self.input = None
+        self.output = None
+
+    def __call__(self, x):
+        if x is not self.input:
+            self.input = x
+            self.output = self.f(x)
+        return self.output
+
+
+def stores_in_out(layer):
+    """Whether `layer` keeps its weight [in, out]: HuggingFace's Conv1D does (y = x·W + b), known
+    by its class name so that transformers need not be installed; nn.Linear keeps [out, in]."""
+    if isinstance(layer, nn.Linear):
+        return False
+    if type(layer).__name__ == "Conv1D":
+        return True
+    raise TypeError(f"{type(layer).__name__}: the plan splits nn.Linear or HuggingFace's Conv1D")
+
+
+@contextlib.contextmanager
+def swapped(values):
+    """Each (module, name, value) of `values` set in place for the length of a `with`, the
+    module's own attribute back after."""
+    own = [(module, name, getattr(module, name)) for module, name, _ in values]
+    try:
+        for module, name, value in values:
+            setattr(module, name, value)
+        yield
+    finally:
+        for module, name, value in own:
+            setattr(module, name, value)
+
+
+### more: a language model: q, k and v fused in one layer, head counts, its own names
+# GPT-2 and nanoGPT fuse q, k and v in one layer whose output is three thirds, q, then k, then v
+# (c_attn): QKVParallelLinear keeps this rank's heads of each third. torchtitan's Llama fuses them
+# by kv group ([q heads of group 0 | k_0 | v_0 | q heads of group 1 | ...], its wqkv): a rank's 1/W
+# of those rows are whole groups, so a plain ColumnParallelLinear splits it, W dividing the kv
+# heads. An attention that counts its heads or width in attributes (HF's split_size, torchtitan's
+# n_heads and n_kv_heads) runs on its local heads once each count is divided by W, as torchtitan
+# does: name them in the plan with PerRank. HuggingFace's GPT-2 (Conv1D layers):
+#   {"attn.c_attn": QKVParallelLinear, "attn.c_proj": RowParallelLinear, "attn.split_size":
+#    PerRank, "mlp.c_fc": ColumnParallelLinear, "mlp.c_proj": RowParallelLinear}
+# torchtitan's Llama (PerRank on n_kv_heads refuses a W that does not divide them):
+#   {"attention.wqkv": ColumnParallelLinear, "attention.wo": RowParallelLinear,
+#    "attention.n_heads": PerRank, "attention.n_kv_heads": PerRank, "feed_forward.w1":
+#    ColumnParallelLinear, "feed_forward.w3": ColumnParallelLinear, "feed_forward.w2":
+#    RowParallelLinear}
+# An attention that takes its width off its input (nanoGPT's `B, T, C = x.size()`, then C // n_head
+# and view(B, T, C)) cannot run on fewer heads than its input has features: read the width off q
+# instead (`-1` in those views), as torchtitan's and HuggingFace's attention do.
+# Under other names give the modules themselves: `blocks` (nanoGPT: transformer.h, torchtitan:
+# layers.values()), and for --sequence-parallel the module that takes the last block's output,
+# `head` (nanoGPT: transformer.ln_f, torchtitan: norm).
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """A ColumnParallelLinear for q, k and v fused in one layer (GPT-2's c_attn, 3D output
-    features: q, then k, then v): rank r keeps the rows of its H/W heads in each of the three, not
-    the r-th 1/W of the 3D rows, which would give rank 0 all of q and part of k. Its output is this
-    rank's q, k and v side by side, [B, T, 3D/W]."""
+    """A ColumnParallelLinear for q, k and v fused in one layer as thirds (GPT-2's c_attn, 3D
+    output features: q, then k, then v): rank r keeps the rows of its H/W heads in each of the
+    three, not the r-th 1/W of the 3D rows, which would give rank 0 all of q and part of k. Its
+    output is this rank's q, k and v side by side, [B, T, 3D/W]."""
 
     parts = 3
 
 
-def attend_local_heads_in(blocks, heads, causal, group=None):
-    """In every attention of `blocks` whose q, k, v are one QKVParallelLinear, attend_local_heads
-    in place of the model's own forward, which would split the fused output into all H heads. W:
-    the size of the tensor-parallel `group`."""
-    world = dist.get_world_size(group)
-    if heads is None or heads % world:
-        raise ValueError(f"heads={heads}: a fused q, k, v needs H divisible by the W ranks")
-    for block in blocks:
-        for attention in block.modules():
-            children = list(attention.children())
-            qkv = [child for child in children if isinstance(child, QKVParallelLinear)]
-            if not qkv:
-                continue
-            refuse_dropout(attention)
-            (proj,) = [child for child in children if isinstance(child, RowParallelLinear)]
-            local_heads = heads // world
-            attention.forward = functools.partial(
-                attend_local_heads, qkv[0], proj, local_heads, causal
+class PerRank(int):
+    """A plan's split of an attribute that counts heads or features (n_heads, split_size): this
+    rank's 1/W of `count`, an int in the model's forward, which then runs on its local heads.
+    `whole` keeps one process's count for full_state_dict, where the model's hooks may read it."""
+
+    def __new__(cls, count, f, g, group=None):
+        world = dist.get_world_size(group)
+        if count % world:
+            raise ValueError(
+                f"a count of {count} heads or features does not split over {world} "
+                "tensor-parallel ranks: each rank holds whole heads (under grouped-query "
+                "attention, whole kv heads: W must divide n_kv_heads)"
             )
+        local = super().__new__(cls, count // world)
+        local.whole = count
+        return local
 
 
-def refuse_dropout(attention):
-    """attend_local_heads has no dropout, so an attention asking for some is refused rather than
-    trained without it. Dropout under tensor parallelism needs random streams that differ over the
-    ranks for the split heads and agree for the whole activations (Megatron's RNG tracker)."""
-    for module in attention.modules():
-        if isinstance(module, nn.Dropout) and module.p > 0:
-            raise ValueError(f"attend_local_heads has no dropout: {module} in the attention")
-
-
-def attend_local_heads(qkv, proj, heads, causal, x):
-    """The forward of an attention whose q, k, v are one QKVParallelLinear `qkv`, over this rank's
-    `heads` (H/W). `proj`: the row-parallel output projection (g inside)."""
-    batch, tokens, _ = x.shape
-    q, k, v = qkv(x).chunk(3, dim=2)  # this rank's heads of each, [B, T, D/W]
-    # SDPA takes [batch, heads, tokens, head_dim]: the D/W features are this rank's heads.
-    q = q.view(batch, tokens, heads, -1).transpose(1, 2)
-    k = k.view(batch, tokens, heads, -1).transpose(1, 2)
-    v = v.view(batch, tokens, heads, -1).transpose(1, 2)
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    y = y.transpose(1, 2).reshape(batch, tokens, -1)  # this rank's heads side by side again
-    return proj(y)
+def whole_counts(model):
+    """(module, name, one process's count) of every count a plan divided, for full_state_dict."""
+    counts = []
+    for module in model.modules():
+        for name, value in vars(module).items():
+            if isinstance(value, PerRank):
+                counts.append((module, name, value.whole))
+    return counts
 
 
 ### more: sequence parallelism (Korthikanti et al. 2022)
@@ -401,6 +432,23 @@ class ReduceScatterFromTensorParallel(torch.autograd.Function):
         return all_gather_tokens(grad, ctx.group), None  # no gradient for the group
 
 
+def tokens_gathered(x):
+    """f of the column-parallel layers under --sequence-parallel: nothing to do, since the module
+    holding them gathered the tokens of its input already (gather_tokens_into)."""
+    return x
+
+
+def gather_tokens_into(blocks, group=None):
+    """f under --sequence-parallel, on the input of each module that holds a column-parallel layer
+    (the attention, the MLP), not at the layer: the model's own attention reads the token count
+    off its input, which must then be all T tokens."""
+    for block in blocks:
+        for module in block.modules():
+            children = list(module.children())
+            if any(isinstance(child, ColumnParallelLinear) for child in children):
+                hook_first_argument(module, GatherToTensorParallel, group)
+
+
 class EnterSequenceParallel(torch.autograd.Function):
     """--sequence-parallel, after the replicated embedding. Forward: keep this rank's T/W tokens.
     Backward: all-gather the gradient, so every rank's embedding gets the same, whole one."""
@@ -430,28 +478,35 @@ class LeaveSequenceParallel(torch.autograd.Function):
         return shard_of(grad, dim=1, group=ctx.group), None  # no gradient for the group
 
 
-def enter_sequence_parallel(group, embed, inputs, output):
-    """A forward hook on the embedding (group bound by functools.partial): what it returns
-    replaces the embedding's output."""
-    return EnterSequenceParallel.apply(output, group)
+def on_first_argument(function, group, module, args, kwargs):
+    """A forward pre-hook (function and group bound by functools.partial): function.apply on the
+    module's first positional argument, the tokens; the other arguments passed on as they are."""
+    if not args:
+        raise TypeError(
+            f"{type(module).__name__} was called without a positional argument: sequence "
+            "parallelism splits or gathers the tokens of the first"
+        )
+    tokens, *rest = args
+    return (function.apply(tokens, group), *rest), kwargs
 
 
-def leave_sequence_parallel(group, head, inputs):
-    """A forward pre-hook on the head (group bound by functools.partial): what it returns replaces
-    the head's input (a tensor rather than a tuple stands for the one positional argument)."""
-    (shard,) = inputs
-    return LeaveSequenceParallel.apply(shard, group)
+def hook_first_argument(module, function, group=None):
+    """function.apply(tokens, group) on the first positional argument of every call to `module`."""
+    hook = functools.partial(on_first_argument, function, group)
+    module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
-def split_tokens(embed, head, group=None):
+def split_tokens(first_block, head, group=None):
     """The way in and out of --sequence-parallel, once the blocks are split with its f and g: the
-    blocks run on this rank's T/W tokens, the embedding and the head on all T. `embed` or `head`
-    None: this rank holds none (a pipeline stage after the first, or before the last). The
-    gradients of what the blocks hold whole are not summed here: see sum_partial_gradients."""
-    if embed is not None:
-        embed.register_forward_hook(functools.partial(enter_sequence_parallel, group))
+    blocks run on this rank's T/W tokens from the first block's input on, the embedding (and
+    whatever the model's forward builds from its output: positions, masks) and the head on all T.
+    `first_block` or `head` None: this rank holds none (a pipeline stage after the first, or
+    before the last). The gradients of what the blocks hold whole are not summed here: see
+    sum_partial_gradients."""
+    if first_block is not None:
+        hook_first_argument(first_block, EnterSequenceParallel, group)
     if head is not None:
-        head.register_forward_pre_hook(functools.partial(leave_sequence_parallel, group))
+        hook_first_argument(head, LeaveSequenceParallel, group)
 
 
 def token_sharded_params(blocks):

@@ -2,8 +2,9 @@
 zero.py on one DeviceMesh of W=8, (pp, dp, tp) = (2, 2, 2), and trains a language model with a tied
 embedding, told the model through a hybrid_parallel.Contract: its Parts (the tied weight's module
 named alone on each end, so that its copy there is a ZeRO unit of its own), the GPT-2 plan (q, k,
-v fused in c_attn: QKVParallelLinear, 4 heads, causal), the optimizer's groups built on the stage
-after the tp split, its loss. Each pipe (a dp and tp coordinate) runs 1F1B over its two stages;
+v fused in c_attn: QKVParallelLinear, the head count divided by PerRank; the attention reading its
+width off q, as copy_tensor_parallel gives it), the optimizer's groups built on the stage after
+the tp split, its loss. Each pipe (a dp and tp coordinate) runs 1F1B over its two stages;
 a step's ACCUMULATE micro-batches are the schedule's micro-batches, each dp rank feeding its slice
 of every one of them, as copy_zero's ranks do, and each tp rank of a pipe the same slice. Every
 step's gradient norm comes from the section's clip_grad_norm_. Run at W=8 by tests/copy_cases.py
@@ -31,7 +32,13 @@ from causal_lm import (
     task,
 )
 from copy_pipeline import GPT_PARTS, gpt_loss, make_stage_optimizer, stage_param_groups
-from copy_tensor_parallel import GPT2_PLAN, HEADS
+from copy_tensor_parallel import (
+    CAUSAL_LM_PLAN,
+    NANOGPT_PLAN,
+    attend_by_width_of_q,
+    causal_lm_attention,
+    nanogpt_attention,
+)
 from copy_zero import reference_norms
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -125,16 +132,16 @@ def causal_lm_contract(optim):
     return hybrid_parallel.Contract(
         parts=CAUSAL_LM_PARTS,
         activation_shape=(CONTEXT, DIM),
-        plan=GPT2_PLAN,
-        heads=HEADS,
-        causal=True,
+        plan=CAUSAL_LM_PLAN,
         param_groups=param_groups,
     )
 
 
 def run_causal_lm(zero_stage, optim, batches, mesh):
+    model = CausalLM()
+    attend_by_width_of_q(model.blocks, causal_lm_attention)  # copy_tensor_parallel's
     stage = hybrid_parallel.parallelize(
-        CausalLM(),
+        model,
         mesh,
         CPU,
         zero_stage,
@@ -194,15 +201,14 @@ def nanogpt_contract(optim):
     return hybrid_parallel.Contract(
         parts=GPT_PARTS,
         activation_shape=(config.block_size, config.n_embd),
-        plan=GPT2_PLAN,
-        heads=config.n_head,
-        causal=True,
+        plan=NANOGPT_PLAN,
         param_groups=param_groups,
     )
 
 
 def run_nanogpt(zero_stage, prefix, optim, mesh):
     gpt = nanogpt_model.model(nanogpt_model.CONFIGS[prefix])
+    attend_by_width_of_q(gpt.transformer.h, nanogpt_attention)  # copy_tensor_parallel's
     contract = nanogpt_contract(optim)
     stage = hybrid_parallel.parallelize(
         gpt, mesh, CPU, zero_stage, micro_batches=ACCUMULATE, contract=contract

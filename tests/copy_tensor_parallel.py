@@ -1,20 +1,29 @@
 """Copy cases for tensor_parallel.py, with and without sequence parallelism: every rank feeds the
 whole micro-batch, as tensor parallelism does, and holds half of every block's heads and MLP
-columns. The change a GPT-2-like model needs is the plan below: its layers' names, q, k and v
-fused in c_attn, the head count and the causal mask; nanoGPT's model also names its blocks and,
-under sequence parallelism, where its tokens enter and leave them. With --groups the section runs
-on a pair of ranks of four (group_cases), ZeRO-R's variant among them. Run by
-tests/copy_cases.py."""
+columns, and the model's own attention runs on them. The change a model needs is its plan: its
+layers' names, q, k and v fused in c_attn (thirds) or in wqkv (by kv group), and the attributes
+that count its heads or width, each divided by W. CausalLM's and nanoGPT's attention take their
+width off their input (`dim` and `C` of x.shape), so each gets its own forward with the width read
+off q (`-1` in its views, as torchtitan's and HF's read it): the lines a user of those models
+changes. Llama 3 as torchtitan has it and HF's GPT-2 need no such line (llama_cases). With
+--groups the section runs on a pair of ranks of four (group_cases), ZeRO-R's variant among them.
+Run by tests/copy_cases.py."""
 
+import functools
+
+import hf_gpt2_model
+import llama_model
 import nanogpt_model
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from causal_lm import OPTIMS, CausalLM, make_optimizer, param_groups, train
 
 import tensor_parallel
 import tensor_parallel_zero_r
 from tensor_parallel import (
     ColumnParallelLinear,
+    PerRank,
     QKVParallelLinear,
     RowParallelLinear,
     full_state_dict,
@@ -24,13 +33,61 @@ from tensor_parallel import (
 CPU = torch.device("cpu")
 HEADS = 4  # CausalLM()'s
 
-# the model contract's GPT-2 / nanoGPT plan, in CausalLM's names
+# GPT-2's plan, in CausalLM's and nanoGPT's names (nn.Linear) and in HF's (Conv1D): q, k, v fused
+# in c_attn as thirds
 GPT2_PLAN = {
     "attn.c_attn": QKVParallelLinear,
     "attn.c_proj": RowParallelLinear,
     "mlp.c_fc": ColumnParallelLinear,
     "mlp.c_proj": RowParallelLinear,
 }
+CAUSAL_LM_PLAN = {**GPT2_PLAN, "attn.heads": PerRank}
+NANOGPT_PLAN = {**GPT2_PLAN, "attn.n_head": PerRank, "attn.n_embd": PerRank}
+HF_GPT2_PLAN = {**GPT2_PLAN, "attn.split_size": PerRank}
+# torchtitan's Llama: wqkv by kv group (a rank's rows are its whole groups), SwiGLU's w1 and w3
+# by columns, w2 by rows; the head counts divided (n_kv_heads refuses a W that does not divide it)
+LLAMA_PLAN = {
+    "attention.wqkv": ColumnParallelLinear,
+    "attention.wo": RowParallelLinear,
+    "attention.n_heads": PerRank,
+    "attention.n_kv_heads": PerRank,
+    "feed_forward.w1": ColumnParallelLinear,
+    "feed_forward.w3": ColumnParallelLinear,
+    "feed_forward.w2": RowParallelLinear,
+}
+
+
+def causal_lm_attention(attention, x):
+    """causal_lm.CausalSelfAttention.forward with the width read off q, not off x: what its
+    user changes for tensor parallelism (split into thirds, `-1` in the views)."""
+    batch, tokens, _ = x.shape
+    q, k, v = attention.c_attn(x).chunk(3, dim=2)
+    q = q.view(batch, tokens, attention.heads, -1).transpose(1, 2)
+    k = k.view(batch, tokens, attention.heads, -1).transpose(1, 2)
+    v = v.view(batch, tokens, attention.heads, -1).transpose(1, 2)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    y = y.transpose(1, 2).reshape(batch, tokens, -1)  # the heads side by side again
+    return attention.c_proj(y)
+
+
+def nanogpt_attention(attention, x):
+    """nanoGPT's CausalSelfAttention.forward with C // n_head and C, which it reads off x, as `-1`:
+    the three lines a nanoGPT user changes in model.py for tensor parallelism."""
+    B, T, C = x.size()
+    q, k, v = attention.c_attn(x).split(attention.n_embd, dim=2)
+    k = k.view(B, T, attention.n_head, -1).transpose(1, 2)
+    q = q.view(B, T, attention.n_head, -1).transpose(1, 2)
+    v = v.view(B, T, attention.n_head, -1).transpose(1, 2)
+    dropout_p = attention.dropout if attention.training else 0
+    y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    y = y.transpose(1, 2).contiguous().view(B, T, -1)
+    return attention.resid_dropout(attention.c_proj(y))
+
+
+def attend_by_width_of_q(blocks, forward):
+    """Each block's `attn` runs `forward` (causal_lm_attention or nanogpt_attention)."""
+    for block in blocks:
+        block.attn.forward = functools.partial(forward, block.attn)
 
 
 def heads_held(c_attn, whole):
@@ -50,7 +107,8 @@ def heads_held(c_attn, whole):
 def run_tensor_parallel(sequence_parallel, optim, batches):
     model = CausalLM()
     whole = model.blocks[0].attn.c_attn.weight.detach().clone()
-    model = parallelize(model, CPU, sequence_parallel, GPT2_PLAN, heads=HEADS, causal=True)
+    attend_by_width_of_q(model.blocks, causal_lm_attention)
+    model = parallelize(model, CPU, sequence_parallel, CAUSAL_LM_PLAN)
     c_attn = model.blocks[0].attn.c_attn.weight
     seen = {}  # the tokens block 0's first norm runs on: T/W under sequence parallelism
 
@@ -94,10 +152,10 @@ def run_on_group(section, optim, batches, group, **options):
     first rank, None on the other)."""
     # GPT2_PLAN in the section's own classes: the variant file defines its own, which its
     # parallelize tells apart by identity.
-    plan = {name: getattr(section, split.__name__) for name, split in GPT2_PLAN.items()}
-    model = section.parallelize(
-        CausalLM(), CPU, plan=plan, heads=HEADS, causal=True, group=group, **options
-    )
+    plan = {name: getattr(section, split.__name__) for name, split in CAUSAL_LM_PLAN.items()}
+    model = CausalLM()
+    attend_by_width_of_q(model.blocks, causal_lm_attention)
+    model = section.parallelize(model, CPU, plan=plan, group=group, **options)
     optimizer = make_optimizer(param_groups(model, optim), optim)
     train(model, optimizer, batches)  # rank=0, world=1: every rank feeds the whole micro-batch
     return model, section.full_state_dict(model, group)
@@ -144,22 +202,21 @@ def replicated_apart(model):
 
 
 def run_nanogpt_tensor_parallel(sequence_parallel, prefix, optim):
-    """nanoGPT's model as it is: its plan is GPT2_PLAN (the same layer names), its blocks are
-    transformer.h, and under sequence parallelism the tokens are split after transformer.drop
-    (the forward adds wte's and wpe's outputs inline) and gathered before transformer.ln_f. The
+    """nanoGPT's model, its attention reading its width off q (nanogpt_attention): its plan is
+    GPT2_PLAN (the same layer names) with n_head and n_embd divided, its blocks are
+    transformer.h, and under sequence parallelism the tokens are split at the first block's input
+    and gathered before transformer.ln_f. The
     optimizer is the model's own (configure_optimizers on the split model: the shards are still
     matrices and vectors); the clip is the section's, over the shards."""
     gpt = nanogpt_model.model(nanogpt_model.CONFIGS[prefix])
     whole = gpt.transformer.h[0].attn.c_attn.weight.detach().clone()
+    attend_by_width_of_q(gpt.transformer.h, nanogpt_attention)
     model = tensor_parallel.parallelize(
         gpt,
         CPU,
         sequence_parallel,
-        GPT2_PLAN,
-        heads=gpt.config.n_head,
-        causal=True,
+        NANOGPT_PLAN,
         blocks=gpt.transformer.h,
-        embed=gpt.transformer.drop,
         head=gpt.transformer.ln_f,
     )
     seen = {}  # the tokens block 0's first norm runs on: T/W under sequence parallelism
@@ -198,3 +255,57 @@ def nanogpt_cases(rank, world, folder):
                 name = f"tensor_parallel-{'sp' if sequence_parallel else 'tp'}-{prefix}{optim}"
                 case = run_nanogpt_tensor_parallel(sequence_parallel, prefix, optim)
                 yield name, f"{prefix}{optim}", *case
+
+
+# Llama 3 as torchtitan has it (tests/llama_model.py) and HF's GPT-2 (tests/hf_gpt2_model.py), each
+# trained by its own recipe, with not a line of either changed: each attention reads its heads off
+# its projections' width, so the plan (layers and head counts) is all they need.
+
+LLAMA_CASES = [
+    *(f"llama-tensor_parallel-{split}-{optim}" for split in ("tp", "sp") for optim in OPTIMS),
+    *(f"gpt2-tensor_parallel-{split}-{optim}" for split in ("tp", "sp") for optim in OPTIMS),
+    "gpt2-tensor_parallel-sp-eager-adamw",
+]
+FAMILIES = {"llama": llama_model, "gpt2": hf_gpt2_model}
+DEFAULTS = {"llama": llama_model.ARGS, "gpt2": hf_gpt2_model.CONFIG}  # each family's model
+
+
+def llama_parts(family, model):
+    """(plan, blocks, head) of either model: Llama's layers are an nn.ModuleDict, its head the
+    final norm; HF GPT-2's blocks are transformer.h, its head transformer.ln_f."""
+    if family == "llama":
+        return LLAMA_PLAN, list(model.layers.values()), model.norm
+    return HF_GPT2_PLAN, model.transformer.h, model.transformer.ln_f
+
+
+def run_family_tensor_parallel(family, sequence_parallel, optim, config):
+    """The model of `family` split by tensor_parallel (under sequence parallelism the tokens
+    split at the first block's input and gathered before the head), trained by its own recipe
+    with every rank feeding the whole micro-batch, clipped by the section's clip_grad_norm_."""
+    recipe = FAMILIES[family]
+    model = recipe.model(config)
+    plan, blocks, head = llama_parts(family, model)
+    tensor_parallel.parallelize(model, CPU, sequence_parallel, plan, blocks=blocks, head=head)
+    optimizer = recipe.make_optimizer(model, optim)
+
+    def clip(parameters, max_norm):  # where the recipe clips model.parameters()
+        return tensor_parallel.clip_grad_norm_(model, max_norm)
+
+    # rank=0, world=1: every rank feeds the whole micro-batch
+    losses, norms = recipe.train(model, optimizer, recipe.batches(), clip=clip)
+    proof = dict(losses=losses, norms=norms, replicated_apart=replicated_apart(model))
+    return model, full_state_dict(model), proof
+
+
+def llama_cases(rank, world, folder):
+    """As `cases`, on Llama 3 and HF GPT-2 (sdpa, and eager under its 4-D mask): (case, its
+    reference, model, full state_dict, proof)."""
+    for family in FAMILIES:
+        for split in ("tp", "sp"):
+            for optim in OPTIMS:
+                config = DEFAULTS[family]
+                case = run_family_tensor_parallel(family, split == "sp", optim, config)
+                yield f"{family}-tensor_parallel-{split}-{optim}", f"{family}-{optim}", *case
+    eager = hf_gpt2_model.CONFIGS["eager-"]
+    case = run_family_tensor_parallel("gpt2", True, "adamw", eager)
+    yield "gpt2-tensor_parallel-sp-eager-adamw", "gpt2-eager-adamw", *case

@@ -177,6 +177,10 @@ MUTANTS = {
         "TP's f and g all-reduce over the world, not the tensor-parallel group",
         "test_groups.py::test_section_on_a_group_equals_one_process[group-tp-adamw]",
     ),
+    "tp-f-twice": (
+        "TP's f on the attention's input as well as in its column-parallel layer",
+        "test_tensor_parallel.py::test_each_block_input_gradient_all_reduced_once[gpt2]",
+    ),
     "pipeline-world-peers": (
         "the pipeline's messages name world ranks, not its group's",
         "test_groups.py::test_section_on_a_group_equals_one_process[group-pipeline-1f1b-sgd]",

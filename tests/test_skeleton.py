@@ -47,8 +47,11 @@ MAX_DIFF = {
     # core first: 574 + the paper's sketch of the MLP split, the part headers, the dropout refusal
     # issue 34: + the tensor-parallel `group` (Functions taking it, operators() binding it,
     # split_tokens alone)
-    "tensor_parallel.py": 650,
-    "tensor_parallel_zero_r.py": 735,  # tensor_parallel.py's 650 + ZeRO-R's checkpointed forward
+    # issue 40: + Conv1D's [in, out] weights, one f per input tensor, PerRank head counts, the
+    # save through the model's own state_dict(), SP's gather at the attention's input (- the
+    # re-implemented attention)
+    "tensor_parallel.py": 705,
+    "tensor_parallel_zero_r.py": 790,  # tensor_parallel.py's 705 + ZeRO-R's checkpointed forward
     # core first: 446 + the schedules' sketch, four part headers, the tie as named functions
     # issue 34: + the pipeline's `group` (peers as group ranks, each pipe's embedding group)
     "pipeline.py": 493,

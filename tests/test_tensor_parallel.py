@@ -4,8 +4,8 @@ parameters as the one-process ddp.py run (SGD and AdamW, W=2, and W=3 with 6 hea
 collectives the Meter measures from outside equal what this test works out from B, T, D and
 depth; each rank holds Ψr + Ψs/W parameters, counted here off the model; the dense file it saves
 loads in ddp.py with the same test accuracy; bad sizes are refused before any process group; in
-a world of one, a fused attention with dropout is refused and the clip takes a model without
-gradients.
+a world of one, each block's input gradient is all-reduced once in Llama and HF's GPT-2, a W not
+dividing Llama's kv heads is refused, and the clip takes a model without gradients.
 ZeRO-R's --checkpoint and --partition-activations are tested in test_tensor_parallel_zero_r.py."""
 
 import pytest
@@ -252,25 +252,63 @@ def test_refuses_before_any_process_group(world, argv, message):
     assert "Traceback" not in launch.stderr, launch.output
 
 
-def test_fused_attention_refuses_dropout_and_clip_takes_no_gradients(world_of_one):
-    """attend_local_heads has no dropout: a model asking for some is refused, not trained without
-    it. clip_grad_norm_ before any backward returns 0, as torch's does, instead of failing."""
-    import nanogpt_model
-    from copy_tensor_parallel import GPT2_PLAN
-
+def test_clip_takes_no_gradients(world_of_one):
+    """clip_grad_norm_ before any backward returns 0, as torch's does, instead of failing."""
     import tensor_parallel
 
-    config = nanogpt_model.GPTConfig(dropout=0.1)
-    gpt = nanogpt_model.GPT(config)
-    blocks = gpt.transformer.h
-    with pytest.raises(ValueError, match="attend_local_heads has no dropout"):
-        tensor_parallel.parallelize(
-            gpt, None, False, GPT2_PLAN, heads=config.n_head, causal=True, blocks=blocks
-        )
     args = common.parse_args(common.get_parser("test"), CFG)
     model = tensor_parallel.parallelize(common.build_model(args), torch.device("cpu"))
     assert isinstance(model.blocks[0].attn.q, tensor_parallel.ColumnParallelLinear)
     assert tensor_parallel.clip_grad_norm_(model, 1.0).item() == 0.0
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_each_block_input_gradient_all_reduced_once(world_of_one, monkeypatch, family):
+    """f sits where a column-parallel layer's input enters it, g where a row-parallel layer's
+    output leaves it, whatever the block passes its attention (Llama: freqs_cis and positions;
+    HF's GPT-2: keyword arguments): per block, forward all-reduces g's two outputs and backward
+    f's two inputs (the attention's, the MLP's), each a [B, T, D] activation once. One more on
+    a path would sum that gradient twice, W times too large."""
+    import copy_tensor_parallel
+
+    import tensor_parallel
+
+    recipe = copy_tensor_parallel.FAMILIES[family]
+    model = recipe.model(copy_tensor_parallel.DEFAULTS[family])
+    plan, blocks, head = copy_tensor_parallel.llama_parts(family, model)
+    tensor_parallel.parallelize(model, torch.device("cpu"), False, plan, blocks=blocks, head=head)
+    reduced = []
+    all_reduce = torch.distributed.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        reduced.append(tuple(tensor.shape))
+        return all_reduce(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", counting)
+    inputs, _ = recipe.held_out()
+    logits = model(inputs) if family == "llama" else model(inputs)[1]
+    forward = list(reduced)
+    reduced.clear()
+    logits.sum().backward()
+    activation = (*inputs.shape, 32)  # both models' D
+    assert forward == [activation] * 2 * len(blocks)
+    assert reduced == [activation] * 2 * len(blocks)
+
+
+def test_grouped_query_attention_refuses_w_not_dividing_kv_heads(world_of_one, monkeypatch):
+    """Llama's wqkv is split by kv group: a W that does not divide n_kv_heads (here 2 kv heads
+    over W = 4, the group's size as dist reports it) is refused with one clear error."""
+    import copy_tensor_parallel
+    import llama_model
+
+    import tensor_parallel
+
+    model = llama_model.model()
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
+    plan = copy_tensor_parallel.LLAMA_PLAN
+    with pytest.raises(ValueError, match="W must divide n_kv_heads"):
+        tensor_parallel.parallelize(model, None, False, plan, blocks=list(model.layers.values()))
 
 
 def test_full_state_dict_keeps_buffers(world_of_one):

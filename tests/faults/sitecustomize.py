@@ -635,6 +635,22 @@ if os.environ.get("MUTANT"):
             tensor_parallel.all_reduce = lambda partial, group=None: all_reduce(partial)
 
         _after_import["tensor_parallel"] = _tp_on_world
+    elif _mutant == "tp-f-twice":  # TP's f on the attention's and MLP's input too, as it once was
+
+        def _f_twice(tensor_parallel):
+            split_block = tensor_parallel.split_block
+
+            def split_block_f_twice(block, plan, f, g, group=None):
+                split_block(block, plan, f, g, group)
+                copy = tensor_parallel.CopyToTensorParallel
+                for module in block.modules():
+                    children = list(module.children())
+                    if any(isinstance(c, tensor_parallel.ColumnParallelLinear) for c in children):
+                        tensor_parallel.hook_first_argument(module, copy, group)
+
+            tensor_parallel.split_block = split_block_f_twice
+
+        _after_import["tensor_parallel"] = _f_twice
     elif _mutant == "pipeline-world-peers":  # the stages' messages name their peers in the world
 
         def _peers_in_world(pipeline):
