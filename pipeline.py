@@ -41,8 +41,10 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 ### begin: Pipeline
 # Model contract: the model's embedding, its list of blocks ([B, T, D] -> [B, T, D]), cut into p
 # contiguous stages, and its head, named in a Parts: the common ViT's embed, blocks and head by
-# default. The same weights are built on every rank. A float [B/m, T, D] crosses each stage
-# boundary: (T, D) is parallelize's activation_shape, model.embed.pos's [1, T, D] by default. The
+# default; each block is called on x alone, or with what the model's forward gives it (a mask,
+# positions), as the Parts say. The same weights are built on every rank. A [B/m, T, D] tensor
+# crosses each stage boundary: (T, D) is parallelize's activation_shape, model.embed.pos's
+# [1, T, D] by default, in parallelize's activation_dtype (the parameters' dtype by default). The
 # loss is train_step's loss_fn(output, targets), cross-entropy by default. The pipeline is the
 # ranks of parallelize's `group` (the world when None): stage s on its group rank s, the peers
 # group ranks, every send and receive on the group. Clip with the section's clip_grad_norm_, not
@@ -76,6 +78,7 @@ class Stage(torch.nn.Module):
             held += self.parts.last
         for name in held:
             hold(self, model, name)  # at the same dotted path in the stage as in the model
+        hold_own_buffers(self, model)  # Llama's freqs_cis: `### more: a language model's parts`
         if activation_shape is None:
             activation_shape = model.embed.pos.shape[1:]
         self.activation_shape = tuple(activation_shape)
@@ -88,11 +91,29 @@ class Stage(torch.nn.Module):
         shape = (samples, *self.activation_shape)
         return torch.empty(shape, dtype=self.activation_dtype, device=device)
 
-    def forward(self, x):
+    def sendable(self, tensor):
+        """`tensor`, checked against the buffer its peer posts for it (`empty`): on NCCL a message
+        of another shape hangs or fails, and one of another dtype of the same size arrives as
+        garbage, with no error. An activation's gradient, sent back, has the shape and dtype of
+        the buffer it was received in."""
+        expected = (len(tensor), *self.activation_shape)
+        if tuple(tensor.shape) != expected or tensor.dtype != self.activation_dtype:
+            raise ValueError(
+                f"pipeline stage {self.index} sends a {list(tensor.shape)} {tensor.dtype} tensor "
+                f"where its peer receives {list(expected)} {self.activation_dtype}: pass "
+                "parallelize the activation_shape and activation_dtype its blocks give"
+            )
+        return tensor
+
+    def forward(self, x, inputs=None):
+        """x: the micro-batch's inputs on the first stage, the activation received on the others;
+        inputs: the micro-batch's inputs on every stage, for the arguments the model's forward
+        gives its blocks (a mask, positions: `### more: a language model's parts`)."""
         if self.is_first:
             x = self.parts.embed(self, x)
+        arguments = self.parts.block_arguments(self, inputs, x)  # None for the ViT's blocks
         for name in self.block_names:
-            x = self.get_submodule(name)(x)
+            x = self.parts.call_block(self.get_submodule(name), x, arguments)
         if self.is_last:
             x = self.parts.head(self, x)
         return x
@@ -176,7 +197,7 @@ def train_step(stage, x, y, schedule_name, micro_batches, loss_fn=F.cross_entrop
             p2p(sends + receives, stage.group)
             if not stage.is_first:
                 activation.requires_grad_()  # its gradient is what goes back to stage s-1
-            output = stage(activation)
+            output = stage(activation, inputs=inputs[i])
             if stage.is_last:
                 # The loss takes the output's place, so the backward starts from it. It is the
                 # mean over the micro-batch's B/m samples; / m makes the m of them sum to the
@@ -185,7 +206,7 @@ def train_step(stage, x, y, schedule_name, micro_batches, loss_fn=F.cross_entrop
                 loss += output.detach()
                 sends = []
             else:
-                sends = [(dist.isend, output.detach(), stage.index + 1)]
+                sends = [(dist.isend, stage.sendable(output.detach()), stage.index + 1)]
             kept[i] = (activation, output)
         else:
             activation, output = kept.pop(i)
@@ -211,13 +232,14 @@ def train_step(stage, x, y, schedule_name, micro_batches, loss_fn=F.cross_entrop
 def infer(stage, x):
     """The whole batch through the stages in turn: the logits on the last stage, None on the
     others. A chain (receive, compute, send), so a batch of one op each cannot deadlock."""
+    activation = x
     if not stage.is_first:
-        x = stage.empty(len(x), x.device)
-        p2p([(dist.irecv, x, stage.index - 1)], stage.group)
-    output = stage(x)
+        activation = stage.empty(len(x), x.device)
+        p2p([(dist.irecv, activation, stage.index - 1)], stage.group)
+    output = stage(activation, inputs=x)
     if stage.is_last:
         return output
-    p2p([(dist.isend, output, stage.index + 1)], stage.group)
+    p2p([(dist.isend, stage.sendable(output), stage.index + 1)], stage.group)
     return None
 
 
@@ -234,7 +256,7 @@ def full_state_dict(model):
     return {name: tensor for part in parts for name, tensor in part.items()}
 
 
-### more: a language model's parts, by name (Parts, hold)
+### more: a language model's parts, by name, and the arguments of its blocks (Parts, hold)
 # A language model names its parts otherwise (nanoGPT: transformer.wte, transformer.h, lm_head)
 # and runs code of its own around its blocks. A Parts names them: `blocks`, the dotted name of
 # the model's list of blocks; `first`, the modules the first stage runs before the blocks, and
@@ -244,6 +266,15 @@ def full_state_dict(model):
 # and the stage's state_dict has the model's own keys. The optimizer is built on the stage: its
 # named_parameters() are the model's, so a recipe that reads only them (nanoGPT's
 # configure_optimizers, called on the stage) builds the stage's groups.
+#
+# A block may take more than x: HF's GPT-2 with eager attention, the causal mask its forward
+# builds (without it the block attends both ways, with no error); Llama, its RoPE table freqs_cis
+# and the positions. `block_arguments(stage, inputs, x)` prepares them as the model's forward
+# does, once per micro-batch on every stage, from the micro-batch's inputs (every stage has them)
+# and the activation entering the stage's blocks; `call_block(block, x, arguments) -> x` is the
+# forward's line that calls a block (HF's blocks return a tuple: `block(x, ...)[0]`). Every stage
+# holds the buffers the model keeps outside its modules (Llama's freqs_cis), persistent or not as
+# in the model: its blocks' arguments read them there, and the saved state_dict has them.
 
 
 class Parts(NamedTuple):
@@ -254,6 +285,17 @@ class Parts(NamedTuple):
     embed: Callable = lambda stage, inputs: stage.embed(inputs)
     last: tuple = ("head",)
     head: Callable = lambda stage, x: stage.head(x)
+    block_arguments: Callable = lambda stage, inputs, x: None
+    call_block: Callable = lambda block, x, arguments: block(x)
+
+
+def hold_own_buffers(stage, model):
+    """The buffers `model` holds itself, not in a module, on `stage` under the same names, each
+    persistent (in the state_dict) as it is in the model."""
+    saved = model.state_dict(keep_vars=True)
+    for name, buffer in model.named_buffers(recurse=False):
+        persistent = any(value is buffer for value in saved.values())
+        stage.register_buffer(name, buffer, persistent=persistent)
 
 
 def hold(stage, model, name):

@@ -96,7 +96,8 @@ def pp_torch(schedule):
     def build(args, device, rank, world):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        stage_mod = pipeline.Stage(common.build_model(args), rank, world).to(device)
+        # the same stage as pipeline.py's (its group, for full_state_dict), run by torch's schedule
+        stage_mod = pipeline.parallelize(common.build_model(args), device)
         stage = PipelineStage(stage_mod, rank, world, device)
         loss_fn = lambda out, y: F.cross_entropy(out, y)  # noqa: E731  (the schedule scales by 1/m)
         sched = (Schedule1F1B if schedule == "1f1b" else ScheduleGPipe)(
@@ -105,12 +106,13 @@ def pp_torch(schedule):
         opt = common.make_optimizer(stage_mod.parameters(), args)
 
         def step(x, y):
+            last = {}  # the last stage's targets (the first stage's too, in a world of one)
+            if rank == world - 1:
+                last = dict(target=y, losses=[])
             if rank == 0:
-                sched.step(x)
-            elif rank == world - 1:
-                sched.step(target=y, losses=[])
+                sched.step(x, **last)
             else:
-                sched.step()
+                sched.step(**last)
             opt.step()
             opt.zero_grad(set_to_none=True)
 
@@ -209,6 +211,8 @@ def run(args):
             max_param_diff=diffs,
             failed=failed,
         )
+        # a variant that failed is a broken benchmark, not a row to skip: the run fails
+        common.check(not failed, f"bench_model_parallel: {len(failed)} variants failed: {failed}")
     finally:
         tensor_parallel.cleanup()
 

@@ -17,6 +17,8 @@ pipeline.Parts (GPT_PARTS), its loss, its configure_optimizers run on the stage,
 micro-batches as the schedule's, and the section's clip_grad_norm_ over the stages where nanoGPT
 clips: 1F1B with SGD and AdamW, zb-h1 with SGD. Run by tests/copy_cases.py."""
 
+import hf_gpt2_model
+import llama_model
 import nanogpt_model
 import torch
 import torch.distributed as dist
@@ -284,3 +286,206 @@ def nanogpt_cases(rank, world, folder):
     for optim in OPTIMS:
         yield f"pipeline-{optim}", optim, *run_nanogpt_pipeline(optim)
     yield "pipeline_schedules-zb-h1-sgd", "sgd", *run_nanogpt_pipeline("sgd", "zb-h1")
+
+
+# Llama 3 as torchtitan has it (tests/llama_model.py) and HF's GPT2LMHeadModel with eager attention
+# (tests/hf_gpt2_model.py), each trained by its own recipe: blocks that take more than x. The
+# stages call them as the model's forward does, with what it prepares once before its blocks,
+# written out here from the model's forward (Parts' block_arguments and call_block): Llama's RoPE
+# table freqs_cis (a buffer of the model, which every stage holds) and its positions; GPT-2's 4-D
+# causal mask, without which eager attention attends both ways with no error, and its position_ids,
+# both passed by keyword to blocks that return a tuple. The model classes are not touched.
+
+LLAMA_CASES = [
+    "llama-pipeline-sgd",
+    "llama-pipeline-adamw",
+    "gpt2-pipeline-eager-sgd",
+    "gpt2-pipeline-eager-adamw",
+]
+
+
+def llama_embed(stage, tokens):
+    """Transformer.forward up to its layers: the token embedding (RoPE acts inside attention)."""
+    return stage.tok_embeddings(tokens)
+
+
+def llama_block_arguments(stage, tokens, h):
+    """What Transformer.forward gives every layer besides h: freqs_cis and the positions (None:
+    0..T-1, as the forward's default)."""
+    positions = None
+    return stage.freqs_cis, positions
+
+
+def llama_call_block(layer, h, arguments):
+    """Transformer.forward's line: h = layer(h, self.freqs_cis, positions)."""
+    freqs_cis, positions = arguments
+    return layer(h, freqs_cis, positions)
+
+
+def llama_head(stage, h):
+    """Transformer.forward after its layers: the final norm and the (untied) output head."""
+    return stage.output(stage.norm(h))
+
+
+LLAMA_PARTS = pipeline.Parts(
+    blocks="layers",
+    first=("tok_embeddings",),
+    embed=llama_embed,
+    last=("norm", "output"),
+    head=llama_head,
+    block_arguments=llama_block_arguments,
+    call_block=llama_call_block,
+)
+
+
+def gpt2_parts(config):
+    """GPT2Model.forward's parts: `config` is the model's (create_causal_mask reads it)."""
+
+    def embed(stage, input_ids):
+        """Up to the blocks: token and position embeddings, dropout."""
+        position_ids = torch.arange(input_ids.shape[-1]).unsqueeze(0)
+        transformer = stage.transformer
+        return transformer.drop(transformer.wte(input_ids) + transformer.wpe(position_ids))
+
+    def block_arguments(stage, input_ids, hidden_states):
+        """What the forward gives every block: the causal mask it builds once, on the hidden
+        states entering the blocks (their dtype and shape), and the position_ids."""
+        causal_mask = hf_gpt2_model.create_causal_mask(config, hidden_states)
+        position_ids = torch.arange(input_ids.shape[-1]).unsqueeze(0)
+        return dict(attention_mask=causal_mask, position_ids=position_ids)
+
+    def call_block(block, hidden_states, arguments):
+        """The forward's line: outputs = block(hidden_states, attention_mask=..., ...); [0]."""
+        return block(hidden_states, **arguments)[0]
+
+    def head(stage, hidden_states):
+        """After the blocks: GPT2Model's ln_f, then GPT2LMHeadModel's (tied) lm_head."""
+        return stage.lm_head(stage.transformer.ln_f(hidden_states))
+
+    return pipeline.Parts(
+        blocks="transformer.h",
+        first=("transformer.wte", "transformer.wpe", "transformer.drop"),
+        embed=embed,
+        last=("transformer.ln_f", "lm_head"),
+        head=head,
+        block_arguments=block_arguments,
+        call_block=call_block,
+    )
+
+
+def block_calls(stage):
+    """What each of the stage's blocks is called with in training, seen from outside by a forward
+    pre-hook: per block, the shapes of its arguments after x (positional, then by keyword, None
+    for None) and, for a 4-D mask, whether it is causal (0 on and below the diagonal, the dtype's
+    minimum above it). Filled in as the blocks run: read it after training."""
+    seen = {}
+
+    def record(name):
+        def hook(module, args, kwargs):
+            if not module.training:
+                return
+            given = [*args[1:], *kwargs.values()]
+            shapes = [None if value is None else list(value.shape) for value in given]
+            mask = kwargs.get("attention_mask")
+            causal = None
+            if mask is not None:
+                above = torch.ones(mask.shape[-2:], dtype=torch.bool).triu(1)
+                minimum = torch.finfo(mask.dtype).min
+                causal = bool(
+                    (mask[..., above] == minimum).all() and (mask[..., ~above] == 0).all()
+                )
+            seen[name] = dict(arguments=shapes, keywords=sorted(kwargs), causal=causal)
+
+        return hook
+
+    for name in stage.block_names:
+        block = stage.get_submodule(name)
+        block.register_forward_pre_hook(record(name), with_kwargs=True)
+    return seen
+
+
+def llama_loss_fn(recipe, step_batch, outputs):
+    """The recipe's loss over the step's global count of targets, times m: train_step divides each
+    micro-batch's loss by m, for a loss that is a micro-batch's mean, and this one is already a
+    share of the step's. The last stage appends each micro-batch's loss to `outputs`."""
+    micro_batches = len(step_batch)
+    if recipe is llama_model:
+        num_items = llama_model.global_targets(step_batch)
+    else:
+        num_items = hf_gpt2_model.num_items_in_batch(step_batch)
+
+    def loss_fn(logits, labels):
+        if recipe is llama_model:
+            loss = llama_model.loss(logits, labels, num_items)
+        else:
+            loss = hf_gpt2_model.causal_lm_loss(logits, labels, num_items)
+        outputs.append(loss.item())
+        return loss * micro_batches
+
+    return loss_fn
+
+
+def train_recipe(recipe, stage, optimizer):
+    """The recipe's loop through the pipeline: a step's ACCUMULATE (inputs, labels) micro-batches
+    are 1F1B's m, every stage fed the same step (the first reads the inputs, the last the labels),
+    then the section's clip over the stages where the recipe clips. Returns (each step's loss, as
+    the recipe sums it, on every rank; the norms the clip returned)."""
+    losses = []
+    norms = []
+    for step_batch in recipe.batches():
+        inputs = torch.cat([inputs for inputs, _ in step_batch])
+        labels = torch.cat([labels for _, labels in step_batch])
+        micro_losses = []
+        loss_fn = llama_loss_fn(recipe, step_batch, micro_losses)
+        pipeline.train_step(stage, inputs, labels, "1f1b", len(step_batch), loss_fn=loss_fn)
+        losses.append(sum(micro_losses))
+        norms.append(float(pipeline.clip_grad_norm_(stage, recipe.CLIP)))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    last_stage_losses = [losses if stage.is_last else None]
+    dist.broadcast_object_list(last_stage_losses, src=dist.get_world_size() - 1)
+    return last_stage_losses[0], norms
+
+
+def run_llama_pipeline(family, optim):
+    """Two stages of Llama ("llama") or of HF GPT-2 with eager attention ("gpt2"), one block each,
+    trained by the model's recipe. Returns (the stage, the full state_dict on rank 0, the proof:
+    losses, norms, the held-out loss of the saved state loaded strictly into a fresh model, what
+    each rank's blocks were called with)."""
+    if family == "llama":
+        recipe = llama_model
+        model = llama_model.model()
+        parts = LLAMA_PARTS
+        shape = (llama_model.ARGS.max_seq_len, llama_model.ARGS.dim)
+    else:
+        recipe = hf_gpt2_model
+        config = hf_gpt2_model.CONFIGS["eager-"]
+        model = hf_gpt2_model.model(config)
+        parts = gpt2_parts(config)
+        shape = (config.n_positions, config.n_embd)
+    stage = pipeline.parallelize(model, CPU, activation_shape=shape, parts=parts)
+    seen = block_calls(stage)
+    optimizer = recipe.make_optimizer(stage, optim)
+    losses, norms = train_recipe(recipe, stage, optimizer)
+    state = pipeline.full_state_dict(stage)
+    by_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(by_rank, seen)
+    proof = dict(losses=losses, norms=norms, eval_loss=None, block_calls=by_rank)
+    if state is not None:  # rank 0, which writes the results
+        # a stage cannot run the whole forward: one process evaluates the saved state, loaded
+        # strictly (the model's own keys: Llama's wq/wk/wv from its hook, its freqs_cis buffer)
+        evaluated = recipe.model(model.args if family == "llama" else config)
+        evaluated.load_state_dict(state)
+        proof["eval_loss"] = recipe.evaluation_loss(evaluated)
+        if family == "gpt2":
+            proof["tied"] = torch.equal(state["transformer.wte.weight"], state["lm_head.weight"])
+    return stage, state, proof
+
+
+def llama_cases(rank, world, folder):
+    """Yield (case name, its reference, the stage, the full state_dict, the proof), as
+    copy_zero.llama_cases does: Llama and HF GPT-2 (eager), 1F1B, SGD and AdamW."""
+    runs = [(family, optim) for family in ("llama", "gpt2") for optim in OPTIMS]
+    for case, (family, optim) in zip(LLAMA_CASES, runs, strict=True):
+        reference_name = f"llama-{optim}" if family == "llama" else f"gpt2-eager-{optim}"
+        yield case, reference_name, *run_llama_pipeline(family, optim)

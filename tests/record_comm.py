@@ -4,11 +4,14 @@ group's ranks added to each collective, since NCCL orders collectives per commun
 
     torchrun --standalone --nproc_per_node=8 tests/record_comm.py DIR SCRIPT [FLAG ...]
 
-    ("p2p", [[global peer, "send" | "recv", numel], ...])   one batch_isend_irecv (or send, recv)
-    (collective, numel, [ranks of its group])                in the order the rank issued them
+    ("p2p", [[global peer, "send" | "recv", numel, dtype], ...])   one batch_isend_irecv (or
+                                                                   send, recv)
+    (collective, numel, [ranks of its group])     in the order the rank issued them
 
 The communication still happens (Gloo runs it); the replay then asks whether NCCL, where a send
-waits for its receive and each communicator runs its operations in order, would get through."""
+waits for its receive and each communicator runs its operations in order, would get through, and
+whether each message is received in the size and dtype it is sent in (NCCL moves bytes: Gloo
+may pass a same-size dtype mismatch that NCCL delivers as garbage)."""
 
 import functools
 import importlib
@@ -55,7 +58,7 @@ def recorded_batch(original):
         group = []
         for op in ops:
             direction = "send" if op.op is dist.isend else "recv"
-            group.append((op.peer, direction, op.tensor.numel()))
+            group.append((op.peer, direction, op.tensor.numel(), str(op.tensor.dtype)))
         calls.append(("p2p", group))
         return original(ops)
 
@@ -69,7 +72,7 @@ def recorded_one(direction, original):
         group_peer = kwargs.get("group_dst", kwargs.get("group_src"))
         if peer is None and group_peer is not None:
             peer = dist.get_global_rank(group, group_peer)
-        calls.append(("p2p", [(peer, direction, tensor.numel())]))
+        calls.append(("p2p", [(peer, direction, tensor.numel(), str(tensor.dtype))]))
         return original(tensor, dst_or_src, group, *args, **kwargs)
 
     return point_to_point

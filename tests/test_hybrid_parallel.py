@@ -179,8 +179,8 @@ def test_p2p_and_collectives_are_nccl_safe_at_w8(tmp_path):
     --clip, recorded as its ranks issue every communication (tests/record_comm.py: the loop past
     logging steps and an epoch boundary, evaluation, the save), replayed under NCCL's rule per
     communicator (tests/test_pipeline.py's replay): no rank waits for ever, every message has a
-    partner of its size, and the ranks of each process group issue the same collectives in the
-    same order."""
+    partner of its size and dtype, and the ranks of each process group issue the same collectives
+    in the same order."""
     flags = [*CFG, "--epochs", 2, "--limit", 64, "--max-steps", 3, "--log-every", 1]
     flags += ["--dp", 2, "--pp", 2, "--tp", 2, "--zero-stage", 3, "--sequence-parallel"]
     flags += ["--microbatches", 2, "--clip", 1.0]

@@ -16,6 +16,7 @@ the save gathers on the pipeline's group, and the replay per communicator gets t
 is refused."""
 
 import argparse
+import re
 import sys
 from collections import Counter
 
@@ -52,6 +53,7 @@ IDS = [f"p{p}-{s}-m{m}-{o}" for p, s, m, o in CASES]
 LOADED = (3, "gpipe", 4, "sgd")  # this case starts from --load of the initial weights
 CLIP = "0.05"  # below every step's gradient norm on CFG: each step is clipped
 CLIPPED = [(2, "1f1b", 4, "sgd"), (3, "gpipe", 4, "sgd")]  # also run with --clip, in the launches
+F32 = str(torch.float32)  # a message's dtype, as the replay records it
 
 # the docstring's picture: a slot per forward, two per backward
 TIMELINE_1F1B_2x4 = """\
@@ -211,7 +213,8 @@ def test_saved_state_loads_in_ddp(runs):
 
 # ------------------------------------------------------------------------ NCCL's rule, in-process
 # A rank's communications in the order it issued them, each one of
-#   ("p2p", [(peer, "send" | "recv", numel), ...])   a group of point-to-point ops, waited for
+#   ("p2p", [(peer, "send" | "recv", numel, dtype), ...])
+#                                                     a group of point-to-point ops, waited for
 #                                                     together (a blocking send or receive: one op);
 #                                                     peer: the global rank, whatever the group
 #   (collective, numel)                               all_reduce, gather_object, ... on the world
@@ -247,23 +250,26 @@ def replay(calls):
 
 def pair_messages(calls, waits_for):
     """Each send with its receive, and each of their calls waiting for the other's: on a link
-    sender -> receiver, the n-th send is the n-th receive's message, and of the same size."""
+    sender -> receiver, the n-th send is the n-th receive's message, of the same size and dtype
+    (NCCL moves bytes: a bf16 message received as fp16 arrives as garbage, with no error)."""
     ends = {}  # (sender, receiver, n) -> {"send": (rank, call, numel), "recv": (...)}
     counted = Counter()
     for rank, rank_calls in enumerate(calls):
         for k, call in enumerate(rank_calls):
             if call[0] != "p2p":
                 continue
-            for peer, direction, numel in call[1]:
+            for peer, direction, numel, dtype in call[1]:
                 link = (rank, peer) if direction == "send" else (peer, rank)
                 n = counted[direction, link]
                 counted[direction, link] += 1
-                ends.setdefault((*link, n), {})[direction] = (rank, k, numel)
+                ends.setdefault((*link, n), {})[direction] = (rank, k, (numel, dtype))
     for message, end in ends.items():
         assert end.keys() == {"send", "recv"}, f"message {message} has no partner: {end}"
         sender, send_call, sent = end["send"]
         receiver, recv_call, expected = end["recv"]
-        assert sent == expected, f"message {message}: {sent} elements sent, {expected} received"
+        assert sent == expected, (
+            f"message {message}: {sent} sent, {expected} received (elements, dtype)"
+        )
         waits_for[sender][send_call].append((receiver, recv_call))
         waits_for[receiver][recv_call].append((sender, send_call))
 
@@ -297,7 +303,7 @@ def sends(calls):
     for rank_calls in calls:
         for call in rank_calls:
             if call[0] == "p2p":
-                count += sum(direction == "send" for _, direction, _ in call[1])
+                count += sum(direction == "send" for _, direction, _, _ in call[1])
     return count
 
 
@@ -314,13 +320,14 @@ def test_replay_itself():
     passes; ranks that disagree on their collectives fail. On process groups: a collective waits
     for its group's ranks only; two groups' collectives in crossed orders deadlock (rank 1 waits
     in group (0, 1) for rank 0, which waits in group (0, 2) for rank 2, which waits for rank 1's
-    send), as NCCL's communicators would, and in the same order pass."""
-    send = ("p2p", [(1, "send", 4)])
-    recv = ("p2p", [(1, "recv", 4)])
-    send_back = ("p2p", [(0, "send", 4)])
-    recv_back = ("p2p", [(0, "recv", 4)])
-    exchange = ("p2p", [(1, "send", 4), (1, "recv", 4)])
-    exchange_back = ("p2p", [(0, "send", 4), (0, "recv", 4)])
+    send), as NCCL's communicators would, and in the same order pass. A message sent in bf16 and
+    received in fp16, the same size, is caught: NCCL would deliver it as garbage."""
+    send = ("p2p", [(1, "send", 4, F32)])
+    recv = ("p2p", [(1, "recv", 4, F32)])
+    send_back = ("p2p", [(0, "send", 4, F32)])
+    recv_back = ("p2p", [(0, "recv", 4, F32)])
+    exchange = ("p2p", [(1, "send", 4, F32), (1, "recv", 4, F32)])
+    exchange_back = ("p2p", [(0, "send", 4, F32), (0, "recv", 4, F32)])
     all_reduce = ("all_reduce", 1)
     assert replay([[exchange], [exchange_back]]) is None
     assert replay([[send, recv], [send_back, recv_back]]) == [0, 0]
@@ -331,10 +338,14 @@ def test_replay_itself():
         replay([[all_reduce], [("gather_object", None)]])
     with pytest.raises(AssertionError, match="has no partner"):
         replay([[send], []])
+    bf16_send = ("p2p", [(1, "send", 4, "torch.bfloat16")])
+    fp16_recv = ("p2p", [(0, "recv", 4, "torch.float16")])
+    with pytest.raises(AssertionError, match="torch.bfloat16.* sent, .*torch.float16.* received"):
+        replay([[bf16_send], [fp16_recv]])
     on_01 = ("all_reduce", 1, [0, 1])
     on_02 = ("all_reduce", 1, [0, 2])
-    send_1_to_2 = ("p2p", [(2, "send", 4)])
-    recv_2_from_1 = ("p2p", [(1, "recv", 4)])
+    send_1_to_2 = ("p2p", [(2, "send", 4, F32)])
+    recv_2_from_1 = ("p2p", [(1, "recv", 4, F32)])
     assert replay([[on_01], [on_01], []]) is None
     assert replay([[on_02, on_01], [on_01, send_1_to_2], [recv_2_from_1, on_02]]) == [0, 0, 0]
     assert replay([[on_02, on_01], [on_01, send_1_to_2], [on_02, recv_2_from_1]]) is None
@@ -432,7 +443,7 @@ class RecordedWorld:
         group = []
         for op in ops:
             direction = "send" if op.op is dist.isend else "recv"
-            group.append((op.peer, direction, op.tensor.numel()))
+            group.append((op.peer, direction, op.tensor.numel(), str(op.tensor.dtype)))
             if direction == "recv":
                 op.tensor.normal_()
         self.calls.append(("p2p", group))
@@ -445,7 +456,7 @@ class RecordedWorld:
             if peer is None:  # given as a rank of `group`: recorded as the global rank
                 group_peer = kwargs.get("group_dst", kwargs.get("group_src"))
                 peer = group_peer if group is None else group.ranks[group_peer]
-            self.calls.append(("p2p", [(peer, direction, tensor.numel())]))
+            self.calls.append(("p2p", [(peer, direction, tensor.numel(), str(tensor.dtype))]))
             if direction == "recv":
                 tensor.normal_()
             return FakeWork()
@@ -529,9 +540,9 @@ def old_pairing(order, s, p, message):
     for action, _ in order:
         source, destination = (s - 1, s + 1) if action == "F" else (s + 1, s - 1)
         if 0 <= source < p:
-            calls.append(("p2p", [(source, "recv", message)]))
+            calls.append(("p2p", [(source, "recv", message, F32)]))
         if 0 <= destination < p:
-            calls.append(("p2p", [(destination, "send", message)]))
+            calls.append(("p2p", [(destination, "send", message, F32)]))
     return calls
 
 
@@ -548,9 +559,10 @@ def one_thread():
 def test_p2p_order_is_nccl_safe(p, monkeypatch, one_thread):
     """For every schedule and m in {p, p+1, 2p}: every communication each rank's loop issues
     (loop_calls), replayed under NCCL's rule: no rank waits for ever, every message has a partner
-    of its size, a step carries 2(p-1)·m messages and an evaluation batch p-1, and every rank
-    issues the loop's collectives (3 logged losses, evaluation's counts, the save's gather) in the
-    same order. The same replay finds the deadlock of the old pairing (one op a group) in 1F1B."""
+    of its size and dtype, a step carries 2(p-1)·m messages and an evaluation batch p-1, and
+    every rank issues the loop's collectives (3 logged losses, evaluation's counts, the save's
+    gather) in the same order. The same replay finds the deadlock of the old pairing (one op a
+    group) in 1F1B."""
     for name in SCHEDULES:
         for m in (p, p + 1, 2 * p):
             flags = [*LOOP, "--depth", DEPTH, "--batch-size", 2 * m]
@@ -584,13 +596,46 @@ def test_two_pipelines_on_groups_are_nccl_safe(monkeypatch, one_thread):
     flags += ["--schedule", "1f1b", "--microbatches", m]
     calls = loop_calls(pipeline, flags, 4, monkeypatch, on_pipes)
     for rank, rank_calls in enumerate(calls):
-        peers = {peer for call in rank_calls if call[0] == "p2p" for peer, _, _ in call[1]}
+        peers = {peer for call in rank_calls if call[0] == "p2p" for peer, _, _, _ in call[1]}
         assert peers == {(rank + 2) % 4}, (rank, peers)
         pipe = [rank % 2, rank % 2 + 2]
         saved = ("gather_object", None, pipe)
         assert collectives(rank_calls) == [*LOOP_COLLECTIVES[:-1], saved], rank
     assert sends(calls) == 2 * (LOOP_STEPS * 2 * m + EVAL_BATCHES)
     assert replay(calls) is None
+
+
+# parallelize told another activation than the blocks give: the dtype (a bf16 model, fp16 buffers)
+# or the shape (5 tokens where the ViT at --patch 14 has 4)
+UNLIKE_RECEIVES = {
+    "dtype": (
+        dict(activation_dtype=torch.float16),
+        "[2, 4, 8] torch.bfloat16 tensor where its peer receives [2, 4, 8] torch.float16",
+    ),
+    "shape": (
+        dict(activation_shape=(5, 8)),
+        "[2, 4, 8] torch.float32 tensor where its peer receives [2, 5, 8] torch.float32",
+    ),
+}
+
+
+@pytest.mark.parametrize("told, message", UNLIKE_RECEIVES.values(), ids=UNLIKE_RECEIVES)
+def test_a_send_unlike_its_receive_stops_the_stage(told, message, monkeypatch, one_thread):
+    """Stage 0 of 2 whose activation is not what stage 1's receive buffer holds stops at its first
+    send with one clear error, before anything is sent: NCCL would hang on another size, and
+    deliver another dtype of the same size (bf16 into fp16) as garbage with no error."""
+    world_view = RecordedWorld(monkeypatch, 2)
+    world_view.start(0)
+    args = common.parse_args(common.get_parser("test"), [*LOOP, "--depth", str(DEPTH)])
+    model = common.build_model(args)
+    if told.get("activation_dtype") is not None:
+        model = model.to(torch.bfloat16)
+    stage = pipeline.parallelize(model, torch.device("cpu"), **told)
+    x = torch.randn(4, 1, 28, 28, dtype=next(model.parameters()).dtype)
+    y = torch.randint(0, 10, (4,))
+    with pytest.raises(ValueError, match=re.escape(f"pipeline stage 0 sends a {message}")):
+        pipeline.train_step(stage, x, y, "1f1b", 2)
+    assert world_view.calls == [], "a send went out"
 
 
 @pytest.mark.parametrize(

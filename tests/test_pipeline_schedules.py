@@ -176,10 +176,10 @@ def one_thread():
 def test_p2p_order_is_nccl_safe(p, monkeypatch, one_thread):
     """Every schedule, m in {p, 2p, 3p}: every communication each rank's loop issues (train past
     logging steps and an epoch boundary, evaluation, the save; test_pipeline.loop_calls),
-    replayed under NCCL's rule: no rank waits for ever, every message has a partner of its size,
-    a step carries 2(V·p-1)·m messages and an evaluation batch V·p-1, every rank issues the
-    loop's collectives in the same order; and on every link the n-th send is the message the n-th
-    receive waits for (NCCL matches by order)."""
+    replayed under NCCL's rule: no rank waits for ever, every message has a partner of its size
+    and dtype, a step carries 2(V·p-1)·m messages and an evaluation batch V·p-1, every rank
+    issues the loop's collectives in the same order; and on every link the n-th send is the
+    message the n-th receive waits for (NCCL matches by order)."""
     cpu = torch.device("cpu")
 
     def parallelize(model, args):

@@ -54,7 +54,8 @@ MAX_DIFF = {
     "tensor_parallel_zero_r.py": 790,  # tensor_parallel.py's 705 + ZeRO-R's checkpointed forward
     # core first: 446 + the schedules' sketch, four part headers, the tie as named functions
     # issue 34: + the pipeline's `group` (peers as group ranks, each pipe's embedding group)
-    "pipeline.py": 493,
+    # issues 40, 41: + the blocks' arguments (Parts), the model's own buffers, each send checked
+    "pipeline.py": 533,
     "dp.py": 342,
     # core first: 660 + the ring's messages by name, causal and zig-zag out of RingAttention into
     # helpers of their own, Ulysses in its own part, the part headers
@@ -70,8 +71,10 @@ MAX_DIFF = {
     # core first: the MoE layer moved to common/moe.py (596 before), the step-time averager and
     # the backward one split
     "expert_parallel.py": 555,  # issue 34: full_state_dict on the expert group
-    "pipeline_schedules.py": 616,  # pipeline.py's reshaping, its schedule sketch, the group
-    "pipeline_pipedream.py": 426,  # pipeline.py's reshaping, its tie refusal as a part, the group
+    # pipeline.py's reshaping, its schedule sketch, the group; issues 40, 41 as pipeline.py
+    "pipeline_schedules.py": 656,
+    # pipeline.py's reshaping, its tie refusal as a part, the group; issues 40, 41 as pipeline.py
+    "pipeline_pipedream.py": 467,
     # the ds_config from the flags (and the user's, checked), deepspeed.initialize, the engine's
     # loop, a stage-3 gather for the state_dict, the optional import, NVMe's async_io checked,
     # --cpu-adam (DeepSpeed's C++ CPU Adam for its CPU offload)
@@ -88,8 +91,8 @@ VARIANTS = {
     "pipeline_pipedream.py": (
         "pipeline.py",
         # 292 + the contract and parallelize on the user's parts, without a tie (issue 34: nor the
-        # tie's embedding_group)
-        327,
+        # tie's embedding_group); issue 40: the micro-batch's inputs through the stash's call
+        328,
         ("def p2p(", "def infer(", "def full_state_dict(", "def evaluate(", "def setup("),
     ),
     "zero_offload.py": (
@@ -158,14 +161,16 @@ CORE_LINES = {
     # pooled head, DDP's group check, Ulysses, causal and zig-zag come after
     "context_parallel.py": 168,
     "expert_parallel.py": 160,
-    "pipeline.py": 104,  # issue 34: the pipeline's group, its peers as group ranks
+    # issue 34: the pipeline's group, its peers as group ranks; issue 40: each stage passes its
+    # blocks the model's arguments (+2), issue 41: each send checked against its receive (+9)
+    "pipeline.py": 115,
     # the variants' own loops: chunked stages and zb-h1's split backward; PipeDream's stashed
     # weights and its closing sends
-    "pipeline_schedules.py": 144,  # issue 34: + the group, as pipeline.py
+    "pipeline_schedules.py": 155,  # issue 34: + the group, as pipeline.py; issues 40, 41 too
     # the three sections on their groups, the SP sum and the clip's weights on ZeRO's shards
     # + parallelize's keywords (one a line), hook_optimizer, the layouts named
     "hybrid_parallel.py": 156,
-    "pipeline_pipedream.py": 120,
+    "pipeline_pipedream.py": 132,  # issues 40, 41 as pipeline.py (+ the stash's keyword, +1)
 }
 
 
