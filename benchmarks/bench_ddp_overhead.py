@@ -70,17 +70,8 @@ def plain_loop(flags, steps):
 
 
 def ddp_w1(flags, steps):
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=1",
-        os.path.join(ROOT, "ddp.py"),
-        *flags,
-        "--max-steps",
-        str(steps),
-    ]
+    # `python ddp.py` is a world of one, as under torchrun, without the launcher's process
+    cmd = [sys.executable, os.path.join(ROOT, "ddp.py"), *flags, "--max-steps", str(steps)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT).stdout
     result = next(line for line in out.splitlines() if line.startswith("RESULT "))
     return json.loads(result[len("RESULT ") :])["samples_per_s"]

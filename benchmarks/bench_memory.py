@@ -6,10 +6,12 @@ next to the paper's formula.
 
     python benchmarks/bench_memory.py
     python benchmarks/bench_memory.py --worlds 2 --dim 512 --depth 12
+    python benchmarks/bench_memory.py --worlds 2 --dim 16 --depth 1 --only "zero.py --stage 3"
 """
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,7 +35,11 @@ def main():
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--depth", type=int, default=8)
+    p.add_argument("--only", default=None, help="only the rows whose label matches this regex")
     args = p.parse_args()
+    runs = [run for run in RUNS if args.only is None or re.search(args.only, run[0])]
+    if not runs:
+        sys.exit(f"--only {args.only!r} matches none of {[label for label, _, _ in RUNS]}")
     flags = [
         "--dim",
         str(args.dim),
@@ -58,7 +64,7 @@ def main():
     )
     print("|---|---|---|---|---|---|---|---|")
     for world in args.worlds:
-        for label, cmd, formula in RUNS:
+        for label, cmd, formula in runs:
             out = subprocess.run(
                 [
                     sys.executable,

@@ -2,18 +2,22 @@
 that are exact in fp32 must end with ddp.py's parameters on the same GPU; the mixed-precision
 ones (AMP fp16 and bf16, FSDP's MixedPrecisionPolicy) and asynchronous PipeDream show their loss,
 accuracy and distance from ddp.py beside it. Also ddp.py on the CPU (Gloo): how far the GPU's
-round-off alone moves the parameters. Not a test: CI has no GPU.
+round-off alone moves the parameters. Then benchmarks/bench_main_loop.py: ddp.py at its defaults
+as a share of a tight loop of its model on the GPU. Not a test: CI has no GPU; the commands
+run on the CPU in tests/test_benchmarks.py.
 
     python benchmarks/check_cuda.py                        # MNIST in --data-dir, else synthetic
     python benchmarks/check_cuda.py --data-dir ../data --logs /tmp/check_cuda
 
 Prints one markdown table, a row as each run ends, and exits 1 if a run failed, ran off the GPU,
-or an exact script ended more than TOLERANCE away from ddp.py. Every run sees only the first GPU.
+an exact script ended more than TOLERANCE away from ddp.py, or the main loop's share is below
+MAIN_LOOP_SHARE (not checked with --only). Every run sees only the first GPU.
 W = 1 checks the CUDA paths (device placement, pinned copies, autocast, offload) and that the
 NCCL process group starts, not NCCL's communication: at W = 1 no message crosses a link. The
 split itself, and the order of messages under NCCL's rules, the tests prove on CPU at W > 1."""
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -75,14 +79,29 @@ CASES = [
     ("pipeline_schedules.py --schedule zb-h1 --microbatches 4", "ddp.py", None),
     ("pipeline_pipedream.py --microbatches 4", "ddp.py", "asynchronous: a step per micro-batch"),
     ("nd_parallel.py --dp-shard 1", "ddp.py", None),
+    ("hybrid_parallel.py --zero-stage 1", "ddp.py", None),
+    ("hybrid_parallel.py --zero-stage 3", "ddp.py", None),
+    ("deepspeed_zero.py --stage 1", "ddp.py", None),
+    ("deepspeed_zero.py --stage 2", "ddp.py", None),
+    ("deepspeed_zero.py --stage 3", "ddp.py", None),
 ]
 REFERENCES = {reference for _, reference, _ in CASES if reference}
+# DeepSpeed is optional (requirements-deepspeed.txt): without it its rows say so and are not run.
+HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+# benchmarks/bench_main_loop.py's target: ddp.py at its defaults at least this share of a tight
+# loop of the same model, batch and optimizer with the data already on the GPU
+MAIN_LOOP_SHARE = 0.9
 
 
-def run_case(name, cmd, out_dir, args):
-    """One script at W = 1 with --save; its RESULT, its CUDA peak in training, wall seconds."""
-    slug = re.sub(r"[^A-Za-z0-9=]+", "_", name).strip("_")
-    saved = os.path.join(out_dir, slug + ".pt")
+def slug_of(name):
+    return re.sub(r"[^A-Za-z0-9=]+", "_", name).strip("_")
+
+
+def case_command(name, out_dir, data_dir):
+    """The script and its flags for the case `name`: with run_all.sh's setting, --clip (PipeDream
+    refuses it), the folders a script writes to, and --save to out_dir/<slug>.pt."""
+    cmd = name.split()
+    slug = slug_of(name)
     extra = []
     if cmd[0] == "zero_offload.py" and "disk" in cmd:
         extra = ["--offload-dir", os.path.join(out_dir, slug + "_offload")]
@@ -91,10 +110,19 @@ def run_case(name, cmd, out_dir, args):
         extra = ["--dcp", os.path.join(out_dir, slug + "_dcp")]
     if cmd[0] == "ddp_torchrun.py":
         extra = ["--snapshot", os.path.join(out_dir, slug + "_snapshot.pt")]
-    argv = [sys.executable, *cmd, *extra]  # no --nproc: one process, this one
-    argv += ["--no-progress", "--data-dir", args.data_dir, *SETTING, "--save", saved]
+    command = [*cmd, *extra, "--no-progress", "--data-dir", data_dir, *SETTING]
+    command += ["--save", os.path.join(out_dir, slug + ".pt")]
     if cmd[0] != "pipeline_pipedream.py":
-        argv += CLIP
+        command += CLIP
+    return command
+
+
+def run_case(name, out_dir, args):
+    """One script at W = 1 with --save; its RESULT, its CUDA peak in training, wall seconds."""
+    slug = slug_of(name)
+    saved = os.path.join(out_dir, slug + ".pt")
+    # no --nproc: one process, this one
+    argv = [sys.executable, *case_command(name, out_dir, args.data_dir)]
     start = time.perf_counter()
     first_gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": first_gpu}  # one GPU: dp.py would take them all
@@ -162,7 +190,10 @@ def main():
     for name, reference, why in CASES:
         if args.only and not re.search(args.only, name) and name not in REFERENCES:
             continue
-        result, peak, seconds, detail = run_case(name, name.split(), out_dir, args)
+        if name.startswith("deepspeed_zero.py") and not HAVE_DEEPSPEED:
+            print(f"| `{name}` | not run: DeepSpeed is not installed | | | | | | |", flush=True)
+            continue
+        result, peak, seconds, detail = run_case(name, out_dir, args)
         if result is None:
             failed.append(f"{name}: {detail}")
             print(f"| `{name}` | failed | | | | | {seconds:.1f} | |", flush=True)
@@ -193,9 +224,42 @@ def main():
             f"| {result['test_acc']:.4f} | {peak or '-'} | {seconds:.1f} | {cell} |",
             flush=True,
         )
+    if not args.only:
+        failed += main_loop_share(args)
     for line in failed:
         print("failed: " + line)
     sys.exit(1 if failed else 0)
+
+
+def main_loop_share(args):
+    """benchmarks/bench_main_loop.py at its defaults on the first GPU: ddp.py's samples/s as a
+    share of a tight loop of its model. Prints its line; returns what failed."""
+    first_gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": first_gpu}
+    argv = [sys.executable, os.path.join("benchmarks", "bench_main_loop.py")]
+    try:
+        p = subprocess.run(
+            argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=4 * args.timeout
+        )
+    except subprocess.TimeoutExpired:
+        return [f"bench_main_loop.py: timed out after {4 * args.timeout:.0f} s"]
+    results = [line[7:] for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+    if p.returncode != 0 or not results:
+        tail = (p.stdout + p.stderr).strip().splitlines()[-3:]
+        return [f"bench_main_loop.py: exit {p.returncode}: " + " | ".join(tail)]
+    result = json.loads(results[-1])
+    print(
+        f"\nddp.py at its defaults (--workers {result['workers']}): "
+        f"{result['ddp_samples_per_s']:.0f} samples/s, a tight loop of its model "
+        f"{result['tight_samples_per_s']:.0f}: {result['share']:.3f}x "
+        f"(target >= {MAIN_LOOP_SHARE}; benchmarks/bench_main_loop.py)",
+        flush=True,
+    )
+    if result["device"] != "cuda":
+        return [f"bench_main_loop.py ran on {result['device']}"]
+    if result["share"] < MAIN_LOOP_SHARE:
+        return [f"ddp.py at {result['share']:.3f}x its model's speed < {MAIN_LOOP_SHARE}"]
+    return []
 
 
 if __name__ == "__main__":
