@@ -27,7 +27,6 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -35,6 +34,7 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler
 
 import common
@@ -101,10 +101,34 @@ def parallelize(
 
 
 def full_state_dict(model):
-    """The plain state_dict of the common model on rank 0's CPU, gathered tensor by tensor (no
-    rank ever holds a second whole copy on its device); an empty dict on the other ranks."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options)
+    """The model's own state_dict() on rank 0's CPU, whole: its keys, its persistent buffers, and
+    whatever its state_dict hooks make of them (Llama's fused wqkv saved as wq, wk, wv); an empty
+    dict on the other ranks, which must call it too. Each sharded tensor (a DTensor, the hooks
+    having worked on it as on a tensor) is all-gathered one at a time, so no rank ever holds a
+    second whole copy of the model on its device; a tied weight is gathered once. (torch's
+    get_model_state_dict maps each key back to a parameter by name, and raises on a key a hook
+    made.)"""
+    state = {}
+    gathered = {}  # (the shard's address, shape) -> the whole tensor: a tie is gathered once
+    for key, tensor in model.state_dict().items():
+        if isinstance(tensor, DTensor):
+            local = tensor.to_local()
+            address = (local.data_ptr(), local.shape)
+            if address not in gathered:
+                gathered[address] = gather_whole(tensor)
+            tensor = gathered[address]
+        if dist.get_rank() == 0:
+            state[key] = tensor.cpu()
+    return state
+
+
+def gather_whole(tensor):
+    """The whole of a sharded DTensor on every rank: all-gathered on the mesh's device (shards
+    offloaded to the CPU are moved there first: NCCL gathers device memory only)."""
+    device_type = tensor.device_mesh.device_type
+    if tensor.device.type != device_type:
+        tensor = tensor.to(device_type)
+    return tensor.full_tensor()
 
 
 ### end: FSDP

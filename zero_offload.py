@@ -42,15 +42,16 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 ### begin: ZeRO
 # Model contract: `units`, parallelize's argument, are the modules ZeRO flattens, in the order
 # forward runs them (the ViT: [embed, *blocks, head]); together they hold every parameter of the
-# model, each in one unit. Forward calls each unit's forward once, which returns one tensor (stage
-# 3 gathers the unit around it and around its backward); every parameter gets a gradient in every
-# backward; the same weights on every rank's device. ZeRO talks on `group`, parallelize's
-# argument: the data-parallel ranks, the world when None. Every collective runs on it, W is its
-# size and a rank's shard is cut by its rank in it. After parallelize, model.parameters() are this
-# rank's shards (count Ψ before it, for MFU): build the optimizer over model.zero.param_groups,
-# drop the old one (see parallelize), call hook_optimizer; save with full_state_dict, clip with
-# this section's clip_grad_norm_. What a language model needs besides (tied weights, optimizer
-# groups, gradient accumulation) follows the core, each in a `### more:` part.
+# model, each in one unit. Forward calls each unit's forward once, which returns a tensor or a tuple
+# of them (stage 3 gathers the unit around it and around its backward); every parameter gets a
+# gradient in every backward; the same weights on every rank's device. ZeRO talks on `group`,
+# parallelize's argument: the data-parallel ranks, the world when None. Every collective runs on it,
+# W is its size and a rank's shard is cut by its rank in it. After parallelize, model.parameters()
+# are this rank's shards (count Ψ before it, for MFU): build the optimizer over
+# model.zero.param_groups, drop the old one (see parallelize), call hook_optimizer; save with
+# full_state_dict, clip with this section's clip_grad_norm_. What a language model needs besides
+# (tied weights, optimizer groups, gradient accumulation) follows the core, each in a `### more:`
+# part.
 
 
 class Unit:
@@ -157,8 +158,9 @@ class ZeRO:
 
     def after_forward(self, index, module, args, output):
         self.units[index].free()
-        if output.requires_grad:  # training: the gradient reaching this output starts its backward
-            output.register_hook(functools.partial(self.before_backward, index))
+        for tensor in output_tensors(output):
+            if tensor.requires_grad:  # training: the gradient reaching it starts its backward
+                tensor.register_hook(functools.partial(self.before_backward, index))
 
     def before_backward(self, index, grad):
         self.gather(index)
@@ -265,7 +267,7 @@ def parallelize(
         optimizer = type(optimizer)(model.zero.param_groups)
         hook_optimizer(model, optimizer)"""
     model.zero = ZeROOffload(model, device, stage, units, param_groups, offload, directory, group)
-    model.register_state_dict_pre_hook(refuse_state_dict)
+    model.zero.refusal = model.register_state_dict_pre_hook(refuse_state_dict)
     return model
 
 
@@ -402,12 +404,26 @@ def hook_borrowed(engine, index, module):
     def free_owners(module, args, output):
         for owner in owners:
             engine.units[owner].free()
-        if output.requires_grad:
-            output.register_hook(gather_owners)
+        for tensor in output_tensors(output):
+            if tensor.requires_grad:
+                tensor.register_hook(gather_owners)
 
     # registered after the engine's own hooks, so that torch runs them after those
     module.register_forward_pre_hook(gather_owners)
     module.register_forward_hook(free_owners)
+
+
+### more: a unit whose forward returns a tuple (HuggingFace's blocks)
+
+
+def output_tensors(output):
+    """The tensors a unit's forward returned: the tensor, or those of a tuple (HuggingFace's blocks
+    return (hidden_states, ...)), whose gradients start the unit's backward."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [item for item in output if isinstance(item, torch.Tensor)]
+    return []
 
 
 ### more: a tensor in the parameter's place, under autograd
@@ -513,10 +529,23 @@ def check_originals_dropped(model):
 
 @torch.no_grad()
 def full_state_dict(model):
-    """The plain state_dict of the common model on the group's rank 0 ({} on the others): every
-    rank of ZeRO's group sends its shard of each unit to the group's rank 0, which cuts the whole
-    unit back into the parameters."""
+    """The model's own state_dict(), whole, on the CPU of the group's rank 0 ({} on the others):
+    its keys, its persistent buffers, and whatever its state_dict hooks make of them (Llama's
+    fused wqkv saved as wq, wk, wv), so that a strict load_state_dict into the unsplit model
+    accepts it. Every rank of ZeRO's group sends its shard of each unit to the group's rank 0,
+    which cuts the whole unit back into the parameters and calls the model's state_dict() with
+    them in their places."""
     engine = model.zero
+    whole = gather_parameters(engine)
+    if engine.rank != 0:
+        return {}
+    state = state_dict_with(model, whole)
+    return {key: tensor.cpu() for key, tensor in state.items()}
+
+
+def gather_parameters(engine):
+    """{state_dict key: the parameter, whole, on the CPU} on the group's rank 0 ({} elsewhere): a
+    tied parameter one tensor under both its keys."""
     state = {}
     for unit in engine.units:
         if engine.rank != 0:
@@ -535,6 +564,40 @@ def full_state_dict(model):
         for key, owner_key in unit.tied:
             state[key] = state[owner_key]  # one tensor under both names, as the model's own
     return state
+
+
+def state_dict_with(model, whole):
+    """model.state_dict() with each parameter whole[key] in its place (nn.Parameters again, as the
+    model had them, the shards' ParameterLists out of sight), ZeRO's tensors back after it."""
+    engine = model.zero
+    parameters = {}  # one nn.Parameter per tensor: a tied weight stays one Parameter
+    in_place = []  # (module, attribute, ZeRO's tensor there)
+    for key, tensor in whole.items():
+        if id(tensor) not in parameters:
+            parameters[id(tensor)] = nn.Parameter(tensor, requires_grad=False)
+        owner_name, _, attribute = key.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        in_place.append((owner, attribute, getattr(owner, attribute)))
+        delattr(owner, attribute)
+        owner.register_parameter(attribute, parameters[id(tensor)])
+    # the modules ZeRO gave its shards to (parallelize named the list `shards` in each unit)
+    shard_lists = [
+        (module, module.shards)
+        for module in model.modules()
+        if isinstance(getattr(module, "shards", None), nn.ParameterList)
+    ]
+    for module, _ in shard_lists:
+        del module.shards
+    engine.refusal.remove()
+    try:
+        return model.state_dict()
+    finally:
+        engine.refusal = model.register_state_dict_pre_hook(refuse_state_dict)
+        for module, shards in shard_lists:
+            module.shards = shards
+        for owner, attribute, tensor in in_place:
+            delattr(owner, attribute)
+            setattr(owner, attribute, tensor)
 
 
 ### more: gradient clipping over the shards

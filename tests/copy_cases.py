@@ -3,6 +3,7 @@ second model (tests/causal_lm.py) in ONE launch, one case after another in the s
 group, so that tests/test_copy.py starts its ranks once.
 
     torchrun --standalone --nproc_per_node=2 tests/copy_cases.py DIR [--nanogpt] [MODULE ...]
+    torchrun --standalone --nproc_per_node=2 tests/copy_cases.py DIR --llama [MODULE ...]
     torchrun --standalone --nproc_per_node=4 tests/copy_cases.py DIR --groups [MODULE ...]
 
 Each module tests/copy_<technique>.py yields its cases on the second model (`cases`, see
@@ -12,6 +13,12 @@ run only those. Rank 0 first trains the one-process references on the same batch
 DIR/<case>.pt (the case's full state_dict, as its script's `full_state_dict` gives it),
 DIR/reference-<optim>.pt (with --nanogpt, also DIR/reference-nobias-<optim>.pt: the model with
 bias=False) and DIR/results.json.
+
+With --llama the cases are a module's `llama_cases` (rank, world, folder), on the fourth and fifth
+models: tests/llama_model.py (Llama 3 as torchtitan has it) and tests/hf_gpt2_model.py (HF's
+GPT2LMHeadModel), each trained by its own recipe; a case's reference is named
+<family>-[<variant>-]<optim> (llama-sgd, llama-moe-adamw, gpt2-eager-sgd, ...), each written to
+DIR/reference-<that name>.pt; modules without llama_cases are skipped.
 
 With --groups (W=4) each section runs on a process group of its own, not on the world: the
 ranks {0, 2} and {1, 3} train the same cases side by side, each pair on its own group, whose
@@ -33,6 +40,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the scripts
 
+import hf_gpt2_model  # noqa: E402
+import llama_model  # noqa: E402
 import nanogpt_model  # noqa: E402
 from causal_lm import OPTIMS, evaluation_loss, reference, task  # noqa: E402
 
@@ -50,7 +59,10 @@ MODULES = [  # tests/copy_<name>.py
 def main():
     folder = Path(sys.argv[1])
     nanogpt = "--nanogpt" in sys.argv[2:]
+    llama = "--llama" in sys.argv[2:]
     modules = [name for name in sys.argv[2:] if not name.startswith("--")] or MODULES
+    if llama:
+        modules = [name for name in modules if hasattr(copy_module(name), "llama_cases")]
     dist.init_process_group("gloo")
     if "--groups" in sys.argv[2:]:
         run_on_groups(folder, modules)
@@ -61,6 +73,9 @@ def main():
     results = {}
     if rank == 0:
         for optim in OPTIMS:
+            if llama:
+                results.update(llama_references(optim, folder))
+                continue
             if not nanogpt:
                 state, results[f"reference-{optim}"] = reference(optim, batches, test_tokens)
                 torch.save(state, folder / f"reference-{optim}.pt")
@@ -71,14 +86,19 @@ def main():
                 torch.save(state, folder / f"{name}.pt")
     for name in modules:
         module = importlib.import_module(f"copy_{name}")
-        if nanogpt:
+        if llama:
+            module_cases = module.llama_cases(rank, world, folder)
+        elif nanogpt:
             module_cases = module.nanogpt_cases(rank, world, folder)
         else:
             module_cases = module.cases(batches, rank, world, folder)
         for case, reference_name, model, state, proof in module_cases:
             # a case whose model cannot run a whole forward (a pipeline stage) brings its own
             if "eval_loss" not in proof:
-                if nanogpt:
+                if llama:
+                    recipe = LLAMA_FAMILIES[family(reference_name)]
+                    proof["eval_loss"] = recipe.evaluation_loss(model)
+                elif nanogpt:
                     proof["eval_loss"] = nanogpt_model.evaluation_loss(model)
                 else:
                     proof["eval_loss"] = evaluation_loss(model, test_tokens)
@@ -95,6 +115,33 @@ def main():
             json.dump(results, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+# --llama: the model families and the variants of each that a case may name as its reference
+LLAMA_FAMILIES = {"llama": llama_model, "gpt2": hf_gpt2_model}
+LLAMA_VARIANTS = {"llama": llama_model.ARGS_BY_PREFIX, "gpt2": hf_gpt2_model.CONFIGS}
+
+
+def copy_module(name):
+    return importlib.import_module(f"copy_{name}")
+
+
+def family(reference_name):
+    """The family ("llama" or "gpt2") of a reference name such as "llama-moe-adamw"."""
+    return reference_name.split("-")[0]
+
+
+def llama_references(optim, folder):
+    """Rank 0, --llama: one process of every family and variant trained by its own recipe with
+    `optim`, each state_dict written to DIR/reference-<family>-[<variant>-]<optim>.pt; returns
+    {that file's stem: dict(losses, norms, eval_loss)}."""
+    results = {}
+    for name, recipe in LLAMA_FAMILIES.items():
+        for prefix, config in LLAMA_VARIANTS[name].items():
+            reference_name = f"reference-{name}-{prefix}{optim}"  # e.g. reference-llama-moe-sgd
+            state, results[reference_name] = recipe.reference(optim, config)
+            torch.save(state, folder / f"{reference_name}.pt")
+    return results
 
 
 def run_on_groups(folder, modules):

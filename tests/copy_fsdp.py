@@ -2,6 +2,8 @@
 each block a unit and the rest (embed and head, the tied wte / lm_head with them) the root unit,
 and each rank trains on its slice of every micro-batch. Run by tests/copy_cases.py."""
 
+import hf_gpt2_model
+import llama_model
 import nanogpt_model
 import torch
 import torch.distributed as dist
@@ -91,3 +93,36 @@ def nanogpt_cases(rank, world, folder):
     """As `cases`, on nanoGPT's model."""
     for optim in OPTIMS:
         yield f"fsdp-{optim}", optim, *run_nanogpt_fsdp(optim, rank, world)
+
+
+# The models as torchtitan's Llama 3 (tests/llama_model.py) and HuggingFace's GPT2LMHeadModel
+# (tests/hf_gpt2_model.py) have them, each trained by its own recipe.
+
+FAMILIES = {"llama": llama_model, "gpt2": hf_gpt2_model}
+LLAMA_CASES = [f"{family}-fsdp-{optim}" for family in FAMILIES for optim in OPTIMS]
+
+
+def family_blocks(family, model):
+    """FSDP's units, the transformer blocks: Llama's layers (an nn.ModuleDict: its values), GPT-2's
+    transformer.h. The root keeps the rest (GPT-2's tied wte / lm_head together)."""
+    if family == "llama":
+        return model.layers.values()
+    return model.transformer.h
+
+
+def run_family_fsdp(family, optim, rank, world):
+    """Each block a unit, the optimizer built on the shards, torch's clip_grad_norm_ on them."""
+    recipe = FAMILIES[family]
+    model = recipe.model()
+    model = fsdp.parallelize(model, CPU, family_blocks(family, model))
+    optimizer = recipe.make_optimizer(model, optim)
+    losses, norms = recipe.train(model, optimizer, recipe.batches(), rank, world, clip_sharded)
+    return model, fsdp.full_state_dict(model), dict(losses=losses, norms=norms)
+
+
+def llama_cases(rank, world, folder):
+    """As `cases`, on Llama 3 and HF GPT-2."""
+    for family in FAMILIES:
+        for optim in OPTIMS:
+            case = run_family_fsdp(family, optim, rank, world)
+            yield f"{family}-fsdp-{optim}", f"{family}-{optim}", *case

@@ -5,6 +5,8 @@ four (`group_cases`)."""
 
 import math
 
+import hf_gpt2_model
+import llama_model
 import nanogpt_model
 import torch
 import torch.distributed as dist
@@ -211,3 +213,80 @@ def nanogpt_cases(rank, world, folder):
             zero_args = dict(stage=stage, offload=offload, directory=directory)
             case = run_nanogpt_zero(zero_offload, optim, rank, world, **zero_args)
             yield f"zero_offload-{offload}{stage}-{optim}", optim, *case
+
+
+# The models as torchtitan's Llama 3 (tests/llama_model.py) and HuggingFace's GPT2LMHeadModel
+# (tests/hf_gpt2_model.py) have them, each trained by its own recipe: padded labels and a loss
+# over the step's global count of targets, clipping before every step. Case names start with the
+# family; each case's reference is "<family>-<optim>".
+
+FAMILIES = {"llama": llama_model, "gpt2": hf_gpt2_model}
+LLAMA_CASES = [
+    *(f"{family}-ddp-{optim}" for family in FAMILIES for optim in OPTIMS),
+    *(
+        f"{family}-zero{stage}-{optim}"
+        for family in FAMILIES
+        for stage in (1, 2, 3)
+        for optim in OPTIMS
+    ),
+    "llama-zero_offload-cpu2-adamw",
+    "gpt2-zero_offload-disk3-sgd",
+]
+
+
+def family_units(family, model):
+    """ZeRO's units, in the order the model's forward runs them: Llama's embedding, layers (an
+    nn.ModuleDict: its values), norm and output; GPT-2's as nanoGPT's (lm_head holds only the tied
+    weight, and must be listed)."""
+    if family == "llama":
+        return [model.tok_embeddings, *model.layers.values(), model.norm, model.output]
+    transformer = model.transformer
+    return [transformer.wte, transformer.wpe, *transformer.h, transformer.ln_f, model.lm_head]
+
+
+def run_family_ddp(family, optim, rank, world):
+    """DDP takes either model as it is; the recipe's loss times W undoes DDP's mean over ranks."""
+    recipe = FAMILIES[family]
+    model = ddp.parallelize(recipe.model(), CPU)
+    optimizer = recipe.make_optimizer(model.module, optim)
+    losses, norms = recipe.train(model, optimizer, recipe.batches(), rank, world)
+    return model.module, ddp.full_state_dict(model), dict(losses=losses, norms=norms)
+
+
+def run_family_zero(family, script, optim, rank, world, **zero_args):
+    """ZeRO takes either model as it is, as run_nanogpt_zero takes nanoGPT's: its units, its own
+    optimizer rebuilt over the shards, the section's clip where the recipe clips."""
+    recipe = FAMILIES[family]
+    model = recipe.model()
+    optimizer = recipe.make_optimizer(model, optim)
+    units = family_units(family, model)
+    model = script.parallelize(
+        model, CPU, param_groups=optimizer.param_groups, units=units, **zero_args
+    )
+    optimizer = type(optimizer)(model.zero.param_groups)
+    script.hook_optimizer(model, optimizer)
+
+    def clip(parameters, max_norm):
+        return script.clip_grad_norm_(model, max_norm)
+
+    losses, norms = recipe.train(model, optimizer, recipe.batches(), rank, world, clip=clip)
+    return model, script.full_state_dict(model), dict(losses=losses, norms=norms)
+
+
+def llama_cases(rank, world, folder):
+    """As `cases`, on Llama 3 and HF GPT-2: (case, its reference, model, full state_dict, proof)."""
+    for family in FAMILIES:
+        for optim in OPTIMS:
+            case = run_family_ddp(family, optim, rank, world)
+            yield f"{family}-ddp-{optim}", f"{family}-{optim}", *case
+    for family in FAMILIES:
+        for stage in (1, 2, 3):
+            for optim in OPTIMS:
+                case = run_family_zero(family, zero, optim, rank, world, stage=stage)
+                yield f"{family}-zero{stage}-{optim}", f"{family}-{optim}", *case
+    for family, offload, stage, optim in (("llama", "cpu", 2, "adamw"), ("gpt2", "disk", 3, "sgd")):
+        directory = folder / f"{family}-zero_offload-{offload}-{optim}-files"
+        directory.mkdir(exist_ok=True)
+        zero_args = dict(stage=stage, offload=offload, directory=directory)
+        case = run_family_zero(family, zero_offload, optim, rank, world, **zero_args)
+        yield f"{family}-zero_offload-{offload}{stage}-{optim}", f"{family}-{optim}", *case

@@ -108,6 +108,10 @@ MUTANTS = {
         "ZeRO leaves out a unit holding only the tied weight",
         "test_copy_nanogpt.py::test_equals_one_process[zero-zero3-sgd]",
     ),
+    "save-bypasses-state-dict-hooks": (
+        "ZeRO saves its parameters by name, not through the model's own state_dict()",
+        "test_copy_llama.py::test_save_is_the_models_state_dict[zero-llama-zero3-adamw]",
+    ),
     "tp-sp-accumulation": (
         "TP+SP counts a step's earlier backward W times",
         "test_copy.py::test_tensor_parallel_equals_one_process[sgd-sp]",

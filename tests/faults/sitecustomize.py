@@ -427,6 +427,14 @@ if os.environ.get("MUTANT"):
 
         _after_import["zero"] = _drop_tied_only
         _after_import["zero_offload"] = _drop_tied_only
+    elif _mutant == "save-bypasses-state-dict-hooks":  # ZeRO saves its parameters by name
+
+        def _parameters_only(zero):
+            # the whole parameters under their names, as before issue 40: no state_dict hook runs
+            # (Llama's wqkv is saved fused) and no buffer is saved (freqs_cis)
+            zero.full_state_dict = lambda model: zero.gather_parameters(model.zero)
+
+        _after_import["zero"] = _parameters_only
     elif _mutant == "pipeline-tied-unsummed":  # pipeline: each tied copy steps on its stage's part
 
         def _unsummed(pipeline):
