@@ -3,6 +3,8 @@
 slice of every micro-batch, both micro-batches of a step through one forward_backward with the
 language model's next-token loss as loss_fn. Run by tests/copy_cases.py."""
 
+import hf_gpt2_model
+import llama_model
 import nanogpt_model
 import torch
 import torch.nn as nn
@@ -149,3 +151,75 @@ def nanogpt_cases(rank, world, folder):
     """As `cases`, on nanoGPT's model, in fp32."""
     for optim in OPTIMS:
         yield f"amp_checkpoint-{optim}", optim, *run_nanogpt_amp_checkpoint(optim, rank, world)
+
+
+# The models as torchtitan's Llama 3 (tests/llama_model.py) and HuggingFace's GPT2LMHeadModel
+# (tests/hf_gpt2_model.py) have them, each trained by its own recipe, in fp32 with every block
+# checkpointed; clipping through optimizer_step.
+
+FAMILIES = {"llama": llama_model, "gpt2": hf_gpt2_model}
+LLAMA_CASES = [f"{family}-amp_checkpoint-{optim}" for family in FAMILIES for optim in OPTIMS]
+
+
+def family_blocks(family, model):
+    """The blocks to checkpoint: Llama's layers (an nn.ModuleDict: its values), GPT-2's h."""
+    if family == "llama":
+        return model.layers.values()
+    return model.transformer.h
+
+
+def step_loss_fn(family, num_items, world):
+    """loss_fn(model, x, y) for forward_backward: the recipe's loss over the step's global count
+    of targets, times W (DDP averages over ranks) and times ACCUMULATE, because forward_backward
+    divides each micro-batch's loss by grad_accum, as for a mean, and this loss is already the
+    micro-batch's share of the step's."""
+    accumulate = FAMILIES[family].ACCUMULATE
+    if family == "llama":
+
+        def loss_fn(model, x, y):
+            return llama_model.loss(model(x), y, num_items) * world * accumulate
+
+    else:
+
+        def loss_fn(model, x, y):
+            loss, _ = model(x, labels=y, num_items_in_batch=num_items)
+            return loss * world * accumulate
+
+    return loss_fn
+
+
+def run_family_amp_checkpoint(family, optim, rank, world):
+    """Each step's ACCUMULATE micro-batches, this rank's slice of each, in one forward_backward."""
+    recipe = FAMILIES[family]
+    model = recipe.model()
+    model = amp_checkpoint.parallelize(model, CPU, checkpointed=family_blocks(family, model))
+    raw_model = model.module
+    optimizer = recipe.make_optimizer(raw_model, optim)
+    scaler = torch.amp.GradScaler(CPU.type, enabled=False)  # fp32 here: a no-op
+    norms = []
+    for micro_batches in recipe.batches():
+        x = torch.cat([x.chunk(world)[rank] for x, _ in micro_batches])
+        y = torch.cat([y.chunk(world)[rank] for _, y in micro_batches])
+        loss_fn = step_loss_fn(family, targets(family, micro_batches), world)
+        amp_checkpoint.forward_backward(
+            model, x, y, "off", scaler, recipe.ACCUMULATE, loss_fn=loss_fn
+        )
+        norm = amp_checkpoint.optimizer_step(model, optimizer, scaler, recipe.CLIP)
+        norms.append(norm.item())
+        optimizer.zero_grad(set_to_none=True)
+    return raw_model, amp_checkpoint.full_state_dict(model), dict(norms=norms)
+
+
+def targets(family, micro_batches):
+    """The step's global count of targets, as each recipe counts it."""
+    if family == "llama":
+        return llama_model.global_targets(micro_batches)
+    return hf_gpt2_model.num_items_in_batch(micro_batches)
+
+
+def llama_cases(rank, world, folder):
+    """As `cases`, on Llama 3 and HF GPT-2, in fp32."""
+    for family in FAMILIES:
+        for optim in OPTIMS:
+            case = run_family_amp_checkpoint(family, optim, rank, world)
+            yield f"{family}-amp_checkpoint-{optim}", f"{family}-{optim}", *case

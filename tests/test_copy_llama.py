@@ -30,6 +30,7 @@ from helpers import fork_launch
 MODULES = [
     "zero",
     "fsdp",
+    "amp",
     "tensor_parallel",
     "expert_parallel",
     "context_parallel",
