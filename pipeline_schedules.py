@@ -353,9 +353,9 @@ def infer(stage, x):
 
 
 def full_state_dict(model):
-    """The plain state_dict of the common model, gathered on the pipeline group's rank 0 (None
-    elsewhere): each stage holds its part under the whole model's keys, so the parts only need
-    merging."""
+    """The model's own state_dict(), gathered on the pipeline group's rank 0 (None elsewhere):
+    each stage holds its modules and the model's own buffers under the model's names, so its
+    state_dict() has the model's keys (its modules' hooks run); the parts only need merging."""
     mine = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
     group = model.group
     parts = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None

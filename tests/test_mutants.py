@@ -129,6 +129,10 @@ MUTANTS = {
         "test_copy.py::test_pipeline_bf16_equals_one_process_bf16"
         "[pipeline_schedules-zb-h1-bf16-sgd]",
     ),
+    "pipeline-stage-without-mask": (
+        "pipeline: the stages call HF GPT-2's eager blocks without the causal mask",
+        "test_copy_llama.py::test_equals_one_process[pipeline-gpt2-pipeline-eager-sgd]",
+    ),
     "pipeline-clip-local-norm": (
         "pipeline: each stage clips by its own norm",
         "test_copy_nanogpt.py::test_equals_one_process[pipeline-pipeline-sgd]",

@@ -453,6 +453,27 @@ if os.environ.get("MUTANT"):
 
         _module = "pipeline" if _mutant == "pipeline-fp32-buffers" else "pipeline_schedules"
         _after_import[_module] = _fp32_buffers
+    elif _mutant == "pipeline-stage-without-mask":  # the stages call their blocks without a mask
+
+        def _without_mask(pipeline):
+            parallelize = pipeline.parallelize
+
+            def parallelize_without_mask(model, *args, **kwargs):
+                stage = parallelize(model, *args, **kwargs)
+                block_arguments = stage.parts.block_arguments
+
+                def arguments_without_mask(stage, inputs, x):
+                    arguments = block_arguments(stage, inputs, x)
+                    if isinstance(arguments, dict):  # HF's keywords: attention_mask=None
+                        arguments = {**arguments, "attention_mask": None}
+                    return arguments
+
+                stage.parts = stage.parts._replace(block_arguments=arguments_without_mask)
+                return stage
+
+            pipeline.parallelize = parallelize_without_mask
+
+        _after_import["pipeline"] = _without_mask
     elif _mutant == "pipeline-clip-local-norm":  # pipeline: each stage clips by its own norm
 
         def _local_norm(pipeline):
