@@ -2,7 +2,8 @@
 dimension's group — ZeRO over dp, Megatron TP over tp, the 1F1B pipeline over pp; ring attention
 over cp beside dp; experts over ep beside dp — end with the parameters of the one-process ddp.py
 run (SGD: a sum where a mean belongs; AdamW: the sharded optimizer state); rank 0 holds ZeRO's
-bytes of its stage; --clip is the one global norm of one process; the save loads in ddp.py.
+bytes of its stage; --clip is the one global norm of one process (3-D and data x expert); the
+loss it reports is one process's; the save loads in ddp.py.
 
 One launch per world size runs its layouts one after another (tests/script_cases.py). The quick
 suite runs, at W=4, the three (dp, pp, tp) pairs with ZeRO stages 1 and 3 and sequence
@@ -17,7 +18,7 @@ import pytest
 from test_nd_parallel import CFG  # the same small ViT, data and steps as nd_parallel.py's tests
 from test_pipeline import replay
 
-from helpers import ddp_references, fork_launch, launch_cases, max_diff
+from helpers import ddp_references, fork_launch, launch_cases, max_diff, reference_result
 
 EXPERTS = ["--experts", "4"]
 TOL = {"sgd": 1e-6, "adamw": 5e-5}
@@ -169,6 +170,34 @@ def test_measured_next_to_the_formula(layout, runs):
         assert set(measured[dim]) == set(traffic), (dim, measured[dim], traffic)
         for kind, nbytes in traffic.items():
             assert measured[dim][kind][1] == nbytes, (dim, kind, measured[dim], nbytes)
+
+
+# The data x expert layout clipped: expert_parallel.py's clip sums the squares of the experts'
+# norms over the ep group, where each expert lives once; over the world it would count each
+# expert once per dp copy, a larger norm, a smaller step.
+EXPERT_CLIP = Layout(dp=2, ep=2, clip=CLIP)
+
+
+@pytest.mark.parametrize("layout", [pytest.param(EXPERT_CLIP, id=EXPERT_CLIP.name)])
+def test_expert_clip_is_one_process_clip(layout, runs, tmp_path_factory):
+    """Under data x expert, --clip ends at the parameters of one process that clips its own
+    global norm, and there the clip bites (the unclipped run ends far away)."""
+    _, path = runs[layout.name]
+    clipped = ddp_references(tmp_path_factory, layout.reference_cfg(), ("sgd",))["sgd"]
+    unclipped = ddp_references(tmp_path_factory, [*CFG, *EXPERTS], ("sgd",))["sgd"]
+    assert max_diff(clipped, unclipped) > 100 * TOL["sgd"]
+    assert max_diff(path, clipped) < TOL["sgd"]
+
+
+@pytest.mark.parametrize("layout", [*CASES, pytest.param(EXPERT_CLIP, id=EXPERT_CLIP.name)])
+def test_reported_loss_is_one_process_loss(layout, runs, tmp_path_factory):
+    """The train loss in the RESULT is the one-process run's: the last stage's ranks' losses (the
+    same on the tp and cp ranks of a dp rank, each ep rank's its own slice's) averaged, not the
+    losses of every rank nor of the dp ranks alone. A wrong divisor is off by a factor of 2."""
+    r, _ = runs[layout.name]
+    reference = ddp_references(tmp_path_factory, layout.reference_cfg(), (layout.optim,))
+    expected = reference_result(reference[layout.optim])["loss"]
+    assert math.isclose(r["loss"], expected, rel_tol=1e-5), (r["loss"], expected)
 
 
 # ------------------------------------------------------------------------ NCCL's rule, at W=8

@@ -193,6 +193,14 @@ MUTANTS = {
         "the pipeline's messages name world ranks, not its group's",
         "test_groups.py::test_section_on_a_group_equals_one_process[group-pipeline-1f1b-sgd]",
     ),
+    "hybrid-loss-every-rank": (
+        "hybrid_parallel: the loss divided by every rank, not the last stage's",
+        "test_hybrid_parallel.py::test_reported_loss_is_one_process_loss[dp2pp2-z3-sgd]",
+    ),
+    "hybrid-ep-clip-world": (
+        "hybrid_parallel, data x expert: the experts' squares summed over the world, not ep",
+        "test_hybrid_parallel.py::test_expert_clip_is_one_process_clip[dp2ep2-z1-clip0.05-sgd]",
+    ),
     "cp-index-per-call": (
         "CP builds its positions, causal mask and Ulysses' order at every call",
         "test_context_parallel.py::test_index_tensors_made_once",

@@ -687,5 +687,29 @@ if os.environ.get("MUTANT"):
             pipeline.p2p = lambda ops, group=None: p2p(ops)
 
         _after_import["pipeline"] = _peers_in_world
+    elif _mutant == "hybrid-loss-every-rank":  # hybrid: the loss averaged over all W ranks
+
+        def _every_rank(hybrid_parallel):
+            train = hybrid_parallel.train
+
+            def train_over_every_rank(model, optimizer, scheduler, loader, sampler, args, *a):
+                out = train(model, optimizer, scheduler, loader, sampler, args, *a)
+                # W/pp ranks (the last stage's) hold a loss: divided by W, it is pp times too small
+                return dict(out, loss=out["loss"] / args.pp)
+
+            hybrid_parallel.train = train_over_every_rank
+
+        _after_import["hybrid_parallel"] = _every_rank
+    elif _mutant == "hybrid-ep-clip-world":  # hybrid, data x expert: the experts' norm on the world
+
+        def _ep_clip_on_world(hybrid_parallel):
+            clip_grad_norm_ = hybrid_parallel.expert_parallel.clip_grad_norm_
+
+            def clip_over_the_world(model, max_norm, group=None):
+                return clip_grad_norm_(model, max_norm)
+
+            hybrid_parallel.expert_parallel.clip_grad_norm_ = clip_over_the_world
+
+        _after_import["hybrid_parallel"] = _ep_clip_on_world
     else:
         raise SystemExit(f"tests/faults: unknown MUTANT={_mutant}")
