@@ -1,8 +1,8 @@
 """Context parallelism: each of W ranks holds the whole model and T/W of the tokens of every
-sample (the whole batch); only attention needs the other ranks' tokens. Ring attention passes the
-key/value blocks round a ring, merged with the online softmax; Ulysses all-to-alls the token split
-into a head split for attention, and back. DDP averages the ranks' gradients, which the loss's
-SumOverRanks (×W in backward) turns into their sum.
+sample; only attention needs the other ranks' tokens, so the model's F.scaled_dot_product_attention
+runs over the ranks: ring attention passes the key/value blocks round a ring, merged with the
+online softmax; Ulysses all-to-alls the token split into a head split and back. DDP averages the
+ranks' gradients, which the loss's SumOverRanks (×W in backward) turns into their sum.
 
     step      0     1     2     3     Ring, W = 4: rank r keeps its queries Q_r. Each step, in one
     rank 0   KV0   KV3   KV2   KV1    batch_isend_irecv, it sends the K/V block in hand to rank r+1
@@ -31,9 +31,9 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.overrides import TorchFunctionMode
 from torch.utils.data import DataLoader, DistributedSampler
 
 import common
@@ -42,12 +42,16 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 
 ### begin: Context parallel
-# Model contract: the blocks (`blocks=`, `model.blocks` by default), each `attn` with q, k, v,
-# proj (nn.Linear) and head_dim; for the ViT, `model.embed` (proj on patch² pixels, pos [1, T, D],
-# patch) and `model.head` (fc applied to norm(x).mean(1)): split_patches, below. The same weights
-# on every rank; every rank feeds the same batch. Another attention is passed to parallelize as
-# `attention=` (GPT-2's fused c_attn: GPT2Attention, below); a decoder language model passes
-# causal=True and splits its own (x, y) batches (split_batch and causal_lm_loss, below).
+# Model contract: the model's attention calls F.scaled_dot_product_attention on [B, H, T, d]
+# q, k, v, as the ViT, nanoGPT, HF's "sdpa" attention and torchtitan's SDPA path do. During the
+# model's forward that call runs as ring attention (or Ulysses) on this rank's T/W tokens,
+# attending to all T: causal when the call says is_causal=True, grouped-query with enable_gqa.
+# Everything else is the model's own: embeddings, positions, norms, losses. (A block checkpointed
+# whole would recompute its attention in backward, after the forward: checkpoint around it.) The
+# model is fed this rank's tokens: the ViT through split_sequence (its embedding's output cut,
+# its pooled mean summed over the ranks); a language model splits its own (x, y) batches and
+# gives its forward each rank's positions (split_batch and causal_lm_loss, below). The same
+# weights on every rank; every rank feeds the same batch.
 # Two groups, None meaning the world for each. The context group, the ranks that split each
 # sample's tokens and feed the same batch, is parallelize's `group` and that of split_tokens,
 # split_batch and causal_lm_loss. DDP's, parallelize's `data_group`, is every rank that holds a
@@ -120,20 +124,21 @@ def merge_block(q_scaled, kv_block, out, row_max, row_sum, mask=None):
 
 
 class RingAttention(torch.autograd.Function):
-    """Ring attention (Liu et al. 2023, https://arxiv.org/abs/2310.01889): softmax(q·kᵀ/√d)·v
-    over the whole sequence for this rank's queries; q, k, v and the output: [B, H, T/W, d], this
-    rank's tokens (in the order token_positions gives). Forward merges the K/V blocks with the
-    online softmax as they come round the ring, each step's block attended to while the next one
-    travels; backward is flash attention's, one K/V block at a time, recomputing each block's
-    softmax from the saved log-sum-exp."""
+    """Ring attention (Liu et al. 2023, https://arxiv.org/abs/2310.01889): softmax(q·kᵀ·scale)·v
+    over the whole sequence for this rank's queries (scale: 1/√d unless given); q, k, v and the
+    output: [B, H, T/W, d], this rank's tokens (in the order token_positions gives). Forward
+    merges the K/V blocks with the online softmax as they come round the ring, each step's block
+    attended to while the next one travels; backward is flash attention's, one K/V block at a
+    time, recomputing each block's softmax from the saved log-sum-exp."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal=False, zigzag=False):
+    def forward(ctx, q, k, v, group, causal=False, zigzag=False, scale=None):
         rank = dist.get_rank(group)
         world = dist.get_world_size(group)
-        q_scaled = q.float() * q.shape[-1] ** -0.5  # fp32 from here on (why: above merge_block)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        q_scaled = q.float() * scale  # fp32 from here on (why: above merge_block)
         kv_block = torch.stack([k, v])  # the K/V block in hand: one message per step
-        out = torch.zeros_like(q_scaled)  # O; q's layout: proj then reads it without a copy
+        out = torch.zeros_like(q_scaled)  # O; q's layout: the model's next reshape reads it as is
         row_max = q_scaled.new_full((*q.shape[:-1], 1), -float("inf"))  # m
         row_sum = q_scaled.new_zeros((*q.shape[:-1], 1))  # l
         for step in range(world):
@@ -153,6 +158,7 @@ class RingAttention(torch.autograd.Function):
         ctx.group = group
         ctx.causal = causal
         ctx.zigzag = zigzag
+        ctx.scale = scale
         return out
 
     @staticmethod
@@ -161,13 +167,13 @@ class RingAttention(torch.autograd.Function):
         group = ctx.group
         rank = dist.get_rank(group)
         world = dist.get_world_size(group)
-        q_scaled = q.float() * q.shape[-1] ** -0.5  # fp32, as in forward
+        q_scaled = q.float() * ctx.scale  # fp32, as in forward
         grad_out = grad_out.float()
         # Softmax's backward needs rowsum(P ∘ dP) over the whole row; it equals rowsum(dO ∘ O)
         # (FlashAttention-2's D), known before any block comes by.
         grad_dot_out = (grad_out * out.float()).sum(-1, keepdim=True)
         kv_block = torch.stack([k, v])  # the K/V block in hand, round the ring again
-        grad_q = torch.zeros_like(q_scaled)
+        grad_q_scaled = torch.zeros_like(q_scaled)
         # A block's dK/dV is a sum over every rank's queries. Its owner keeps its own share from
         # step 0; the other shares add up in a sum that follows the block round the ring one step
         # behind it (a rank knows its share only once it has attended to the block), then makes
@@ -194,7 +200,7 @@ class RingAttention(torch.autograd.Function):
                 grad_q_share, grad_kv_share = block_backward(
                     q_scaled, kv_block, grad_out, log_sum_exp, grad_dot_out
                 )
-            grad_q += grad_q_share
+            grad_q_scaled += grad_q_share
             received = transfer.wait()
             if step == 0:
                 grad_kv_own = grad_kv_share
@@ -207,15 +213,15 @@ class RingAttention(torch.autograd.Function):
         if world > 1:  # the last sum goes home: W - 1 dK/dV hops in all
             grad_kv_own = grad_kv_own + RingPass({"grad_kv": grad_kv_sum}, group).wait()["grad_kv"]
         grad_k, grad_v = grad_kv_own.to(k.dtype)
-        return grad_q.to(q.dtype), grad_k, grad_v, None, None, None
+        grad_q = (grad_q_scaled * ctx.scale).to(q.dtype)  # q_scaled = q·scale
+        return grad_q, grad_k, grad_v, None, None, None, None
 
 
 def block_backward(q_scaled, kv_block, grad_out, log_sum_exp, grad_dot_out, mask=None):
-    """Flash attention's backward for one K/V block: this rank's queries' share of dQ and the
-    block's [dK, dV] from this rank's queries. The block's softmax P = e^(S - lse), as in forward
-    (0 where `mask` hides a key); dS = P ∘ (dO·Vᵀ - rowsum(dO ∘ O));
-    dQ = dS·K/√d, dK = dSᵀ·Q/√d, dV = Pᵀ·dO."""
-    scale = q_scaled.shape[-1] ** -0.5
+    """Flash attention's backward for one K/V block: this rank's queries' share of the gradient
+    of q_scaled = q·scale and the block's [dK, dV] from this rank's queries. The block's softmax
+    P = e^(S - lse), S = q_scaled·Kᵀ, as in forward (0 where `mask` hides a key);
+    dS = P ∘ (dO·Vᵀ - rowsum(dO ∘ O)); d(q_scaled) = dS·K, dK = dSᵀ·q_scaled, dV = Pᵀ·dO."""
     key, value = kv_block.float()
     with torch.autocast(q_scaled.device.type, enabled=False):  # fp32, as forward's merge_block
         scores = q_scaled @ key.mT
@@ -223,72 +229,72 @@ def block_backward(q_scaled, kv_block, grad_out, log_sum_exp, grad_dot_out, mask
             scores.masked_fill_(mask, -float("inf"))
         probs = scores.sub_(log_sum_exp).exp_()
         grad_scores = (grad_out @ value.mT).sub_(grad_dot_out).mul_(probs)
-        grad_q = grad_scores @ key * scale
+        grad_q_scaled = grad_scores @ key
         grad_kv = torch.stack([grad_scores.mT @ q_scaled, probs.mT @ grad_out])
-    return grad_q, grad_kv
+    return grad_q_scaled, grad_kv
 
 
-def context_attention(q, k, v, method, group, causal=False, zigzag=False):
-    """Drop-in for F.scaled_dot_product_attention(q, k, v, is_causal=causal) on this rank's
-    tokens: [B, H, T/W, d] in and out, attending to all T."""
-    if method == "ring":
-        return RingAttention.apply(q, k, v, group, causal, zigzag)
-    return ulysses_attention(q, k, v, group, causal, zigzag)
+class ContextParallel(TorchFunctionMode):
+    """While it is on, F.scaled_dot_product_attention on this rank's tokens ([B, H, T/W, d]) attends
+    to all T tokens of the group: ring attention, or Ulysses. Every other function runs as it is.
+    torch's own experimental context_parallel swaps the kernel the same way."""
 
-
-class ContextParallelAttention(nn.Module):
-    """The block's attention on this rank's T/W tokens, attending to all T: the same q, k, v and
-    proj modules, so the state_dict keys are the model's."""
-
-    def __init__(self, attn, method, group, causal=False, zigzag=False):
+    def __init__(self, group, method="ring", zigzag=False):
         super().__init__()
-        self.q = attn.q
-        self.k = attn.k
-        self.v = attn.v
-        self.proj = attn.proj
-        self.head_dim = attn.head_dim
-        self.method = method
         self.group = group
-        self.causal = causal
+        self.method = method
         self.zigzag = zigzag
+        self.calls = 0  # the SDPA calls it ran since the forward began
 
-    def forward(self, x):  # x: [B, T/W, D]
-        B, local_tokens, D = x.shape
-        shape = (B, local_tokens, -1, self.head_dim)  # [B, T/W, H, d]
-        q = self.q(x).view(shape).transpose(1, 2)  # [B, H, T/W, d], as SDPA takes them
-        k = self.k(x).view(shape).transpose(1, 2)
-        v = self.v(x).view(shape).transpose(1, 2)
-        out = context_attention(q, k, v, self.method, self.group, self.causal, self.zigzag)
-        return self.proj(out.transpose(1, 2).reshape(B, local_tokens, D))
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        # torch turns the mode off while this runs: what it calls is the plain function.
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **(kwargs or {}))
+        self.calls += 1
+        return self.attend(*args, **(kwargs or {}))
+
+    def attend(
+        self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+    ):
+        """SDPA's own arguments, as the model passed them."""
+        refuse_mask_and_dropout(attn_mask, dropout_p)
+        if enable_gqa:  # grouped-query attention: each K/V head serves H / H_kv query heads
+            k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+            v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+        if self.method == "ring":
+            # Positional: torch 2.11's Function.apply takes no keyword arguments.
+            return RingAttention.apply(q, k, v, self.group, is_causal, self.zigzag, scale)
+        return ulysses_attention(q, k, v, self.group, is_causal, self.zigzag, scale)
 
 
-def parallelize(
-    model,
-    device,
-    method="ring",
-    group=None,
-    data_group=None,
-    causal=False,
-    zigzag=False,
-    attention=ContextParallelAttention,
-    blocks=None,
-):
+def swap_attention(model, mode):
+    """Run every forward of `model` inside `mode`: a forward pre-hook turns it on, a forward hook
+    turns it off, even when the forward raises."""
+
+    def turn_on(module, inputs):
+        mode.calls = 0
+        mode.__enter__()
+
+    def turn_off(module, inputs, output):
+        mode.__exit__(None, None, None)
+        refuse_forward_without_sdpa(module, mode.calls)
+
+    model.register_forward_pre_hook(turn_on)
+    model.register_forward_hook(turn_off, always_call=True)
+
+
+def parallelize(model, device, method="ring", group=None, data_group=None, zigzag=False):
     """Every rank keeps the whole model and runs it on its T/W tokens of every sample (which ones:
-    token_positions). group: the context group, the W ranks that split the tokens (None: the
-    world). data_group: DDP's, every rank that holds a copy of the model (None: the world); it
-    holds the context group. Beside data parallelism on a DeviceMesh ("dp", "cp") that is the
-    world: group=mesh["cp"].get_group(), data_group=None. blocks: the modules whose `attn` attends
-    over the sequence (model.blocks when None). Every rank of the world calls parallelize, in the
-    same order as its other new groups: it makes attention's own process group (own_group)."""
+    token_positions), each SDPA call in its forward attending to all T (ContextParallel). The
+    model is fed this rank's tokens: the ViT's by split_sequence, a language model's by
+    split_batch. group: the context group, the W ranks that split the tokens (None: the world).
+    data_group: DDP's, every rank that holds a copy of the model (None: the world); it holds the
+    context group. Beside data parallelism on a DeviceMesh ("dp", "cp") that is the world:
+    group=mesh["cp"].get_group(), data_group=None. Every rank of the world calls parallelize, in
+    the same order as its other new groups: it makes attention's own process group (own_group)."""
     group = group or dist.group.WORLD
     check_data_group(group, data_group)
-    attention_group = own_group(group)
-    for block in model.blocks if blocks is None else blocks:
-        block.attn = attention(block.attn, method, attention_group, causal, zigzag)
-    # A language model (causal) splits its own batches and sums its loss over the ranks:
-    # split_batch and causal_lm_loss, below. The ViT's patches are split here (split_patches).
-    if not causal:
-        split_patches(model, group, zigzag)
+    swap_attention(model, ContextParallel(own_group(group), method, zigzag))
     # DDP's average of the ranks' gradients is the whole gradient: SumOverRanks, below, says why.
     return DDP(
         model,
@@ -304,7 +310,7 @@ def full_state_dict(model):
     return {k: v.detach().cpu() for k, v in model.module.state_dict().items()}
 
 
-### more: the ViT's patches and its pooled head: this rank's tokens in, every rank's mean out
+### more: the ViT's tokens: this rank's part of the embedded sequence, every rank's mean pooled
 
 
 def token_positions(tokens, rank, world, zigzag=False):
@@ -318,27 +324,11 @@ def token_positions(tokens, rank, world, zigzag=False):
     return torch.arange(rank * size, (rank + 1) * size)
 
 
-class LocalPatchEmbed(nn.Module):
-    """The model's patch embedding for this rank's tokens only (its `positions` among the T
-    patches) and their position embeddings."""
-
-    def __init__(self, embed, positions):
-        super().__init__()
-        self.proj = embed.proj
-        self.pos = embed.pos
-        self.patch = embed.patch
-        # Moved to the parameters' device once: a CPU index moved at every call would wait for
-        # the copy (a host sync).
-        self.positions = positions.to(embed.pos.device)
-
-    def forward(self, img):
-        B = img.shape[0]
-        p = self.patch
-        side = img.shape[-1] // p  # patches along each side
-        # [B, 1, side·p, side·p] -> [B, T, p²]; the patch in row i, column j is token
-        # i·side + j, the model's own order.
-        patches = img.reshape(B, side, p, side, p).transpose(2, 3).reshape(B, side * side, p * p)
-        return self.proj(patches[:, self.positions]) + self.pos[:, self.positions]
+@functools.lru_cache
+def positions_on(device, tokens, rank, world, zigzag=False):
+    """token_positions on `device`, made once per sequence length, rank and split: a CPU index
+    moved to a GPU at every call would wait for the copy (a host sync)."""
+    return token_positions(tokens, rank, world, zigzag).to(device)
 
 
 class SumOverRanks(torch.autograd.Function):
@@ -361,21 +351,50 @@ class SumOverRanks(torch.autograd.Function):
         return grad * ctx.world, None
 
 
-def split_patches(model, group, zigzag=False):
-    """The ViT's embedding makes this rank's T/W patches only (LocalPatchEmbed), and its head's
-    classifier takes the mean over all T tokens, summed over the ranks (SumOverRanks)."""
+def split_sequence(embedding, pooled, group=None, zigzag=False):
+    """The ViT on this rank's tokens, before parallelize: `embedding`'s output, the [B, T, D]
+    sequence, is cut to this rank's T/W tokens (token_positions), and `pooled`'s input, the mean
+    over this rank's tokens, becomes the mean over all T, summed over the ranks (SumOverRanks).
+    group: the context group (None: the world)."""
+    group = group or dist.group.WORLD
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
-    tokens = model.embed.pos.shape[1]
-    model.embed = LocalPatchEmbed(model.embed, token_positions(tokens, rank, world, zigzag))
 
-    def mean_over_all_tokens(fc, inputs):
-        # A forward pre-hook gets fc's inputs as a tuple and returns what fc takes instead.
-        # The mean over T tokens is the sum over ranks of each rank's mean over T/W, / W.
-        local_mean = inputs[0]
-        return SumOverRanks.apply(local_mean / world, group)
+    def keep_this_ranks_tokens(module, inputs, output):
+        # A forward hook that returns a tensor replaces the module's output with it.
+        positions = positions_on(output.device, output.shape[1], rank, world, zigzag)
+        return output[:, positions]
 
-    model.head.fc.register_forward_pre_hook(mean_over_all_tokens)
+    def mean_over_all_tokens(module, inputs):
+        # A forward pre-hook gets the module's inputs as a tuple and returns what it takes
+        # instead. The mean over T tokens is the sum over ranks of each rank's mean over T/W, / W.
+        return SumOverRanks.apply(inputs[0] / world, group)
+
+    embedding.register_forward_hook(keep_this_ranks_tokens)
+    pooled.register_forward_pre_hook(mean_over_all_tokens)
+
+
+### more: what the swap cannot run, refused alike on every rank: a mask, dropout, no SDPA at all
+
+
+def refuse_mask_and_dropout(attn_mask, dropout_p):
+    """A mask of the model's making covers this rank's tokens only, and dropout's random pattern
+    would differ from one process's: the ring and Ulysses take is_causal alone."""
+    if attn_mask is not None or dropout_p:
+        raise ValueError(
+            "scaled_dot_product_attention with an attn_mask or dropout_p: context parallelism "
+            "attends over the ranks with is_causal only (HF: attn_implementation='sdpa')"
+        )
+
+
+def refuse_forward_without_sdpa(model, calls):
+    """A forward that called no SDPA attended, if at all, to this rank's tokens alone."""
+    if calls == 0:
+        raise ValueError(
+            f"{type(model).__name__}'s forward called no F.scaled_dot_product_attention: "
+            "context parallelism runs that call over the ranks (HF: attn_implementation='sdpa'; "
+            "an attention written out in matmuls would see this rank's tokens only)"
+        )
 
 
 ### more: Ulysses, the other method: all-to-all from the token split to a head split and back
@@ -422,15 +441,15 @@ def heads_to_tokens(x, group):
     return AllToAll.apply(x, group, 2, 1)
 
 
-def ulysses_attention(q, k, v, group, causal=False, zigzag=False):
+def ulysses_attention(q, k, v, group, causal=False, zigzag=False, scale=None):
     """DeepSpeed-Ulysses (Jacobs et al. 2023, https://arxiv.org/abs/2309.14509): [B, H, T/W, d]
     in and out, as SDPA; SDPA sees all T tokens of H/W heads. The all-to-all gathers the tokens
     rank by rank: in sequence order, unless they were split zig-zag."""
     q, k, v = (tokens_to_heads(x, group) for x in (q, k, v))
     if causal and zigzag:
-        out = zigzag_causal_sdpa(q, k, v, dist.get_world_size(group))
+        out = zigzag_causal_sdpa(q, k, v, dist.get_world_size(group), scale)
     else:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     return heads_to_tokens(out, group)
 
 
@@ -525,12 +544,12 @@ def causal_block_backward(
     return grad_q_share, grad_kv_share
 
 
-def zigzag_causal_sdpa(q, k, v, world):
+def zigzag_causal_sdpa(q, k, v, world, scale=None):
     """Causal SDPA on [B, H/W, T, d] tokens that the all-to-all gathered rank by rank from the
     zig-zag split: is_causal needs them in sequence order, so they are put in it and back after."""
     gathered, in_sequence = gathered_order(q.device, q.shape[-2], world)
     q, k, v = (x[..., in_sequence, :] for x in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     return out[..., gathered, :]
 
 
@@ -546,20 +565,15 @@ def gathered_order(device, tokens, world):
 
 
 ### more: a language model's (x, y) batches, its loss over every rank's tokens, errors alike
-# causal=True (a decoder language model, an output per token): split each (x, y) batch with
-# `split_batch(x, y, group, zigzag)`, embed this rank's x at the positions it returns (not
-# 0..T/W: tests/copy_context_parallel.py's RankGPT), and take the loss over the whole sequence:
-# `causal_lm_loss(logits, y, group, ignore_index)`. Tokens that are their own targets make their
-# y with `next_token_targets(tokens, ignore_index)` first. A rank that raises alone would leave
-# the others waiting in the ring until the backend gives up ("Connection closed by peer"), so
-# every check here is made alike on every rank, from an all-reduce.
-
-
-@functools.lru_cache
-def positions_on(device, tokens, rank, world, zigzag=False):
-    """token_positions on `device`, made once per sequence length, rank and split, as
-    LocalPatchEmbed's positions are."""
-    return token_positions(tokens, rank, world, zigzag).to(device)
+# A decoder language model (an output per token) splits each (x, y) batch with
+# `x, y, positions = split_batch(x, y, group, zigzag)` and runs its own forward on this rank's x
+# at these positions, never 0..T/W (torchtitan's Llama: `model(x, positions)`; HF:
+# `model(x, position_ids=positions)`; nanoGPT, whose forward embeds arange(0, t), has its forward
+# written out: tests/copy_context_parallel.py's RankGPT), then takes the loss over the whole
+# sequence: `causal_lm_loss(logits, y, group, ignore_index, num_items)`. Tokens that are their
+# own targets make their y with `next_token_targets(tokens, ignore_index)` first. A rank that
+# raises alone would leave the others waiting in the ring until the backend gives up ("Connection
+# closed by peer"), so every check here is made alike on every rank, from an all-reduce.
 
 
 def split_tokens(batch, group=None, zigzag=False):
@@ -610,10 +624,14 @@ def split_batch(x, y, group=None, zigzag=False):
     return x, y[:, positions], positions
 
 
-def causal_lm_loss(logits, targets, group=None, ignore_index=-100):
+def causal_lm_loss(logits, targets, group=None, ignore_index=-100, num_items=None):
     """The cross-entropy averaged over every rank's valid targets (split_batch's y), the same
     value on every rank: one process's mean over the whole sequence, however unevenly the
-    ignored targets fall on the ranks. One all-reduce of [sum, count, bad targets per rank]."""
+    ignored targets fall on the ranks. num_items: divide the sum by this count instead (HF's
+    num_items_in_batch, torchtitan's global token count: the valid targets of all of a step's
+    micro-batches, so that padded micro-batches weigh as in one process). One all-reduce of
+    [sum, count, bad targets per rank], in fp32 whatever the logits' dtype: in bf16 a count of
+    4,095 would round to 4,096 and a sum of thousands of losses lose its last units."""
     group = group or dist.group.WORLD
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
@@ -627,9 +645,12 @@ def causal_lm_loss(logits, targets, group=None, ignore_index=-100):
     bad[rank] = out_of_range.sum()
     safe_targets = targets.masked_fill(out_of_range, ignore_index)
     loss_sum = F.cross_entropy(
-        logits.flatten(0, -2), safe_targets.flatten(), ignore_index=ignore_index, reduction="sum"
+        logits.flatten(0, -2).float(),
+        safe_targets.flatten(),
+        ignore_index=ignore_index,
+        reduction="sum",
     )
-    count = (valid & ~out_of_range).sum().to(loss_sum.dtype)
+    count = (valid & ~out_of_range).sum().float()
     total = SumOverRanks.apply(torch.cat([torch.stack([loss_sum, count]), bad]), group)
     bad_per_rank = total[2:].tolist()  # the one host sync: the error must be known here
     bad_ranks = [r for r, bad_count in enumerate(bad_per_rank) if bad_count]
@@ -638,36 +659,8 @@ def causal_lm_loss(logits, targets, group=None, ignore_index=-100):
             f"targets outside [0, {vocab}) that are not ignore_index={ignore_index}, on rank(s) "
             f"{bad_ranks} of the group: pass the ignore_index your targets use"
         )
-    return total[0] / total[1]
-
-
-### more: GPT-2's fused attention (nanoGPT's CausalSelfAttention) as it is
-
-
-class GPT2Attention(nn.Module):
-    """GPT-2's attention with context_attention where it calls SDPA: the same fused c_attn (q, k,
-    v side by side) and c_proj modules and n_head, so the state_dict keys are the model's
-    (transformer.h.0.attn.c_attn.weight...). Pass parallelize `attention=GPT2Attention`."""
-
-    def __init__(self, attn, method, group, causal, zigzag):
-        super().__init__()
-        if getattr(attn, "dropout", 0):
-            raise ValueError("attention dropout: the ring and Ulysses attend without it")
-        self.c_attn = attn.c_attn
-        self.c_proj = attn.c_proj
-        self.resid_dropout = attn.resid_dropout
-        self.n_head = attn.n_head
-        self.method = method
-        self.group = group
-        self.causal = causal
-        self.zigzag = zigzag
-
-    def forward(self, x):  # x: [B, T/W, D], this rank's tokens
-        B, local_tokens, D = x.shape
-        shape = (B, local_tokens, self.n_head, D // self.n_head)
-        q, k, v = (t.view(shape).transpose(1, 2) for t in self.c_attn(x).split(D, dim=2))
-        y = context_attention(q, k, v, self.method, self.group, self.causal, self.zigzag)
-        return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, local_tokens, D)))
+    count = total[1] if num_items is None else num_items
+    return total[0] / count
 
 
 ### more: DDP's group beside data parallelism: it must hold every context rank
@@ -863,6 +856,7 @@ def run(args):
         if args.load:
             model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
         psi = sum(p.numel() for p in model.parameters())
+        split_sequence(model.embed, model.head.fc)  # the ViT's T/W tokens on each rank
         model = parallelize(model.to(device), device, args.method)
         optimizer = common.make_optimizer(model.parameters(), args)
         scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))

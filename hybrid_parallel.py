@@ -446,6 +446,7 @@ def parallelize_other_layout(model, mesh, device, contract):
     model = model.to(device)
     if mesh["cp"].size() > 1:
         cp_group = mesh["cp"].get_group()
+        context_parallel.split_sequence(model.embed, model.head.fc, cp_group)  # the ViT's tokens
         model = context_parallel.parallelize(model, device, "ring", cp_group, data_group=None)
         model.layout = CONTEXT
         model.answers = mesh["cp"].get_local_rank() == 0  # the cp ranks pool the same logits

@@ -1,12 +1,15 @@
 """Copy cases for context_parallel.py on the causal LMs: every rank feeds the whole micro-batch and
-keeps its T/W tokens (a contiguous run, or the zig-zag chunks r and 2W-1-r), the ring or Ulysses
-attends causally over all T, and the loss is the mean over every rank's valid targets. What
-CausalLM needs changed, as the section's model contract says: an embedding that keeps this rank's
-tokens at their positions (LocalTokenEmbed) and an attention built on the fused c_attn
-(FusedQKVAttention). nanoGPT's GPT, unchanged: its (x, y) batches split alike (split_batch), its
-forward written out on this rank's part (RankGPT) and the section's GPT2Attention in its blocks.
-Run by tests/copy_cases.py."""
+keeps its T/W tokens (a contiguous run, or the zig-zag chunks r and 2W-1-r), the model's own
+attention runs, its F.scaled_dot_product_attention call swapped for the ring or Ulysses over all T,
+and the loss is the mean over every rank's valid targets. What each model needs is what feeds it
+this rank's tokens at their own positions: CausalLM, whose embedding counts positions from 0,
+an embedding that keeps this rank's tokens (LocalTokenEmbed); nanoGPT's GPT, whose forward does
+the same, its forward written out on this rank's part (RankGPT); Llama 3 as torchtitan has it and
+HF's GPT2LMHeadModel, whose forward takes positions, nothing: `model(x, positions)` and
+`model(x, position_ids=positions)` (llama_cases). Run by tests/copy_cases.py."""
 
+import hf_gpt2_model
+import llama_model
 import nanogpt_model
 import torch
 import torch.distributed as dist
@@ -34,28 +37,6 @@ class LocalTokenEmbed(nn.Module):
         return self.wte(tokens) + self.wpe(positions)
 
 
-class FusedQKVAttention(nn.Module):
-    """CausalSelfAttention with the section's context_attention where it calls SDPA: the same
-    c_attn and c_proj modules, so the state_dict keys are the model's."""
-
-    def __init__(self, attn, method, group, causal, zigzag):
-        super().__init__()
-        self.c_attn = attn.c_attn
-        self.c_proj = attn.c_proj
-        self.heads = attn.heads
-        self.method = method
-        self.group = group
-        self.causal = causal
-        self.zigzag = zigzag
-
-    def forward(self, x):  # x: [B, T/W, D], this rank's tokens
-        batch, tokens, dim = x.shape
-        shape = (batch, tokens, self.heads, dim // self.heads)
-        q, k, v = (t.view(shape).transpose(1, 2) for t in self.c_attn(x).split(dim, dim=2))
-        y = cp.context_attention(q, k, v, self.method, self.group, self.causal, self.zigzag)
-        return self.c_proj(y.transpose(1, 2).reshape(batch, tokens, dim))
-
-
 def run_context_parallel(
     method, zigzag, optim, batches, group=None, data_group=None, rank=0, world=1
 ):
@@ -63,16 +44,7 @@ def run_context_parallel(
     context group feeds the slice `rank` of `world` of every micro-batch (0 of 1: all of it)."""
     model = CausalLM()
     model.embed = LocalTokenEmbed(model.embed, zigzag, group)
-    model = cp.parallelize(
-        model,
-        CPU,
-        method,
-        group=group,
-        data_group=data_group,
-        causal=True,
-        zigzag=zigzag,
-        attention=FusedQKVAttention,
-    )
+    model = cp.parallelize(model, CPU, method, group=group, data_group=data_group, zigzag=zigzag)
     optimizer = make_optimizer(param_groups(model.module, optim), optim)
     seen = {}  # what rank 0's model saw: the proof that the tokens were split
 
@@ -99,7 +71,7 @@ def run_context_parallel(
     for hook in hooks:
         hook.remove()
     tied = model.module.head.lm_head.weight is model.module.embed.wte.weight
-    attention = type(model.module.blocks[0].attn).__name__  # parallelize put it in
+    attention = type(model.module.blocks[0].attn).__name__  # the model's own
     state = cp.full_state_dict(model)
     # copy_cases evaluates on the whole sequence: one process's CausalLM with these parameters
     evaluated = CausalLM()
@@ -161,7 +133,7 @@ NANOGPT_RUNS = [  # (method, zigzag, reference: a nanogpt_model.CONFIGS prefix a
     ("ulysses", True, "sgd"),
     ("ring", True, "adamw"),
     ("ulysses", False, "adamw"),
-    ("ring", True, "nobias-sgd"),  # GPT2Attention and the model without a bias anywhere
+    ("ring", True, "nobias-sgd"),  # the model without a bias anywhere
 ]
 NANOGPT_CASES = [
     f"context_parallel-{method}-{'zigzag' if zigzag else 'contiguous'}-{reference}"
@@ -196,15 +168,7 @@ def run_nanogpt(method, zigzag, reference):
     config = nanogpt_model.CONFIGS[prefix + "-" if prefix else ""]
     gpt = nanogpt_model.model(config)
     optimizer = nanogpt_model.make_optimizer(gpt, optim)  # its groups, on the model as it is
-    model = cp.parallelize(
-        RankGPT(gpt, zigzag),
-        CPU,
-        method,
-        causal=True,
-        zigzag=zigzag,
-        attention=cp.GPT2Attention,
-        blocks=gpt.transformer.h,
-    )
+    model = cp.parallelize(RankGPT(gpt, zigzag), CPU, method, zigzag=zigzag)
     seen = {}  # what this rank's model saw: the proof that the sequence was split
 
     def record_positions(wpe, inputs, output):
@@ -237,3 +201,96 @@ def nanogpt_cases(rank, world, folder):
     """As `cases`, on nanoGPT's model: (case, its reference, model, full state_dict, proof)."""
     for case, (method, zigzag, reference) in zip(NANOGPT_CASES, NANOGPT_RUNS, strict=True):
         yield case, reference, *run_nanogpt(method, zigzag, reference)
+
+
+# Llama 3 as torchtitan has it (tests/llama_model.py) and HF's GPT2LMHeadModel
+# (tests/hf_gpt2_model.py), not a line of either changed: both forwards take each token's position
+# (Llama's `positions` index its RoPE table, GPT-2's `position_ids` its wpe) and both attentions
+# call SDPA (Llama after repeating its kv heads, GPT-2 with attn_implementation="sdpa"), so the
+# loop is all a user writes.
+
+LLAMA_RUNS = [  # (family, method, zigzag, optim)
+    ("llama", "ring", False, "sgd"),
+    ("llama", "ring", True, "adamw"),
+    ("llama", "ulysses", True, "sgd"),
+    ("llama", "ulysses", False, "adamw"),
+    ("gpt2", "ring", True, "sgd"),
+    ("gpt2", "ulysses", False, "adamw"),
+]
+LLAMA_CASES = [
+    f"{family}-context_parallel-{method}-{'zigzag' if zigzag else 'contiguous'}-{optim}"
+    for family, method, zigzag, optim in LLAMA_RUNS
+]
+FAMILIES = {"llama": llama_model, "gpt2": hf_gpt2_model}
+
+
+def llama_logits(model, x, positions):
+    """torchtitan's Llama: tokens and their positions in, logits out."""
+    return model(x, positions)
+
+
+def gpt2_logits(model, x, positions):
+    """HF's GPT2LMHeadModel: (loss, logits) out, the loss None without labels."""
+    _, logits = model(x, position_ids=positions)
+    return logits
+
+
+def llama_step_targets(micro_batches):
+    """torchtitan's global count of targets, and each micro-batch's (input, y): its labels are
+    already the next tokens."""
+    return llama_model.global_targets(micro_batches), micro_batches
+
+
+def gpt2_step_targets(micro_batches):
+    """HF's num_items_in_batch, and each micro-batch's (input_ids, y): HF shifts the labels inside
+    its loss, a shift that must see the whole sequence, so it is made before the split."""
+    split_ready = [(x, cp.next_token_targets(labels)) for x, labels in micro_batches]
+    return hf_gpt2_model.num_items_in_batch(micro_batches), split_ready
+
+
+LOGITS = {"llama": llama_logits, "gpt2": gpt2_logits}
+STEP_TARGETS = {"llama": llama_step_targets, "gpt2": gpt2_step_targets}
+
+
+def train_family(family, model, optimizer, zigzag):
+    """The family's recipe (its batches, its clip, its global count of targets) with each
+    micro-batch split over the context group: this rank's tokens at their positions through the
+    model's own forward, the loss summed over every rank's targets and divided by the step's
+    count. Returns (each step's loss, the norm each clip returned)."""
+    recipe = FAMILIES[family]
+    losses = []
+    norms = []
+    for micro_batches in recipe.batches():
+        num_items, split_ready = STEP_TARGETS[family](micro_batches)
+        step_loss = 0.0
+        for inputs, targets in split_ready:
+            x, y, positions = cp.split_batch(inputs, targets, zigzag=zigzag)
+            logits = LOGITS[family](model, x, positions)
+            micro_loss = cp.causal_lm_loss(logits, y, num_items=num_items)
+            micro_loss.backward()
+            step_loss += micro_loss.item()
+        losses.append(step_loss)
+        # DDP leaves every whole gradient on every rank: torch's clip is one process's
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.CLIP)))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return losses, norms
+
+
+def run_family_context_parallel(family, method, zigzag, optim):
+    recipe = FAMILIES[family]
+    model = recipe.model()
+    optimizer = recipe.make_optimizer(model, optim)
+    model = cp.parallelize(model, CPU, method, zigzag=zigzag)
+    losses, norms = train_family(family, model, optimizer, zigzag)
+    state = cp.full_state_dict(model)
+    evaluated = recipe.model()  # one process's forward on whole sequences, with these weights
+    evaluated.load_state_dict(state)
+    return evaluated, state, dict(losses=losses, norms=norms)
+
+
+def llama_cases(rank, world, folder):
+    """As `cases`, on Llama 3 and HF GPT-2: (case, its reference, model, full state_dict, proof).
+    Every rank feeds every whole micro-batch and keeps its part."""
+    for case, (family, method, zigzag, optim) in zip(LLAMA_CASES, LLAMA_RUNS, strict=True):
+        yield case, f"{family}-{optim}", *run_family_context_parallel(family, method, zigzag, optim)

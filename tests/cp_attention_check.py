@@ -1,16 +1,20 @@
 """Driver for test_context_parallel.py, launched once with torchrun at W=4: on subgroups of 2, 3
-and 4 ranks, RingAttention and the Ulysses all-to-alls give F.scaled_dot_product_attention's output
-and gradients on random q, k, v (odd head dims), without a mask and causal (is_causal=True) with
-the contiguous and the zig-zag token split, and the ring sends what the docstring says, each
-step's sends and receives in one batch. Prints one `CHECK {json}` line per case from rank 0.
+and 4 ranks, F.scaled_dot_product_attention called inside the section's ContextParallel mode (the
+ring, or the Ulysses all-to-alls) gives one process's SDPA output and gradients on random q, k, v
+(odd head dims), without a mask and causal (is_causal=True) with the contiguous and the zig-zag
+token split, and grouped-query (enable_gqa, 4 K/V heads for 12) with a scale of its own; the ring
+sends what the docstring says, each step's sends and receives in one batch. Prints one
+`CHECK {json}` line per case from rank 0.
 On each subgroup, `BF16 {json}`: the ring's and Ulysses' errors on bf16 q, k, v (and the ring's
 under CPU autocast on fp32 ones) against SDPA in fp32 on the whole sequence, next to SDPA's own
 error in bf16. Then, on all 4 ranks, rank 0 prints `GROUPS {json}`, the process groups each
 kind of c10d op of a DDP ViT's training step ran on, and DDP's group; `INDEX {json}`, the ops
 that build index tensors or move tensors between devices in two calls of split_tokens, the
 ring, Ulysses and the patch embedding (the second call should make none).
-With --errors (its own launch, at W=2): the inputs that go wrong on one rank only, each rank
-printing an `ERRORS {json}` line of the ValueErrors it raised (anything else ends the launch)."""
+With --errors (its own launch, at W=2): the inputs that go wrong on one rank only and the calls
+the swap refuses, each rank printing an `ERRORS {json}` line of the ValueErrors it raised
+(anything else ends the launch); then `LOSS {json}`: causal_lm_loss on bf16 logits of 4,096
+tokens with 4,095 valid targets, next to one process's loss on the same logits in fp32."""
 
 import gc
 import json
@@ -27,6 +31,7 @@ import common  # noqa: E402  (the repository root is on the path only now)
 import context_parallel as cp  # noqa: E402
 
 B, H, T = 2, 12, 24  # T and H divide by 2, 3 and 4
+KV_HEADS = 4  # the grouped-query variants: each K/V head serves 3 query heads
 
 
 class BatchRecorder:
@@ -43,57 +48,58 @@ class BatchRecorder:
         return self.original(ops)
 
 
-# (name, method, causal, zigzag): each is checked against SDPA with is_causal=causal
+# (name, method, causal, zigzag, grouped-query): each is checked against SDPA with the same
+# arguments on the whole sequence; the grouped-query ones with enable_gqa and scale=0.3
 VARIANTS = [
-    ("ring", "ring", False, False),
-    ("ulysses", "ulysses", False, False),
-    ("ring-causal", "ring", True, False),
-    ("ring-zigzag", "ring", True, True),
-    ("ulysses-causal", "ulysses", True, False),
-    ("ulysses-zigzag", "ulysses", True, True),
+    ("ring", "ring", False, False, False),
+    ("ulysses", "ulysses", False, False, False),
+    ("ring-causal", "ring", True, False, False),
+    ("ring-zigzag", "ring", True, True, False),
+    ("ulysses-causal", "ulysses", True, False, False),
+    ("ulysses-zigzag", "ulysses", True, True, False),
+    ("ring-gqa", "ring", True, True, True),
+    ("ulysses-gqa", "ulysses", True, True, True),
 ]
 
 
-def ring(local, dout, group, recorder, causal, zigzag):
-    """Forward and backward of the ring on this rank's tokens: the forward's calls and batches."""
+def sdpa_arguments(causal, gqa):
+    """The keyword arguments a model passes to F.scaled_dot_product_attention in a variant."""
+    if gqa:
+        return dict(is_causal=causal, enable_gqa=True, scale=0.3)
+    return dict(is_causal=causal)
+
+
+def swapped(local, dout, group, recorder, method, zigzag, arguments):
+    """SDPA inside ContextParallel on this rank's tokens, forward and backward: the output, the
+    collectives of both, those of the forward and the forward's batches of sends and receives."""
     counter = common.CollectiveCounter()
     with counter:
-        out = cp.RingAttention.apply(*local, group, causal, zigzag)
+        with cp.ContextParallel(group, method, zigzag):
+            out = F.scaled_dot_product_attention(*local, **arguments)
         forward = dict(counter.calls)
         forward_batches = len(recorder.batches)
         out.backward(dout)
     return out, counter, forward, forward_batches
 
 
-def ulysses(local, dout, group, causal, zigzag):
-    counter = common.CollectiveCounter()
-    with counter:
-        out = cp.ulysses_attention(*local, group, causal, zigzag)
-        forward = dict(counter.calls)
-        out.backward(dout)
-    return out, counter, forward
-
-
 def case(world, head_dim, group, rank):
     torch.manual_seed(world * 100 + head_dim)  # the same full tensors on every rank
     q, k, v, dout = (torch.randn(B, H, T, head_dim) for _ in range(4))
     results = {}
-    for name, method, causal, zigzag in VARIANTS:
-        full = [t.clone().requires_grad_() for t in (q, k, v)]
-        ref = F.scaled_dot_product_attention(*full, is_causal=causal)
+    for name, method, causal, zigzag, gqa in VARIANTS:
+        kv_heads = KV_HEADS if gqa else H
+        full = [t.clone().requires_grad_() for t in (q, k[:, :kv_heads], v[:, :kv_heads])]
+        arguments = sdpa_arguments(causal, gqa)
+        ref = F.scaled_dot_product_attention(*full, **arguments)
         ref.backward(dout)
         mine = cp.token_positions(T, rank, world, zigzag)
-        local = [x[:, :, mine].clone().requires_grad_() for x in (q, k, v)]
+        local = [x.detach()[:, :, mine].clone().requires_grad_() for x in full]
         recorder = BatchRecorder()
         dist.batch_isend_irecv = recorder
         try:
-            if method == "ring":
-                out, counter, forward, forward_batches = ring(
-                    local, dout[:, :, mine], group, recorder, causal, zigzag
-                )
-            else:
-                out, counter, forward = ulysses(local, dout[:, :, mine], group, causal, zigzag)
-                forward_batches = 0
+            out, counter, forward, forward_batches = swapped(
+                local, dout[:, :, mine], group, recorder, method, zigzag, arguments
+            )
         finally:
             dist.batch_isend_irecv = recorder.original
         total = dict(counter.calls)
@@ -149,10 +155,12 @@ def bf16_case(world, group, rank, causal, zigzag):
         return F.scaled_dot_product_attention(*qkv, is_causal=causal)
 
     def ring(*qkv):
-        return cp.RingAttention.apply(*qkv, group, causal, zigzag)
+        with cp.ContextParallel(group, "ring", zigzag):
+            return F.scaled_dot_product_attention(*qkv, is_causal=causal)
 
     def ulysses(*qkv):
-        return cp.ulysses_attention(*qkv, group, causal, zigzag)
+        with cp.ContextParallel(group, "ulysses", zigzag):
+            return F.scaled_dot_product_attention(*qkv, is_causal=causal)
 
     reference = run(sdpa, torch.float32, whole=True)
     return {
@@ -180,7 +188,9 @@ def groups_of_a_training_step(method):
     args = common.parse_args(
         common.get_parser("t"), ["--dim", "32", "--depth", "2", "--heads", "4", "--patch", "2"]
     )
-    model = cp.parallelize(common.build_model(args), torch.device("cpu"), method)
+    model = common.build_model(args)
+    cp.split_sequence(model.embed, model.head.fc)
+    model = cp.parallelize(model, torch.device("cpu"), method)
     torch.manual_seed(0)
     x, y = torch.randn(4, 1, 28, 28), torch.randint(0, 10, (4,))
     counter = common.CollectiveCounter()
@@ -221,9 +231,8 @@ def index_tensors(group, rank, world):
     args = common.parse_args(
         common.get_parser("t"), ["--dim", "32", "--depth", "1", "--heads", "4", "--patch", "7"]
     )
-    embed = common.build_model(args).embed.to("meta")
-    patches = embed.pos.shape[1]
-    embed = cp.LocalPatchEmbed(embed, cp.token_positions(patches, rank, world, zigzag=True))
+    vit = common.build_model(args).to("meta")
+    cp.split_sequence(vit.embed, vit.head.fc, group, zigzag=True)
     torch.manual_seed(3)
     q, k, v = (torch.randn(B, H, tokens // world, 8, requires_grad=True) for _ in range(3))
     calls = []
@@ -231,9 +240,10 @@ def index_tensors(group, rank, world):
         with IndexOps() as recorder:
             cp.split_tokens(torch.zeros(B, tokens, dtype=torch.long), group, zigzag=True)
             for method in ("ring", "ulysses"):
-                out = cp.context_attention(q, k, v, method, group, causal=True, zigzag=True)
+                with cp.ContextParallel(group, method, zigzag=True):
+                    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
                 out.sum().backward()
-            embed(torch.zeros(B, 1, 28, 28, device="meta"))
+            vit.embed(torch.zeros(B, 1, 28, 28, device="meta"))
         calls.append(recorder.seen)
     return calls
 
@@ -268,12 +278,42 @@ def errors(rank):
     def zigzag_chunks():  # 10 tokens do not cut into 2W = 4 chunks
         cp.split_batch(x[:, :10], y[:, :10], zigzag=True)
 
+    def padding_mask():  # a mask of the model's making: it would cover this rank's tokens only
+        q = torch.zeros(2, 4, 8, 8)
+        with cp.ContextParallel(dist.group.WORLD):
+            F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.bool))
+
+    def attention_in_matmuls():  # a forward without SDPA (HF's "eager" attention)
+        model = cp.parallelize(torch.nn.Linear(8, 8), torch.device("cpu"))
+        try:
+            with torch.no_grad():  # no backward will follow: DDP must not wait for one
+                model(torch.zeros(2, 8))
+        finally:
+            del model  # DDP's reducer, freed while the group is up (see context_parallel.run)
+            gc.collect()
+
     return dict(
         rank=rank,
         targets=raised(targets_out_of_range),
         shapes=raised(shapes_differ),
         zigzag=raised(zigzag_chunks),
+        mask=raised(padding_mask),
+        no_sdpa=raised(attention_in_matmuls),
     )
+
+
+def bf16_loss():
+    """causal_lm_loss on this rank's half of bf16 logits [1, 4096, 8] whose targets are all valid
+    but the first (4,095 of them), and one process's cross-entropy on the same logits in fp32."""
+    torch.manual_seed(1)  # the same logits and targets on every rank
+    logits = (3 * torch.randn(1, 4096, 8)).bfloat16()
+    targets = torch.randint(8, (1, 4096))
+    targets[0, 0] = -100
+    local_logits, _ = cp.split_tokens(logits)
+    local_targets, _ = cp.split_tokens(targets)
+    loss = cp.causal_lm_loss(local_logits, local_targets)
+    reference = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    return dict(loss=loss.item(), dtype=str(loss.dtype), reference=reference.item())
 
 
 def main():
@@ -284,6 +324,9 @@ def main():
         # and its newline apart, and the other rank's line could land between them).
         sys.stdout.write("ERRORS " + json.dumps(errors(rank)) + "\n")
         sys.stdout.flush()
+        loss = bf16_loss()
+        if rank == 0:
+            print("LOSS " + json.dumps(loss), flush=True)
         dist.destroy_process_group()
         return
     for w in (w for w in (2, 3, 4) if w <= world):

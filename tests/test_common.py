@@ -2,6 +2,7 @@
 
 import argparse
 import datetime
+import json
 import os
 import socket
 import struct
@@ -628,35 +629,61 @@ def group(tmp_path):
     dist.destroy_process_group()
 
 
-def test_meter_counts_collectives_and_memory_from_outside(group):
+def meter_on_one_of_two_ranks(rank, store, out):
+    """One rank of two (forked from the test's process): the Meter around three steps of the loop
+    that reduce-scatter the gradient (Ψ elements in, Ψ/2 out) and all-gather it back (Ψ/2 in, Ψ
+    out); writes what the Meter measured to out/rank<r>.json."""
+    torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP thread pool
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        model = common.build_model(parse("--dim", "32", "--depth", "1"))
+        psi = sum(p.numel() for p in model.parameters())
+        half = psi // 2  # each rank's shard of the gradient's first 2 * (psi // 2) elements
+        opt = common.make_optimizer(model.parameters(), parse())
+        with common.Meter(model, opt, parse(), steps=2) as meter:
+            for step in common.progress([0, 1, 2], parse(), epoch=0):
+                model(torch.randn(2, 1, 28, 28)).sum().backward()
+                flat = torch.cat([p.grad.flatten() for p in model.parameters()])[: 2 * half]
+                dist.all_reduce(flat)
+                shard = torch.empty(half)
+                dist.reduce_scatter_tensor(shard, flat)
+                dist.all_gather_into_tensor(torch.empty(2 * half), shard)
+                dist.all_reduce(torch.zeros(()))  # the logged loss: not counted
+                if step > 0:  # step 0: skipped, as GradScaler skips a step with inf gradients
+                    opt.step()
+                opt.zero_grad(set_to_none=True)
+        comm, calls, steps = meter.comm()
+        measured = dict(psi=psi, comm=comm, calls=calls, steps=steps, mem=meter.mem)
+        (out / f"rank{rank}.json").write_text(json.dumps(measured))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_meter_counts_collectives_and_memory_from_outside(tmp_path):
     """The instrument sees the c10d ops and their bytes, ignores the 0-d logged loss, closes its
     window after `steps` steps of the loop (batches drawn through common.progress, also a step
     whose optimizer step was skipped, as fp16's GradScaler does on an overflow), and reads memory
-    off storages after the first optimizer step."""
-    model = common.build_model(parse("--dim", "32", "--depth", "1"))
-    psi = sum(p.numel() for p in model.parameters())
-    opt = common.make_optimizer(model.parameters(), parse())
-    with common.Meter(model, opt, parse(), steps=2) as meter:
-        for step in common.progress([0, 1, 2], parse(), epoch=0):
-            model(torch.randn(2, 1, 28, 28)).sum().backward()
-            flat = torch.cat([p.grad.flatten() for p in model.parameters()])
-            dist.all_reduce(flat)  # 4Ψ bytes
-            out = torch.empty(2 * psi)
-            dist.all_gather_into_tensor(out[:psi], flat)  # world 1: the output is Ψ
-            dist.reduce_scatter_tensor(torch.empty(psi), flat)
-            dist.all_reduce(torch.zeros(()))  # the logged loss: not counted
-            if step > 0:  # step 0: skipped, as GradScaler skips a step with inf gradients
-                opt.step()
-            opt.zero_grad(set_to_none=True)
-    comm, calls, steps = meter.comm()
-    assert steps == 2 and calls == {"all_reduce": 2, "all_gather": 2, "reduce_scatter": 2}
-    assert comm == {"all_reduce": 4 * psi, "all_gather": 4 * psi, "reduce_scatter": 4 * psi}
-    mem = {
-        k: meter.mem[k] for k in ("param_bytes", "grad_bytes", "optim_bytes", "optim_peak_bytes")
-    }
-    assert mem == dict(
-        param_bytes=4 * psi, grad_bytes=4 * psi, optim_bytes=8 * psi, optim_peak_bytes=8 * psi
+    off storages after the first optimizer step. At W = 2, where a collective's input and output
+    differ in size: it counts the whole tensor, a reduce-scatter's input and an all-gather's
+    output (at W = 1 both are the same size, and a Meter counting the shard would pass)."""
+    store = tmp_path / "store"
+    torch.multiprocessing.start_processes(
+        meter_on_one_of_two_ranks, args=(store, tmp_path), nprocs=2, start_method="fork"
     )
+    for rank in (0, 1):
+        measured = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        psi = measured["psi"]
+        whole = 4 * 2 * (psi // 2)  # the bytes of the gradient the collectives move, unsplit
+        kinds = ("all_reduce", "all_gather", "reduce_scatter")
+        assert measured["steps"] == 2 and measured["calls"] == dict.fromkeys(kinds, 2), measured
+        assert measured["comm"] == dict.fromkeys(kinds, whole), (measured["comm"], whole)
+        mem = {
+            k: measured["mem"][k]
+            for k in ("param_bytes", "grad_bytes", "optim_bytes", "optim_peak_bytes")
+        }
+        assert mem == dict(
+            param_bytes=4 * psi, grad_bytes=4 * psi, optim_bytes=8 * psi, optim_peak_bytes=8 * psi
+        )
 
 
 def test_meter_times_throughput_after_its_window():

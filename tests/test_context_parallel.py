@@ -1,14 +1,15 @@
 """context_parallel.py: ring attention and Ulysses on --patch 2 (196 tokens) end with the
 parameters of the one-process ddp.py run (ring and Ulysses at W=2 with SGD and at W=4 with AdamW);
 the collectives the Meter measures from outside and the attention activations it measures per rank
-equal what this test works out from B, T, D, H and depth; the ring's autograd Function and the
-Ulysses all-to-alls give F.scaled_dot_product_attention's output and gradients at W=2, 3, 4, also
-causal with the contiguous and the zig-zag split (a driver, the last case of the W=4 launch),
-and in bf16 within 1.5 times SDPA's own bf16 error (fp32 under autocast); attention runs on a
-process group of its own, not DDP's; index tensors are made once, not at every call;
---clip (torch's clip_grad_norm_: DDP leaves every whole gradient on every rank) ends where ddp.py
---clip ends in one process; inputs that go wrong on one rank raise the same error on every rank
-(the driver with --errors, a W=2 launch of its own)."""
+equal what this test works out from B, T, D, H and depth; F.scaled_dot_product_attention inside
+the section's ContextParallel mode (the ring, or the Ulysses all-to-alls) gives one process's SDPA
+output and gradients at W=2, 3, 4, also causal with the contiguous and the zig-zag split and
+grouped-query (a driver, the last case of the W=4 launch), and in bf16 within 1.5 times SDPA's own
+bf16 error (fp32 under autocast); attention runs on a process group of its own, not DDP's; index
+tensors are made once, not at every call; --clip (torch's clip_grad_norm_: DDP leaves every whole
+gradient on every rank) ends where ddp.py --clip ends in one process; inputs that go wrong on one
+rank, and calls the swap cannot run, raise the same error on every rank, and the language-model
+loss of bf16 logits is summed in fp32 (the driver with --errors, a W=2 launch of its own)."""
 
 import json
 
@@ -204,16 +205,17 @@ def test_attention_activations_per_rank(method, world, optim, runs):
 
 def test_attention_function_equals_sdpa(checks):
     """Random q, k, v (B=2, H=12, T=24, head dims 5 and 7) on subgroups of 2, 3 and 4 ranks:
-    output and dq, dk, dv of the ring Function and of the Ulysses all-to-alls equal SDPA's to fp32
-    round-off, without a mask and causal (SDPA's is_causal=True; the ring skipping the blocks in
-    a rank's future), with the contiguous and the zig-zag token split; the ring sends W-1 K/V
-    blocks forward and 2(W-1) backward, each step's sends and receives in one batch, causal or
-    not; Ulysses all-to-alls 4 tensors each way."""
+    F.scaled_dot_product_attention called on this rank's tokens inside ContextParallel, the ring
+    or the Ulysses all-to-alls, gives one process's SDPA output and dq, dk, dv to fp32 round-off,
+    without a mask and causal (is_causal=True; the ring skipping the blocks in a rank's future),
+    with the contiguous and the zig-zag token split, and grouped-query (enable_gqa with 4 K/V heads,
+    scale=0.3); the ring sends W-1 K/V blocks forward and 2(W-1) backward, each step's sends and
+    receives in one batch, causal or not; Ulysses all-to-alls 4 tensors each way."""
     assert sorted((c["world"], c["head_dim"]) for c in checks) == [
         (w, d) for w in (2, 3, 4) for d in (5, 7)
     ]
-    rings = ("ring", "ring-causal", "ring-zigzag")
-    ulysses = ("ulysses", "ulysses-causal", "ulysses-zigzag")
+    rings = ("ring", "ring-causal", "ring-zigzag", "ring-gqa")
+    ulysses = ("ulysses", "ulysses-causal", "ulysses-zigzag", "ulysses-gqa")
     for c in checks:
         w, d = c["world"], c["head_dim"]
         for method in rings + ulysses:
@@ -297,13 +299,23 @@ def test_clip_equals_one_ddp_process_clip(runs, refs, tmp_path_factory):
     assert diff < TOL[optim]
 
 
-def test_errors_are_said_on_every_rank():
+@pytest.fixture(scope="module")
+def errors_launch():
+    """The driver's W=2 launch with --errors, which each test checks ended well: a launch that
+    fails must fail the test that reads it, not this fixture (the mutant harness counts an error
+    in a fixture as a test not run)."""
+    return fork_launch("tests/cp_attention_check.py", 2, "--errors", timeout=60)
+
+
+def test_errors_are_said_on_every_rank(errors_launch):
     """Inputs that go wrong on one rank raise the same ValueError on both ranks of a W=2 launch
     (tests/cp_attention_check.py --errors), where rank 0 used to see only Gloo's "Connection
     closed by peer": targets of -100 to a loss that ignores -1 (on rank 1, which holds the
     sequences' ends), rank 1 feeding shorter sequences, and 10 tokens that the zig-zag split
-    cannot cut into 2W = 4 chunks."""
-    run = fork_launch("tests/cp_attention_check.py", 2, "--errors", timeout=60)
+    cannot cut into 2W = 4 chunks. And the calls the kernel swap cannot run: SDPA with a mask, and
+    a forward that calls no SDPA (an attention written out, as HF's "eager"), which would attend
+    to this rank's tokens alone."""
+    run = errors_launch
     assert run.returncode == 0, run.output
     lines = [line for line in run.stdout.splitlines() if line.startswith("ERRORS ")]
     by_rank = sorted(
@@ -314,7 +326,21 @@ def test_errors_are_said_on_every_rank():
         "targets": "not ignore_index=-1, on rank(s) [1]",
         "shapes": "the ranks feed batches of different shapes",
         "zigzag": "10 tokens do not split into 4 equal chunks",
+        "mask": "with an attn_mask or dropout_p: context parallelism attends over the ranks",
+        "no_sdpa": "Linear's forward called no F.scaled_dot_product_attention",
     }
     for kind, text in expected.items():
         first, second = (errors[kind] for errors in by_rank)
         assert first == second and text in first, (kind, first, second)
+
+
+def test_language_model_loss_sums_in_fp32(errors_launch):
+    """causal_lm_loss on bf16 logits ([1, 4096, 8], 4,095 valid targets, split over W=2) is one
+    process's cross-entropy on the same logits in fp32, to fp32 round-off, and comes back in fp32:
+    summed in bf16, the count 4,095 would round to 4,096 and the sum of the losses lose its last
+    units (off by ~1e-3 relative)."""
+    assert errors_launch.returncode == 0, errors_launch.output
+    (line,) = [line for line in errors_launch.stdout.splitlines() if line.startswith("LOSS ")]
+    loss = json.loads(line[len("LOSS ") :])
+    assert loss["dtype"] == "torch.float32", loss
+    assert abs(loss["loss"] - loss["reference"]) < 1e-6 * loss["reference"], loss

@@ -294,13 +294,13 @@ CP_CASES = [
 def test_context_parallel_equals_one_process(copies, method, split, optim):
     """context_parallel.py's section, causal, on the LM: each rank attends with its 8 of the 16
     tokens (rank 0 holds positions 0-7, or with the zig-zag split chunks 0 and 3 of 4: 0-3 and
-    12-15), through the section's attention (parallelize put it in), and the loss each rank
+    12-15), through the model's own attention (its SDPA call swapped), and the loss each rank
     logs is one process's loss over the whole sequence."""
     case = f"context_parallel-{method}-{split}-{optim}"
     assert_same_as_one_process(copies, case)
     _, results = copies
     result = results[case]
-    assert result["attention"] == "FusedQKVAttention"
+    assert result["attention"] == "CausalSelfAttention"
     assert result["attention_tokens"] == 16 // 2
     zigzag = [*range(0, 4), *range(12, 16)]
     assert result["positions"] == (zigzag if split == "zigzag" else list(range(8)))

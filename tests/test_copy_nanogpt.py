@@ -152,7 +152,7 @@ def test_pipeline_split_the_model(copies, module, case):
 def test_context_parallel_split_the_sequence(copies, module, case):
     """Each rank embedded and attended with its 8 of the 16 tokens at their own positions (rank 0
     holds 0-7, or with the zig-zag split chunks 0 and 3 of 4: 0-3 and 12-15), through the
-    section's GPT2Attention in the model's block, and every rank's loss, with the ignored first
+    model's own attention (its SDPA call swapped), and every rank's loss, with the ignored first
     target on rank 0 only, is one process's mean over the whole micro-batch."""
     _, results = copies
     proof = results[case]
@@ -161,7 +161,7 @@ def test_context_parallel_split_the_sequence(copies, module, case):
     expected = zigzag if "zigzag" in case else contiguous
     assert [seen["positions"] for seen in proof["by_rank"]] == expected
     assert [seen["attention_tokens"] for seen in proof["by_rank"]] == [8, 8]
-    assert [seen["attention"] for seen in proof["by_rank"]] == ["GPT2Attention"] * 2
+    assert [seen["attention"] for seen in proof["by_rank"]] == ["CausalSelfAttention"] * 2
     reference_losses = results[f"reference-{proof['reference']}"]["losses"]
     for seen in proof["by_rank"]:
         assert seen["losses"] == pytest.approx(reference_losses, abs=1e-5)

@@ -73,8 +73,10 @@ MAX_DIFF = {
     # + the language model part (Contract, the tied weight on ZeRO), the formula off the shapes
     "hybrid_parallel.py": 811,  # + --zero-stage refused in the other layouts
     # core first: the MoE layer moved to common/moe.py (596 before), the step-time averager and
-    # the backward one split
-    "expert_parallel.py": 555,  # issue 34: full_state_dict on the expert group
+    # the backward one split; issue 34: full_state_dict on the expert group
+    # issue 40: the routing around the model's own experts module (two hooks; the list's slice or,
+    # in a part, the stacked one), the save joined under the model's own keys
+    "expert_parallel.py": 620,
     # pipeline.py's reshaping, its schedule sketch, the group; issues 40, 41 as pipeline.py
     "pipeline_schedules.py": 658,
     # pipeline.py's reshaping, its tie refusal as a part, the group; issues 40, 41 as pipeline.py
