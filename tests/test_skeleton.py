@@ -71,7 +71,9 @@ MAX_DIFF = {
     # issue 34: nd_parallel.py with PyTorch's pieces replaced by this codebase's own sections,
     # and the layouts data x context and data x expert
     # + the language model part (Contract, the tied weight on ZeRO), the formula off the shapes
-    "hybrid_parallel.py": 811,  # + --zero-stage refused in the other layouts
+    # + --zero-stage refused in the other layouts; issue 40: data x context splits the ViT's
+    # tokens by context_parallel.split_sequence, not inside its parallelize
+    "hybrid_parallel.py": 812,
     # core first: the MoE layer moved to common/moe.py (596 before), the step-time averager and
     # the backward one split; issue 34: full_state_dict on the expert group
     # issue 40: the routing around the model's own experts module (two hooks; the list's slice or,
@@ -164,9 +166,10 @@ CORE_LINES = {
     "zero_offload.py": 133,
     "tensor_parallel.py": 140,
     "tensor_parallel_zero_r.py": 140,
-    # the ring with its backward, the attention module and parallelize: 8 over the issue's guide of
-    # 160, as the causal branches in RingAttention are one flag check each; the ViT's patches and
-    # pooled head, DDP's group check, Ulysses, causal and zig-zag come after
+    # the ring with its backward, the SDPA swap (a TorchFunctionMode) and parallelize: 8 over the
+    # issue's guide of 160, as the causal branches in RingAttention are one flag check each; the
+    # ViT's tokens and pooled head, the refusals, DDP's group check, Ulysses, causal and zig-zag
+    # come after (issue 40: 163)
     "context_parallel.py": 168,
     "expert_parallel.py": 160,
     # issue 34: the pipeline's group, its peers as group ranks; issue 40: each stage passes its
