@@ -246,18 +246,23 @@ def infer(stage, x):
 
 
 def full_state_dict(stage, mesh):
-    """The plain model's state_dict on rank 0, None elsewhere, put together as it was taken apart,
-    in reverse: ZeRO gathers each unit's shards on the dp group's first rank, which holds this tp
-    rank's split of the stage; the tp ranks' splits are joined on the tp group's first rank; the
-    stages are gathered on rank 0 over the pp group of the ranks at dp 0 and tp 0."""
+    """The model's own state_dict() on rank 0 (its keys, its persistent buffers, whatever its
+    state_dict hooks make of them), None elsewhere, put together as it was taken apart, in
+    reverse: ZeRO gathers each unit's shards on the dp group's first rank, which holds this tp
+    rank's split of the stage; the tp ranks' splits are joined on the tp group's first rank, which
+    takes the stage's state_dict() with the whole parameters and head counts in place; the stages
+    are gathered on rank 0 over the pp group of the ranks at dp 0 and tp 0."""
     if stage.layout != THREE_D:
         return other_layout_state_dict(stage)
-    split_state = zero.full_state_dict(stage)  # {} off the dp group's first rank
+    split_state = zero.gather_parameters(stage.zero)  # {} off the dp group's first rank
     if mesh["dp"].get_local_rank() != 0:
         return None
-    stage_state = join_tp_splits(stage, split_state, mesh["tp"].get_group())
+    whole_parameters = join_tp_splits(stage, split_state, mesh["tp"].get_group())
     if mesh["tp"].get_local_rank() != 0:
         return None
+    with tensor_parallel.swapped(tensor_parallel.whole_counts(stage)):
+        stage_state = zero.state_dict_with(stage, whole_parameters)
+    stage_state = {key: tensor.cpu() for key, tensor in stage_state.items()}
     pp_group = mesh["pp"].get_group()
     stage_states = None  # gather_object fills a list on the destination only
     if stage.is_first:
@@ -275,7 +280,7 @@ def full_state_dict(stage, mesh):
 def join_tp_splits(stage, split_state, tp_group):
     """The tp ranks' splits of the stage joined on the tp group's first rank: each parameter a
     parallel linear split is gathered and joined as it was cut (tensor_parallel.join_shards), in
-    the same key order on every tp rank so that the gathers pair up. zero.full_state_dict hands
+    the same key order on every tp rank so that the gathers pair up. zero.gather_parameters hands
     CPU tensors; each travels from the device, where NCCL can send it."""
     tp_rank = dist.get_rank(tp_group)
     tp_world = dist.get_world_size(tp_group)

@@ -17,6 +17,7 @@ configure_optimizers' groups, its (x, y) micro-batches and loss, its clip at a l
 
 import math
 
+import llama_model
 import nanogpt_model
 import torch
 import torch.distributed as dist
@@ -31,9 +32,16 @@ from causal_lm import (
     make_optimizer,
     task,
 )
-from copy_pipeline import GPT_PARTS, gpt_loss, make_stage_optimizer, stage_param_groups
+from copy_pipeline import (
+    GPT_PARTS,
+    LLAMA_PARTS,
+    gpt_loss,
+    make_stage_optimizer,
+    stage_param_groups,
+)
 from copy_tensor_parallel import (
     CAUSAL_LM_PLAN,
+    LLAMA_PLAN,
     NANOGPT_PLAN,
     attend_by_width_of_q,
     causal_lm_attention,
@@ -232,3 +240,65 @@ def nanogpt_cases(rank, world, folder):
     mesh = make_mesh(world)
     for case, (zero_stage, prefix, optim) in NANOGPT_RUNS.items():
         yield case, f"{prefix}{optim}", *run_nanogpt(zero_stage, prefix, optim, mesh)
+
+
+# Llama 3 as torchtitan has it (tests/llama_model.py), trained by its own recipe: copy_pipeline's
+# LLAMA_PARTS (every stage holds the freqs_cis buffer and gives it to its layers), copy_tensor_
+# parallel's LLAMA_PLAN (wqkv by kv group, W dividing the 2 kv heads; the head counts divided),
+# torchtitan's one AdamW group. The save is the model's own state_dict(): wq, wk, wv from its hook
+# on the whole (dp-gathered, tp-joined) wqkv with the head counts whole again, and freqs_cis.
+
+LLAMA_CASES = ["llama-hybrid-z3-adamw"]
+
+
+def llama_train(stage, optimizer, mesh):
+    """The recipe's steps through the section: each dp rank's slice of each micro-batch, the loss
+    over the step's global count of targets times m (train_step divides each micro-batch's loss
+    by m, as for a mean) and times the dp size (ZeRO averages over it), the section's clip."""
+    dp_rank = mesh["dp"].get_local_rank()
+    dp_world = mesh["dp"].size()
+    norms = []
+    for micro_batches in llama_model.batches():
+        x = torch.cat([x.chunk(dp_world)[dp_rank] for x, _ in micro_batches])
+        y = torch.cat([y.chunk(dp_world)[dp_rank] for _, y in micro_batches])
+        num_items = llama_model.global_targets(micro_batches)
+        scale = len(micro_batches) * dp_world
+
+        def loss_fn(logits, labels, num_items=num_items, scale=scale):
+            return llama_model.loss(logits, labels, num_items) * scale
+
+        hybrid_parallel.train_step(stage, x, y, loss_fn)
+        norms.append(hybrid_parallel.clip_grad_norm_(stage, llama_model.CLIP).item())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return norms
+
+
+def run_llama(zero_stage, optim, mesh):
+    def param_groups(stage):
+        """torchtitan's optimizer on the stage after the tp split: its one group's settings."""
+        return llama_model.make_optimizer(stage, optim).param_groups
+
+    contract = hybrid_parallel.Contract(
+        parts=LLAMA_PARTS,
+        activation_shape=(llama_model.ARGS.max_seq_len, llama_model.ARGS.dim),
+        plan=LLAMA_PLAN,
+        param_groups=param_groups,
+    )
+    stage = hybrid_parallel.parallelize(
+        llama_model.model(), mesh, CPU, zero_stage, micro_batches=ACCUMULATE, contract=contract
+    )
+    # the user's optimizer class over ZeRO's groups, which keep the groups' settings
+    optimizer = OPTIMIZERS[optim](stage.zero.param_groups)
+    hybrid_parallel.hook_optimizer(stage, optimizer)
+    norms = llama_train(stage, optimizer, mesh)
+    state = hybrid_parallel.full_state_dict(stage, mesh)
+    x, y = llama_model.held_out()
+    proof = dict(norms=norms, eval_loss=eval_loss(stage, x, y, llama_model.loss))
+    return stage, state, proof
+
+
+def llama_cases(rank, world, folder):
+    """As `cases`, on Llama 3: (case, its reference, the stage, full state_dict, proof)."""
+    mesh = make_mesh(world)
+    yield "llama-hybrid-z3-adamw", "llama-adamw", *run_llama(3, "adamw", mesh)

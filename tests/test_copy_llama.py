@@ -35,12 +35,15 @@ MODULES = [
     "expert_parallel",
     "context_parallel",
     "pipeline",
+    "hybrid",
 ]
 CASES = [
     (module, case)
     for module in MODULES
     for case in importlib.import_module(f"copy_{module}").LLAMA_CASES
 ]
+# The modules whose cases run at another world size than 2 (hybrid: (pp, dp, tp) = (2, 2, 2)).
+WORLDS = {"hybrid": 8}
 TOL = {"sgd": 1e-6, "adamw": 5e-5}  # round-off, as the ViT tests allow it
 FAMILIES = {"llama": llama_model, "gpt2": hf_gpt2_model}
 VARIANTS = {"llama": llama_model.ARGS_BY_PREFIX, "gpt2": hf_gpt2_model.CONFIGS}
@@ -69,12 +72,26 @@ def needed(request):
 
 @pytest.fixture(scope="module")
 def copies(request, tmp_path_factory):
-    """The selected cases in one launch: (the folder of saved state_dicts, the results by case)."""
+    """The selected cases in one launch a world size (W=2; WORLDS names the others): (the folder
+    of saved state_dicts, the results by case)."""
     folder = tmp_path_factory.mktemp("copy_llama")
-    run = fork_launch("tests/copy_cases.py", 2, folder, "--llama", *needed(request), timeout=300)
-    assert run.returncode == 0, run.output
-    with open(folder / "results.json") as f:
-        return folder, json.load(f)
+    by_world = {}
+    for module in needed(request):
+        by_world.setdefault(WORLDS.get(module, 2), []).append(module)
+    results = {}
+    for world, modules in by_world.items():
+        launch_folder = folder / f"w{world}"
+        launch_folder.mkdir()
+        run = fork_launch(
+            "tests/copy_cases.py", world, launch_folder, "--llama", *modules, timeout=300
+        )
+        assert run.returncode == 0, run.output
+        with open(launch_folder / "results.json") as f:
+            results.update(json.load(f))
+        # the cases' files, and the references (every launch trains the same ones)
+        for path in launch_folder.glob("*.pt"):
+            path.replace(folder / path.name)
+    return folder, results
 
 
 def fresh_model(reference_name):

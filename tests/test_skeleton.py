@@ -72,8 +72,9 @@ MAX_DIFF = {
     # and the layouts data x context and data x expert
     # + the language model part (Contract, the tied weight on ZeRO), the formula off the shapes
     # + --zero-stage refused in the other layouts; issue 40: data x context splits the ViT's
-    # tokens by context_parallel.split_sequence, not inside its parallelize
-    "hybrid_parallel.py": 812,
+    # tokens by context_parallel.split_sequence, not inside its parallelize; issue 40: the save
+    # through the model's own state_dict() (the whole parameters and head counts put back)
+    "hybrid_parallel.py": 816,
     # core first: the MoE layer moved to common/moe.py (596 before), the step-time averager and
     # the backward one split; issue 34: full_state_dict on the expert group
     # issue 40: the routing around the model's own experts module (two hooks; the list's slice or,
@@ -179,8 +180,9 @@ CORE_LINES = {
     # weights and its closing sends
     "pipeline_schedules.py": 155,  # issue 34: + the group, as pipeline.py; issues 40, 41 too
     # the three sections on their groups, the SP sum and the clip's weights on ZeRO's shards
-    # + parallelize's keywords (one a line), hook_optimizer, the layouts named
-    "hybrid_parallel.py": 156,
+    # + parallelize's keywords (one a line), hook_optimizer, the layouts named; issue 40: the
+    # save takes the model's own state_dict() (+3)
+    "hybrid_parallel.py": 158,
     "pipeline_pipedream.py": 132,  # issues 40, 41 as pipeline.py (+ the stash's keyword, +1)
 }
 
