@@ -31,20 +31,24 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
 import common
-from common.moe import MoE
 
 SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 
 ### begin: Expert parallel
-# Model contract: the MoE layers are instances of MoE (common/moe.py's, imported above; import your
-# own MoE class under that name instead), wherever they sit in the model. An MoE layer routes its
-# tokens itself and calls `self.experts(tokens [N, D], chosen [N, K], weights [N, K])` -> [N, D]
-# (chosen: the K experts each token picked; the result: the weighted sum of their outputs), where
-# `self.experts` is a list of E expert modules that parallelize swaps for this rank's E/W; its
-# `forwards_per_step` is the backward passes one optimizer step sums (accumulation, micro-batches).
-# Every other parameter is dense, in one of the units hook_optimizer is given in forward order
-# (model.embed, model.blocks, model.head by default) and used in that unit's forward only.
+# Model contract: each MoE layer calls its experts module as torchtitan's MoE calls its
+# GroupedExperts: `experts(rows [N, D], counts [E])` -> [N, D], the rows grouped by expert (the
+# counts[0] rows of expert 0 first, then expert 1's, ...) and the outputs in the same order; its
+# forward runs whatever experts the module holds on as many counts. The module is a list of E
+# expert modules (an nn.ModuleList whose forward runs each on its rows, as common/moe.py's
+# Experts), or, with parallelize's style=StackedExperts (a part below), one module holding only
+# parameters stacked [E, ...] (torchtitan's GroupedExperts: w1, w2, w3 run by a grouped matmul).
+# The router, the sort by expert, the weights and the sum over each token's K experts stay the
+# model's. parallelize takes the experts modules (None: every module the model names `experts`,
+# wherever it sits). Every other parameter is dense, in one of the units hook_optimizer is given
+# in forward order (model.embed, model.blocks, model.head by default) and used in that unit's
+# forward only; its `backward_passes` is how many backward passes one optimizer step sums
+# (accumulation, micro-batches).
 # Two groups, None meaning the world for each. The expert group, the ranks the E experts are spread
 # over (its size divides E), is parallelize's, full_state_dict's and clip_grad_norm_'s `group`.
 # The data-parallel group, every rank that trains on a slice of its own and holds the same dense
@@ -59,8 +63,11 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 # et al. 2021, https://arxiv.org/abs/2101.03961): each rank holds the dense part whole and E/W
 # experts; each token travels to the ranks of the experts the router picked for it, and back.
 #
-#   tokens -> router -> sort by expert -> all-to-all (dispatch) -> this rank's E/W experts
-#          -> all-to-all (combine) -> each token's K outputs, summed with the router's weights
+#   the model:    tokens -> router -> rows sorted by expert, counts
+#   the section:  -> all-to-all (dispatch) -> the rows regrouped by this rank's expert
+#   the model:    -> its experts module, holding this rank's E/W experts
+#   the section:  -> regrouped by source rank -> all-to-all (combine)
+#   the model:    -> each token's K outputs, summed with the router's weights
 #
 # The dense gradients are averaged over the ranks as DDP's are; an expert's gradient is already
 # whole on its owner: the all-to-alls brought it every token routed to that expert.
@@ -100,104 +107,121 @@ class AllToAll(torch.autograd.Function):
         return out, None, None, None
 
 
-class ExpertParallel(nn.Module):
-    """This rank's E/W experts of one block, W the size of the expert group (its rank r: experts
-    r·E/W .. (r+1)·E/W - 1, named by their global index, so the state_dict has the model's keys),
-    called like the whole list. group: the ranks the experts are spread over (None: the world)."""
+class ExpertParallel:
+    """One experts module spread over the expert group (group; None: the world) of W ranks: the
+    module keeps this rank's E/W experts, and two hooks route each call's rows around its own
+    forward. Rank r of the group, its position in it, holds experts r·E/W .. (r+1)·E/W - 1. The
+    module is a list of E experts (an nn.ModuleList); StackedExperts, a part below, takes stacked
+    parameters. Found again as `experts.expert_parallel`."""
 
     def __init__(self, experts, group=None):
-        super().__init__()
-        rank = dist.get_rank(group)
-        world = dist.get_world_size(group)
-        if len(experts) % world:
-            raise ValueError(f"{len(experts)} experts do not split over {world} ranks evenly")
         self.group = group
-        self.num_experts = len(experts)  # E, on all ranks
-        self.world = world
-        self.experts_per_rank = len(experts) // world
-        first_expert = rank * self.experts_per_rank
-        for index in range(first_expert, first_expert + self.experts_per_rank):
-            self.add_module(str(index), experts[index])
+        self.world = dist.get_world_size(group)
+        self.num_experts = self.count_experts(experts)  # E, on every rank
+        if self.num_experts % self.world:
+            raise ValueError(f"{self.num_experts} experts do not split over {self.world} ranks")
+        self.experts_per_rank = self.num_experts // self.world
+        first = dist.get_rank(group) * self.experts_per_rank
+        self.keep_own_experts(experts, range(first, first + self.experts_per_rank))
+        experts.register_forward_pre_hook(self.dispatch)
+        experts.register_forward_hook(self.combine)
+        experts.expert_parallel = self
 
-    def forward(self, tokens, expert_index, weights):
-        """tokens [N, D]; expert_index [N, K], the K experts each token picked; weights [N, K]."""
-        num_tokens, top_k = expert_index.shape
-        # One row per (token, slot), token-major: row t·K + s is token t's s-th pick. Sorting the
-        # rows by expert (stable: token order within an expert) also groups them by the rank they
-        # go to, as experts are numbered owner by owner. N = 3, K = 2:
-        #     expert_index  [[2, 0], [1, 2], [0, 3]]    row_expert       [2, 0, 1, 2, 0, 3]
-        #     by_expert     [1, 4, 2, 0, 3, 5]          their experts    [0, 0, 1, 2, 2, 3]
-        #     their tokens  by_expert // K = [0, 2, 1, 0, 1, 2]
-        row_expert = expert_index.reshape(-1)
-        by_expert = row_expert.argsort(stable=True)
-        sent, received = self.exchange_counts(row_expert)
-        send_splits = [sum(counts) for counts in sent]  # rows to each rank
-        recv_splits = [sum(counts) for counts in received]  # rows from each rank
-        dispatched = AllToAll.apply(
-            tokens[by_expert // top_k], send_splits, recv_splits, self.group
-        )
-        expert_out = self.run_experts(dispatched, received)
-        # Combine: the reverse all-to-all brings each output back in the order its row was sent.
-        returned = AllToAll.apply(expert_out, recv_splits, send_splits, self.group)
-        # Returned row i is row by_expert[i]: put it back there, token-major again.
-        per_slot = torch.empty_like(returned).index_copy(0, by_expert, returned)
-        per_slot = per_slot.view(num_tokens, top_k, -1)  # [N, K, D]
-        return (weights.unsqueeze(-1) * per_slot).sum(1)
+    def count_experts(self, experts):
+        if not isinstance(experts, nn.ModuleList):
+            raise ValueError(
+                f"{type(experts).__name__} is not a list of experts: for parameters stacked "
+                "[E, ...], parallelize(..., style=StackedExperts)"
+            )
+        return len(experts)
 
-    def exchange_counts(self, row_expert):
-        """Host lists [W][E/W]: sent[r][j], the rows this rank sends to rank r's j-th expert;
-        received[r][j], the rows this rank's j-th expert gets from rank r."""
-        # Counted with scatter_add_, not bincount: bincount reads the largest index to size its
-        # output, which waits for the device.
-        send_counts = torch.zeros(self.num_experts, dtype=torch.long, device=row_expert.device)
-        send_counts.scatter_add_(0, row_expert, torch.ones_like(row_expert))  # rows per expert
-        recv_counts = torch.empty_like(send_counts)
+    def keep_own_experts(self, experts, owned):
+        """Drop the other ranks' experts: the list renumbers the ones it keeps from 0, as its
+        forward indexes them."""
+        del experts[owned.stop :]
+        del experts[: owned.start]
+
+    def join(self, prefix, parts):
+        """This module's entries in the unsplit model's keys, from each rank's (parts[r]; the
+        keys under `prefix`, the module's name): expert j of rank r is expert r·E/W + j."""
+        joined = {}
+        for rank, part in enumerate(parts):
+            for key, value in part.items():
+                if key.startswith(prefix):
+                    local_index, rest = key[len(prefix) :].split(".", 1)
+                    index = rank * self.experts_per_rank + int(local_index)
+                    joined[f"{prefix}{index}.{rest}"] = value
+        return joined
+
+    def dispatch(self, experts, args):
+        """The forward pre-hook: the model's rows, grouped by its E experts, go to the ranks that
+        own them (experts are numbered owner by owner: grouped by expert is grouped by rank), and
+        the module gets the rows its own experts received, grouped by its experts, and their
+        counts."""
+        rows, counts = args
+        sent_counts = counts.to(torch.long)
+        received_counts = torch.empty_like(sent_counts)
         # Even splits of E/W: rank r gets the counts for its own experts, from every rank in order.
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        dist.all_to_all_single(received_counts, sent_counts, group=self.group)
         # The layer's one host sync: the uneven all-to-alls take their split sizes as host
-        # integers (backward reuses them). Stacked, both lists come over in one copy.
-        both = torch.stack([send_counts, recv_counts]).view(2, self.world, self.experts_per_rank)
-        sent, received = both.tolist()
-        return sent, received
+        # integers (backward reuses them). Both lists come over in one copy.
+        both = torch.stack([sent_counts, received_counts]).view(2, self.world, -1)
+        sent, received = both.tolist()  # [W][E/W]: rows to (from) rank r's (this rank's) j-th
+        self.send_splits = [sum(per_expert) for per_expert in sent]
+        self.recv_splits = [sum(per_expert) for per_expert in received]
+        self.received = received
+        arrived = AllToAll.apply(rows, self.send_splits, self.recv_splits, self.group)
+        # They arrive grouped by source rank, then by expert: the experts want them by expert.
+        by_expert = swap_chunk_order(arrived, received)
+        local_counts = received_counts.view(self.world, -1).sum(0)
+        return by_expert, local_counts.to(counts.dtype)
 
-    def run_experts(self, rows, received):
-        """Run each of this rank's experts once, on its rows from every rank, and return the
-        outputs in the rows' arrival order: grouped by source rank, then by expert (each source
-        sorted its rows by expert). Rank 0 of 2, experts 0 and 1, received = [[2, 1], [0, 3]]:
-            rows      e0 e0 e1 | e1 e1 e1        (from rank 0 | from rank 1)
-            chunks    [2, 1, 0, 3] rows: chunk r·E/W + j holds rank r's rows for expert j
-            expert 0 runs on chunks 0 and 2, expert 1 on chunks 1 and 3: every E/W-th chunk."""
-        chunks = rows.split([count for from_rank in received for count in from_rank])
-        outputs = []  # outputs[j][r]: expert j's output for the rows from rank r
-        for j, expert in enumerate(self.children()):  # this rank's j-th expert
-            expert_rows = torch.cat(chunks[j :: self.experts_per_rank])
-            rows_per_rank = [from_rank[j] for from_rank in received]
-            outputs.append(expert(expert_rows).split(rows_per_rank))
-        in_arrival_order = []
-        for source in range(self.world):
-            for j in range(self.experts_per_rank):
-                in_arrival_order.append(outputs[j][source])
-        return torch.cat(in_arrival_order)
+    def combine(self, experts, args, output):
+        """The forward hook: the outputs, grouped by source rank again, go back where their rows
+        came from (the reverse all-to-all), in the order the model sent them."""
+        # received[r][j] transposed: the output's rows of this rank's expert j from rank r
+        sizes = [
+            [from_rank[j] for from_rank in self.received] for j in range(self.experts_per_rank)
+        ]
+        by_source = swap_chunk_order(output, sizes)
+        return AllToAll.apply(by_source, self.recv_splits, self.send_splits, self.group)
 
 
-def moe_layers(model):
-    """The model's MoE layers, in forward order, wherever they sit (model.blocks[i].mlp here)."""
-    return [module for module in model.modules() if isinstance(module, MoE)]
+def swap_chunk_order(x, sizes):
+    """x's rows in chunks ordered (i, j), chunk (i, j) of sizes[i][j] rows, reordered (j, i).
+    Rank 0 of 2, experts 0 and 1, sizes = received = [[2, 1], [0, 3]]:
+        arrived   e0 e0 e1 | e1 e1 e1      by source rank (0 | 1), then expert
+        returned  e0 e0 | e1 e1 e1 e1      by expert (0 | 1), then source rank"""
+    chunks = x.split([size for row in sizes for size in row])
+    rows, columns = len(sizes), len(sizes[0])
+    return torch.cat([chunks[i * columns + j] for j in range(columns) for i in range(rows)])
 
 
-def parallelize(model, device, group=None):
-    """Keep this rank's experts of every MoE layer and drop the others, then move to the device:
-    the other ranks' experts never reach it. group: the expert group, the ranks the E experts are
-    spread over (None: the world); beside data parallelism on another mesh dimension, the
-    DeviceMesh's expert dimension, mesh["ep"].get_group()."""
-    for layer in moe_layers(model):
-        layer.experts = ExpertParallel(layer.experts, group)
+def parallelize(model, device, group=None, experts=None, style=ExpertParallel):
+    """Spread each experts module (experts; None: every module of the model named `experts`)
+    over the expert group, as `style` holds them (ExpertParallel: a list; StackedExperts: stacked
+    parameters), and move the model to the device: the other ranks' experts never reach it.
+    group: the ranks the E experts are spread over (None: the world); beside data parallelism on
+    another mesh dimension, the DeviceMesh's expert dimension, mesh["ep"].get_group()."""
+    if experts is None:
+        named = model.named_modules()
+        experts = [module for name, module in named if name.split(".")[-1] == "experts"]
+    if not experts:
+        raise ValueError("no experts module: pass parallelize the model's experts modules")
+    for module in experts:
+        style(module, group)
     return model.to(device)
+
+
+def expert_layers(model):
+    """(name, module) of each experts module parallelize spread, in the model's module order."""
+    named = model.named_modules()
+    return [(name, module) for name, module in named if hasattr(module, "expert_parallel")]
 
 
 def expert_params(model):
     """The parameters of this rank's experts, every MoE layer's."""
-    return [p for layer in moe_layers(model) for p in layer.experts.parameters()]
+    return [p for _, module in expert_layers(model) for p in module.parameters()]
 
 
 class StepAverager:
@@ -224,7 +248,7 @@ class StepAverager:
         self.replica_group = replica_group
         self.world = dist.get_world_size(data_group)
         copies = 1 if replica_group is None else dist.get_world_size(replica_group)
-        expert_group_size = moe_layers(model)[0].experts.world
+        expert_group_size = expert_layers(model)[0][1].expert_parallel.world
         if self.world != expert_group_size * copies:
             raise ValueError(
                 f"{self.world} data-parallel ranks are not {expert_group_size} ranks of "
@@ -269,33 +293,75 @@ class StepAverager:
         self.in_flight = []  # ready for the next step's backward
 
 
-def hook_optimizer(model, optimizer, data_group=None, replica_group=None, units=None):
+def hook_optimizer(
+    model, optimizer, data_group=None, replica_group=None, units=None, backward_passes=1
+):
     """Before each step, every gradient averaged over the data-parallel ranks (data_group, None:
     the world; replica_group, the ranks holding this rank's experts, None: no other; units, the
     modules holding the dense parameters in forward order, None: model.embed, model.blocks,
-    model.head). Beside data parallelism on a DeviceMesh ("dp", "ep"): parallelize's group is
-    mesh["ep"].get_group(), replica_group mesh["dp"].get_group(), data_group every rank of the
-    mesh (None where the mesh is the world). The dense all-reduces run on a new group over
-    data_group's ranks: every rank of the world calls hook_optimizer, in the same order."""
+    model.head; backward_passes, the backward passes one step sums). Beside data parallelism on
+    a DeviceMesh ("dp", "ep"): parallelize's group is mesh["ep"].get_group(), replica_group
+    mesh["dp"].get_group(), data_group every rank of the mesh (None where the mesh is the world).
+    The dense all-reduces run on a new group over data_group's ranks: every rank of the world
+    calls hook_optimizer, in the same order."""
     # A StepAverager whose buckets start during backward: `### more: the dense all-reduces
     # started during backward`.
-    averager = GradientAverager(model, data_group, replica_group, units)
+    averager = GradientAverager(model, data_group, replica_group, units, backward_passes)
     optimizer.register_step_pre_hook(averager.wait)
     model.grad_averager = averager  # for clip_grad_norm_, which must average first
 
 
 def full_state_dict(model, group=None):
-    """The plain state_dict of the whole model, the experts of every rank of the expert group
-    (group: parallelize's; None: the world) gathered on the group's rank 0 (None elsewhere); every
-    rank of the group calls it. Each copy of the expert group (replica_group) holds every expert,
-    so each copy's rank 0 gets the whole model."""
-    local = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    """The unsplit model's state_dict() on the group's rank 0 (None elsewhere): this rank's, its
+    hooks and buffers included, with each experts module's entries joined over the expert group
+    (group: parallelize's; None: the world), which every rank of it calls. Each copy of the
+    expert group (replica_group) holds every expert, so each copy's rank 0 gets the whole model."""
+    state = {key: value.detach().cpu() for key, value in model.state_dict().items()}
+    layers = expert_layers(model)
+    prefixes = tuple(name + "." for name, _ in layers)
+    mine = {key: value for key, value in state.items() if key.startswith(prefixes)}
     if dist.get_rank(group) != 0:
-        dist.gather_object(local, None, group=group, group_dst=0)
+        dist.gather_object(mine, None, group=group, group_dst=0)
         return None
-    parts = [None] * dist.get_world_size(group)
-    dist.gather_object(local, parts, group=group, group_dst=0)
-    return {k: v for part in parts for k, v in part.items()}
+    parts = [None] * dist.get_world_size(group)  # parts[r]: the entries of rank r's experts
+    dist.gather_object(mine, parts, group=group, group_dst=0)
+    joined = {key: value for key, value in state.items() if key not in mine}  # the dense part
+    for name, module in layers:
+        joined.update(module.expert_parallel.join(name + ".", parts))
+    return joined
+
+
+### more: stacked experts, as torchtitan's GroupedExperts holds them for a grouped matmul
+# torchtitan, DeepSeek-V3 and recent HuggingFace MoEs hold the E experts of a layer as parameters
+# stacked [E, ...] (a SwiGLU's w1, w2, w3) and run them all in one grouped matmul. This rank keeps
+# its E/W rows of each; the module's own forward then runs them on as many counts.
+
+
+class StackedExperts(ExpertParallel):
+    """ExpertParallel for an experts module that holds only parameters stacked [E, ...]: rank r of
+    the group keeps rows r·E/W .. (r+1)·E/W - 1 of each."""
+
+    def count_experts(self, experts):
+        stacked = list(experts.parameters(recurse=False))
+        leading = {param.shape[0] for param in stacked}
+        if len(leading) != 1 or len(experts.state_dict()) != len(stacked):
+            raise ValueError(
+                f"StackedExperts takes a module holding only parameters stacked [E, ...]; "
+                f"{type(experts).__name__} holds {sorted(experts.state_dict())}"
+            )
+        return leading.pop()
+
+    def keep_own_experts(self, experts, owned):
+        """Every stacked parameter replaced by its rows of this rank's experts (a copy: the other
+        experts' memory is freed)."""
+        for name, param in list(experts.named_parameters(recurse=False)):
+            rows = param.detach()[owned.start : owned.stop].clone()
+            setattr(experts, name, nn.Parameter(rows, requires_grad=param.requires_grad))
+
+    def join(self, prefix, parts):
+        """The stacked parameters joined along the expert dimension, in rank order."""
+        keys = [key for key in parts[0] if key.startswith(prefix)]
+        return {key: torch.cat([part[key] for part in parts]) for key in keys}
 
 
 ### more: the dense all-reduces started during backward, bucket by bucket
@@ -303,7 +369,7 @@ def full_state_dict(model, group=None):
 # travels while backward runs the units before it. A bucket starts where every rank starts it,
 # whatever gradients it got (NCCL wants the same order on every rank, across communicators too; a
 # parameter used on some ranks only must not move it): when backward reaches the output of the
-# nearest MoE layer before its unit, in the step's last backward pass, else at the step; a
+# nearest experts module before its unit, in the step's last backward pass, else at the step; a
 # parameter with no gradient by then sends zeros. By then backward has finished the unit: autograd
 # runs the nodes made later in forward first, and accumulates gradients first of all. A gradient
 # that comes later (a parameter used outside its unit) is an error, not a wrong average.
@@ -311,12 +377,13 @@ def full_state_dict(model, group=None):
 
 class GradientAverager(StepAverager):
     """A StepAverager whose buckets start during backward, each where backward reaches the output
-    of the nearest MoE layer before its unit (bucket_starts), the same point on every rank."""
+    of the nearest experts module before its unit (bucket_starts), the same point on every rank,
+    in the last of a step's `backward_passes`."""
 
-    def __init__(self, model, data_group=None, replica_group=None, units=None):
+    def __init__(self, model, data_group=None, replica_group=None, units=None, backward_passes=1):
         super().__init__(model, data_group, replica_group, units)
-        layers = moe_layers(model)
-        self.backward_passes = layers[0].forwards_per_step  # per optimizer step
+        layers = [module for _, module in expert_layers(model)]
+        self.backward_passes = backward_passes  # per optimizer step
         self.starts = bucket_starts(model, units)
         self.passes = [0] * len(layers)  # backward passes that reached each layer this step
         # This step's gradients are averaged already (clip_grad_norm_ waited before the step's
@@ -329,8 +396,8 @@ class GradientAverager(StepAverager):
                 param.register_post_accumulate_grad_hook(self.grad_ready_hook(index))
 
     def output_hook(self, m):
-        """A forward hook for MoE layer m: its output's gradient hook is where backward reaches
-        the layer, the same point on every rank (the layer's all-to-alls follow)."""
+        """A forward hook for experts module m: its output's gradient hook is where backward
+        reaches the module, the same point on every rank (its all-to-alls follow)."""
 
         def reached(grad):
             self.averaged = False  # a new step's gradients are coming in
@@ -338,7 +405,7 @@ class GradientAverager(StepAverager):
             if self.passes[m] > self.backward_passes:
                 raise RuntimeError(
                     f"more than {self.backward_passes} backward passes before an optimizer step: "
-                    "build the MoE layers with forwards_per_step = the backward passes per step"
+                    "pass hook_optimizer backward_passes, the backward passes per step"
                 )
             if self.passes[m] == self.backward_passes:  # the step's last backward pass
                 for index in self.starts[m]:
@@ -376,12 +443,12 @@ class GradientAverager(StepAverager):
 
 def bucket_starts(model, units=None):
     """starts[m]: the buckets (their indices in dense_buckets' order) that start when backward
-    reaches MoE layer m's output: those of the units after m's and before the next MoE layer's.
-    The buckets of the units before the first MoE layer are in none: they start at the step."""
+    reaches experts module m's output: those of the units after m's and before the next
+    module's. The buckets of the units before the first one are in none: they start at the step."""
     if units is None:
         units = [model.embed, *model.blocks, model.head]
-    layers = moe_layers(model)
-    # place[m]: the unit (its place in forward order) holding MoE layer m
+    layers = [module for _, module in expert_layers(model)]
+    # place[m]: the unit (its place in forward order) holding experts module m
     place = [
         next(i for i, unit in enumerate(units) if any(mod is layer for mod in unit.modules()))
         for layer in layers

@@ -489,18 +489,15 @@ def record_pipeline_order(stage, micro_batches, optimizer=None, weights=False):
 
 def record_expert_load(model):
     """Tokens this rank routes to each expert in training forwards, per block, summed on its
-    device: a forward pre-hook on each block's experts module reads the routing it is called with
-    (tokens, chosen experts, weights). The module's `num_experts` (or its length) is E."""
+    device: a forward pre-hook on each block's experts module reads the rows per expert it is
+    called with (rows, counts [E]), ahead of expert_parallel.py's hook that routes them."""
     load = [None] * len(model.blocks)
 
     def counter(block_index):
         def add(module, inputs):
             if not module.training:
                 return
-            chosen = inputs[1].reshape(-1)
-            experts = getattr(module, "num_experts", None) or len(module)
-            counts = torch.zeros(experts, dtype=torch.long, device=chosen.device)
-            counts.scatter_add_(0, chosen, torch.ones_like(chosen))  # no host sync, unlike bincount
+            counts = inputs[1].detach().clone()
             if load[block_index] is None:
                 load[block_index] = counts
             else:
@@ -509,5 +506,5 @@ def record_expert_load(model):
         return add
 
     for block_index, block in enumerate(model.blocks):
-        block.mlp.experts.register_forward_pre_hook(counter(block_index))
+        block.mlp.experts.register_forward_pre_hook(counter(block_index), prepend=True)
     return load

@@ -6,28 +6,18 @@ import torch.nn.functional as F
 
 
 class Experts(nn.ModuleList):
-    """E expert modules, called with the routing: tokens [N, D], the expert each token picked in
-    each of its K slots [N, K] and the slots' weights [N, K] -> sum over k of weights[:, k] times
-    the output of expert chosen[:, k] on the token, [N, D].
+    """E expert modules, called as torchtitan's MoE calls its experts: rows [N, D] grouped by
+    expert (expert 0's counts[0] rows first, then expert 1's, ...) and counts [E] -> each row's
+    expert output, [N, D], in the same order.
 
-    All experts run in this process, each on its tokens in token order; expert_parallel.py's
-    parallelize swaps in an ExpertParallel, called the same way, that sends each token to the rank
-    owning its expert. Every expert runs, also on no token, so each always has a gradient (zero if
-    it got no token), as DDP and ZeRO expect of every parameter. One host sync (the tokens per
-    expert) per layer."""
+    Every expert runs, also on no row, so each always has a gradient (zero if it got no token),
+    as DDP and ZeRO expect of every parameter. One host sync (the rows per expert) per call.
+    expert_parallel.py's parallelize keeps this rank's E/W of them and routes the rows around
+    this forward: it then runs on the rows its experts received, with their E/W counts."""
 
-    def forward(self, tokens, chosen, weights):
-        num_tokens, top_k = chosen.shape
-        slots = chosen.reshape(-1)  # [N * K]: the expert of each (token, slot)
-        by_expert = slots.argsort(stable=True)  # slots grouped by expert, token order kept
-        # tokens per expert: scatter_add_, not bincount, which waits for the device on CUDA
-        per_expert = torch.zeros(len(self), dtype=torch.long, device=slots.device)
-        per_expert.scatter_add_(0, slots, torch.ones_like(slots))
-        counts = per_expert.tolist()  # the one host sync
-        inputs = tokens[by_expert // top_k].split(counts)
-        outputs = torch.cat([expert(x) for expert, x in zip(self, inputs, strict=True)])
-        outputs = torch.empty_like(outputs).index_copy(0, by_expert, outputs)  # slot order again
-        return (weights.unsqueeze(-1) * outputs.view(num_tokens, top_k, -1)).sum(1)
+    def forward(self, rows, counts):
+        chunks = rows.split(counts.tolist())  # the one host sync
+        return torch.cat([expert(chunk) for expert, chunk in zip(self, chunks, strict=True)])
 
 
 class AuxLossScaler(torch.autograd.Function):
@@ -46,8 +36,10 @@ class AuxLossScaler(torch.autograd.Function):
 
 class MoE(nn.Module):
     """Mixture of experts in place of the MLP: a linear router scores the E experts for each token;
-    each token goes to its top K, mixed by the softmax over the K chosen scores. No capacity limit,
-    no dropped token: the output does not depend on how tokens are grouped into batches or ranks.
+    each token goes to its top K, mixed by the softmax over the K chosen scores. The (token, slot)
+    rows are sorted by expert and run by `experts` as torchtitan's MoE runs its GroupedExperts
+    (rows, counts per expert), the E from the router's width. No capacity limit, no dropped
+    token: the output does not depend on how tokens are grouped into batches or ranks.
 
     Load balance: DeepSeek-V3's sequence-wise auxiliary loss, per sample (an image, a sequence) of
     T tokens: f_i = E/(K*T) * (the sample's tokens routed to expert i; no gradient), P_i = the mean
@@ -78,7 +70,16 @@ class MoE(nn.Module):
         if self.training and self.aux_loss and torch.is_grad_enabled():
             aux = self.balance_loss(logits, chosen, batch, tokens_per_sample)
             weights = AuxLossScaler.apply(weights, aux, 1.0 / self.forwards_per_step)
-        return self.experts(tokens, chosen, weights).view(batch, tokens_per_sample, dim)
+        num_tokens, top_k = chosen.shape
+        slots = chosen.reshape(-1)  # [N * K]: the expert of each (token, slot)
+        by_expert = slots.argsort(stable=True)  # slots grouped by expert, token order kept
+        # tokens per expert: scatter_add_, not bincount, which waits for the device on CUDA
+        counts = torch.zeros(self.router.out_features, dtype=torch.long, device=slots.device)
+        counts.scatter_add_(0, slots, torch.ones_like(slots))
+        outputs = self.experts(tokens[by_expert // top_k], counts)
+        outputs = torch.empty_like(outputs).index_copy(0, by_expert, outputs)  # slot order again
+        mixed = (weights.unsqueeze(-1) * outputs.view(num_tokens, top_k, -1)).sum(1)
+        return mixed.view(batch, tokens_per_sample, dim)
 
     def balance_loss(self, logits, chosen, batch, tokens_per_sample):
         """coef * sum_i f_i * P_i per sample, averaged over the samples (the class docstring)."""

@@ -12,6 +12,7 @@ what the accumulation, the balance loss's 1/forwards_per_step included, must com
 
 import math
 
+import llama_model
 import nanogpt_model
 import torch
 import torch.distributed as dist
@@ -72,6 +73,21 @@ def whole_batch_reference(batches):
     return model.state_dict()
 
 
+def held_experts(model, whole):
+    """Per experts module, the experts of the whole model (`whole`, as built) whose weights this
+    rank holds, found by their first weight: what only the split shows, before training."""
+    held = []
+    for name, experts in expert_parallel.expert_layers(model):
+        if isinstance(experts, torch.nn.ModuleList):  # a list: each expert's first parameter
+            mine = [next(expert.parameters()) for expert in experts]
+            theirs = [next(expert.parameters()) for expert in whole.get_submodule(name)]
+        else:  # stacked: the rows of the first stacked parameter
+            mine = list(next(experts.parameters()))
+            theirs = list(next(whole.get_submodule(name).parameters()))
+        held.append([next(i for i, w in enumerate(theirs) if torch.equal(w, m)) for m in mine])
+    return held
+
+
 def run_expert_parallel(optim, batches, rank, world, group=None):
     """The section's two calls; the weight-decay groups built after parallelize (over this rank's
     experts): the router's and the experts' matrices in the decay group. group: the expert group,
@@ -80,11 +96,11 @@ def run_expert_parallel(optim, batches, rank, world, group=None):
     model = expert_parallel.parallelize(
         moe_causal_lm(forwards_per_step=ACCUMULATE), CPU, group=group
     )
+    held = held_experts(model, moe_causal_lm(forwards_per_step=ACCUMULATE))
     optimizer = make_optimizer(param_groups(model, optim), optim)
-    expert_parallel.hook_optimizer(model, optimizer, data_group=group)
+    expert_parallel.hook_optimizer(model, optimizer, data_group=group, backward_passes=ACCUMULATE)
     train(model, optimizer, batches, rank, world)
-    # per rank, per block: the global indices of the experts it holds, which only the split gives
-    held = [[int(name) for name, _ in block.mlp.experts.named_children()] for block in model.blocks]
+    # per rank, per block: the global indices of the experts it holds
     experts_held = [None] * world
     dist.all_gather_object(experts_held, held, group=group)
     tied = model.head.lm_head.weight is model.embed.wte.weight
@@ -172,19 +188,18 @@ def run_nanogpt_expert_parallel(optim, rank, world):
     (its experts' matrices and the routers' in the decay group), and the section's clip in the
     loop's place for torch's: the loop hands the clip parameters; the section's takes the model."""
     model = expert_parallel.parallelize(moe_nanogpt(), CPU)
+    held = held_experts(model, moe_nanogpt())
     optimizer = nanogpt_model.make_optimizer(model, optim)
-    expert_parallel.hook_optimizer(model, optimizer, units=nanogpt_units(model))
+    expert_parallel.hook_optimizer(
+        model, optimizer, units=nanogpt_units(model), backward_passes=nanogpt_model.ACCUMULATE
+    )
 
     def clip(parameters, max_norm):
         return expert_parallel.clip_grad_norm_(model, max_norm)
 
     step_batches = nanogpt_model.batches()
     losses, norms = nanogpt_model.train(model, optimizer, step_batches, rank, world, clip)
-    # per rank, per block: the global indices of the experts it holds, which only the split gives
-    held = [
-        [int(name) for name, _ in block.mlp.experts.named_children()]
-        for block in model.transformer.h
-    ]
+    # per rank, per block: the global indices of the experts it holds
     experts_held = [None] * world
     dist.all_gather_object(experts_held, held)
     tied = model.lm_head.weight is model.transformer.wte.weight
@@ -203,3 +218,51 @@ def nanogpt_cases(rank, world, folder):
         model, state, proof = run_nanogpt_expert_parallel(optim, rank, world)
         proof["reference_results"] = reference_results
         yield f"expert_parallel-{optim}", f"nanogpt-moe-{optim}", model, state, proof
+
+
+# Llama 3's MoE variant as torchtitan has it (tests/llama_model.py, MOE_ARGS): every layer's `moe`
+# routes with its router `gate` and runs `experts`, a GroupedExperts whose w1, w2, w3 are stacked
+# [E, ...] and run by a grouped matmul. The section takes it as it is: style=StackedExperts keeps
+# each rank's E/W rows of the stacked weights and routes the model's sorted rows around the
+# module's own forward. Trained by the Llama recipe (padded labels, a global count of targets, two
+# backward passes a step, the section's clip in the loop's place for torch's).
+
+LLAMA_CASES = ["llama-expert_parallel-sgd", "llama-expert_parallel-adamw"]
+
+
+def llama_units(model):
+    """The modules holding Llama's dense parameters, in forward order: hook_optimizer's buckets."""
+    return [model.tok_embeddings, *model.layers.values(), model.norm, model.output]
+
+
+def run_llama_expert_parallel(optim, rank, world):
+    """The section's two calls on the Llama MoE, the recipe's optimizer over what this rank
+    holds, and the section's clip: (model, full state_dict, proof)."""
+    model = expert_parallel.parallelize(
+        llama_model.model(llama_model.MOE_ARGS), CPU, style=expert_parallel.StackedExperts
+    )
+    held = held_experts(model, llama_model.model(llama_model.MOE_ARGS))
+    optimizer = llama_model.make_optimizer(model, optim)
+    expert_parallel.hook_optimizer(
+        model, optimizer, units=llama_units(model), backward_passes=llama_model.ACCUMULATE
+    )
+
+    def clip(parameters, max_norm):
+        return expert_parallel.clip_grad_norm_(model, max_norm)
+
+    step_batches = llama_model.batches()
+    losses, norms = llama_model.train(model, optimizer, step_batches, rank, world, clip)
+    # per rank, per layer: the global indices of the experts whose rows it holds
+    experts_held = [None] * world
+    dist.all_gather_object(experts_held, held)
+    proof = dict(losses=losses, norms=norms, experts_held=experts_held)
+    return model, expert_parallel.full_state_dict(model), proof
+
+
+def llama_cases(rank, world, folder):
+    """As `cases`, on Llama's MoE variant, against one process of it (the reference
+    "llama-moe-<optim>" that tests/copy_cases.py --llama writes): (case, its reference, model,
+    full state_dict, proof)."""
+    for optim in OPTIMS:
+        model, state, proof = run_llama_expert_parallel(optim, rank, world)
+        yield f"llama-expert_parallel-{optim}", f"llama-moe-{optim}", model, state, proof

@@ -1,10 +1,13 @@
 """expert_parallel.py and common/moe.py's mixture-of-experts layer: experts spread over W ranks end
 with the parameters of one ddp.py process with the same --experts --top-k; the dispatch/combine
-equals a loop over experts (output and gradients, an expert that receives no token included) and
-waits for the device once per layer; the dense gradients' all-reduces start during backward, on
-a process group of their own, placed alike among the all-to-alls on every rank even where a
-parameter gets a gradient on one rank only; the all-to-all bytes the Meter counts add up to the
-formula; --clip clips by the global norm; the scripts that take an MoE block unchanged stay exact.
+around the model's own experts module, a list (common/moe.py's) or stacked (Llama's GroupedExperts,
+torchtitan's), equals the whole module (output and gradients, an expert that receives no token
+included) and adds one wait for the device per layer; the save is the unsplit model's state_dict()
+(the ViT's, and Llama's with its hooks and buffer); the dense gradients' all-reduces start during
+backward, on a process group of their own, placed alike among the all-to-alls on every rank even
+where a parameter gets a gradient on one rank only; the all-to-all bytes the Meter counts add up
+to the formula; --clip clips by the global norm; the scripts that take an MoE block unchanged stay
+exact.
 
 Launches: 3 processes of ddp.py W=1 references (sgd and adamw for E=4 K=2 in one, sgd with --clip
 in one, sgd for E=8 K=1), ONE launch at W=2 running expert_parallel.py three times (--clip once)
@@ -13,10 +16,12 @@ processes.
 """
 
 import datetime
+import functools
 import gc
 import os
 from concurrent.futures import ThreadPoolExecutor
 
+import llama_model
 import pytest
 import torch
 import torch.distributed as dist
@@ -214,12 +219,85 @@ class HostSyncs(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def _rows_for_experts(E, D, rank):
+    """This rank's call of an experts module: N rows grouped by expert, where expert 1 gets none
+    on any rank, their counts [E], and a gradient for the outputs."""
+    torch.manual_seed(1 + rank)  # this rank's tokens and routing
+    N = 37 + 5 * rank
+    picked = torch.tensor([0, 2, 3])[torch.randint(3, (N,))].sort().values
+    counts = torch.zeros(E, dtype=torch.long).scatter_add_(0, picked, torch.ones_like(picked))
+    return torch.randn(N, D), counts, torch.randn(N, D)
+
+
+def _check_routing_around(expert_parallel, make_experts, style, E, D):
+    """The section's hooks around an experts module (made by make_experts, the same on every
+    rank): the output and the rows' gradients equal the whole module's on this rank's rows, each
+    expert this rank holds gets the sum over ranks of the whole module's gradient for it, the
+    module itself runs on its E/W experts' rows with their counts, and the section adds one wait
+    for the device to what the module waits alone."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows, counts, out_grad = _rows_for_experts(E, D, rank)
+
+    def run(module):
+        x = rows.clone().requires_grad_()
+        out = module(x, counts)
+        out.backward(out_grad)
+        return out.detach(), x.grad, {n: p.grad for n, p in module.named_parameters()}
+
+    whole = make_experts()
+    with HostSyncs() as alone:
+        ref_out, ref_x, ref_g = run(whole)
+    for g in ref_g.values():
+        dist.all_reduce(g)  # an owner's rows come from every rank
+    split = make_experts()
+    layer = style(split)  # over the world
+    stacked = isinstance(layer, expert_parallel.StackedExperts)
+    seen = []  # the counts the module itself is called with, after the section's dispatch
+    split.register_forward_pre_hook(lambda module, args: seen.append(args[1]))
+    with HostSyncs() as syncs:
+        out, gx, grads = run(split)
+    assert syncs.count == alone.count + 1, (syncs.count, alone.count)  # the counts, once
+    assert torch.allclose(out, ref_out, atol=1e-6) and torch.allclose(gx, ref_x, atol=1e-6)
+    owned = range(rank * E // world, (rank + 1) * E // world)
+    all_counts = counts.clone()
+    dist.all_reduce(all_counts)
+    assert seen[0].tolist() == all_counts[owned.start : owned.stop].tolist()
+    if stacked:
+        assert sorted(grads) == sorted(ref_g)  # w1, w2, w3, each of E/W rows
+    else:
+        assert len(grads) == len(ref_g) // world  # the parameters of E/W experts
+    for name, grad in grads.items():
+        if stacked:  # this rank's rows of every stacked parameter
+            want = ref_g[name][owned.start : owned.stop]
+        else:  # this rank's j-th expert is expert owned[j]
+            local_index, rest = name.split(".", 1)
+            want = ref_g[f"{owned[int(local_index)]}.{rest}"]
+        assert grad.shape == want.shape and torch.allclose(grad, want, atol=1e-5), name
+    if not stacked and rank == 0:
+        assert torch.count_nonzero(grads["1.fc1.weight"]) == 0  # no row: a zero gradient
+
+
+def _check_full_state_dict(expert_parallel, make_model, style):
+    """full_state_dict of a parallelized model is the whole model's state_dict(), hooks and
+    buffers included: the same keys, shapes and values; a strict load into a fresh model accepts
+    it."""
+    whole = make_model().state_dict()
+    model = expert_parallel.parallelize(make_model(), torch.device("cpu"), style=style)
+    state = expert_parallel.full_state_dict(model)
+    if dist.get_rank() != 0:
+        assert state is None
+        return
+    assert state.keys() == whole.keys()
+    for key, value in whole.items():
+        assert state[key].shape == value.shape and torch.equal(state[key], value), key
+    make_model().load_state_dict(state, strict=True)
+
+
 def _dispatch_worker(rank, world, port):
-    """Each rank routes its own random tokens (expert 1 never picked, so it gets none); the
-    expert-parallel layer's output and input gradients must equal the loop over all experts on this
-    rank's tokens, and each owned expert's gradient the sum over ranks of the loop's; forward and
-    backward wait for the device once. Then a whole model: its dense all-reduces start before
-    backward's last all-to-all."""
+    """The routing around a list of expert modules (common/moe.py's Experts) and around stacked
+    experts (tests/llama_model.py's GroupedExperts, torchtitan's); the full state_dict of the ViT
+    and of the Llama MoE (its wqkv saved as wq, wk, wv by its hook, its RoPE buffer). Then a whole
+    model: its dense all-reduces start before backward's last all-to-all."""
     import expert_parallel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -227,43 +305,27 @@ def _dispatch_worker(rank, world, port):
     timeout = datetime.timedelta(seconds=60)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
     try:
-        E, K, N, D = 4, 2, 37 + 5 * rank, 8
-        torch.manual_seed(0)  # the same experts on every rank
-        experts = Experts(common.MLP(D, 16) for _ in range(E))
-        torch.manual_seed(1 + rank)  # this rank's tokens and routing
-        h, out_grad = torch.randn(N, D), torch.randn(N, D)
-        never_one = torch.tensor([0, 2, 3])
-        idx = never_one[torch.rand(N, 3).argsort(1)[:, :K]]  # K distinct experts, never 1
-        weights = torch.rand(N, K).softmax(-1)
+        E, D = 4, 8
 
-        def run(layer):
-            x, w = h.clone().requires_grad_(), weights.clone().requires_grad_()
-            out = layer(x, idx, w)
-            out.backward(out_grad)
-            grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
-            layer.zero_grad()
-            return out.detach(), x.grad, w.grad, grads
+        def expert_list():
+            torch.manual_seed(0)  # the same experts on every rank
+            return Experts(common.MLP(D, 16) for _ in range(E))
 
-        ref_out, ref_x, ref_w, ref_g = run(experts)
-        for g in ref_g.values():
-            dist.all_reduce(g)  # the owner's tokens come from every rank
-        layer = expert_parallel.ExpertParallel(experts)  # over the world
-        with HostSyncs() as syncs:
-            out, gx, gw, grads = run(layer)
-        assert syncs.count == 1, syncs.count  # the token counts, once
-        assert torch.allclose(out, ref_out, atol=1e-6) and torch.allclose(gx, ref_x, atol=1e-6)
-        assert torch.allclose(gw, ref_w, atol=1e-6)
-        owned = [n for n in ref_g if int(n.split(".")[0]) // (E // world) == rank]
-        assert sorted(grads) == sorted(owned)
-        for n, g in grads.items():
-            assert torch.allclose(g, ref_g[n], atol=1e-5), n
-            if n.startswith("1."):
-                assert torch.count_nonzero(g) == 0  # no token: a zero gradient, not none
-        _, received = layer.exchange_counts(idx.reshape(-1))
-        got = [sum(from_rank[j] for from_rank in received) for j in range(E // world)]
-        want = torch.bincount(idx.reshape(-1), minlength=E)
-        dist.all_reduce(want)
-        assert got == want.view(world, -1)[rank].tolist()  # rows each owned expert receives
+        def stacked_experts():
+            torch.manual_seed(0)
+            experts = llama_model.GroupedExperts(D, 16, E)
+            for weight in experts.parameters():
+                torch.nn.init.normal_(weight, std=0.3)
+            return experts
+
+        stacked = expert_parallel.StackedExperts
+        _check_routing_around(expert_parallel, expert_list, expert_parallel.ExpertParallel, E, D)
+        _check_routing_around(expert_parallel, stacked_experts, stacked, E, D)
+        args = common.parse_args(common.get_parser("t"), CFG)
+        vit = functools.partial(common.build_model, args)
+        llama = functools.partial(llama_model.model, llama_model.MOE_ARGS)
+        _check_full_state_dict(expert_parallel, vit, expert_parallel.ExpertParallel)
+        _check_full_state_dict(expert_parallel, llama, stacked)
         _check_overlap(expert_parallel)
         _check_same_order_everywhere(expert_parallel)
         _check_late_gradient_is_an_error(expert_parallel)
