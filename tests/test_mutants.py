@@ -169,6 +169,11 @@ MUTANTS = {
         "test_copy_nanogpt.py::test_context_parallel_split_the_sequence"
         "[context_parallel-context_parallel-ring-zigzag-sgd]",
     ),
+    "cp-llama-positions-from-zero": (
+        "CP gives Llama's RoPE positions 0..T/W-1 on every rank (SGD moves < 1e-6; AdamW sees it)",
+        "test_copy_llama.py::test_equals_one_process"
+        "[context_parallel-llama-context_parallel-ring-zigzag-adamw]",
+    ),
     "cp-targets-checked-alone": (
         "CP: a bad target raises on its rank alone",
         "test_context_parallel.py::test_errors_are_said_on_every_rank",

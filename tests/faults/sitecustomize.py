@@ -602,7 +602,7 @@ if os.environ.get("MUTANT"):
             context_parallel.causal_lm_loss = mean_of_rank_means
 
         _after_import["context_parallel"] = _rank_mean
-    elif _mutant == "cp-positions-from-zero":  # context parallelism: every rank at 0..T/W-1
+    elif _mutant in ("cp-positions-from-zero", "cp-llama-positions-from-zero"):  # CP: 0..T/W-1
 
         def _from_zero(context_parallel):
             split_batch = context_parallel.split_batch
