@@ -42,13 +42,12 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 ### begin: Tensor parallel
 # Model contract: [B, T, D] activations through `model.blocks`, the same weights on every rank of
-# the group, and each of them fed the same batch. `plan` names, in a block, each
-# layer to split (nn.Linear, or HuggingFace's Conv1D) and how; the block's own forward runs on the
-# split layers, so its attention must take its head count off the width it is given (PLAN is the
-# ViT's, whose attention reads it off q's width). The tensor-parallel group is the `group`
-# argument, the world when None: every collective runs on it, W is its size and a rank's shard is
-# cut by its rank in it. Clip with the section's clip_grad_norm_(model, max_norm, group), not
-# torch's.
+# the group, and each of them fed the same batch. `plan` names each layer of a block to split
+# (nn.Linear, or HuggingFace's Conv1D) and how; the block's own forward then runs on the split
+# layers, so its attention must take its head count off the width it is given (PLAN is the ViT's,
+# whose attention reads it off q's width). The tensor-parallel group is the `group` argument, the
+# world when None: every collective runs on it, W is its size and a rank's shard is cut by its
+# rank in it. Clip with the section's clip_grad_norm_(model, max_norm, group), not torch's.
 # A language model's fused q, k, v and head counts, sequence parallelism and clipping: the
 # `### more:` parts after the core.
 
@@ -312,26 +311,17 @@ def swapped(values):
 
 
 ### more: a language model: q, k and v fused in one layer, head counts, its own names
-# GPT-2 and nanoGPT fuse q, k and v in one layer whose output is three thirds, q, then k, then v
-# (c_attn): QKVParallelLinear keeps this rank's heads of each third. torchtitan's Llama fuses them
-# by kv group ([q heads of group 0 | k_0 | v_0 | q heads of group 1 | ...], its wqkv): a rank's 1/W
-# of those rows are whole groups, so a plain ColumnParallelLinear splits it, W dividing the kv
-# heads. An attention that counts its heads or width in attributes (HF's split_size, torchtitan's
-# n_heads and n_kv_heads) runs on its local heads once each count is divided by W, as torchtitan
-# does: name them in the plan with PerRank. HuggingFace's GPT-2 (Conv1D layers):
-#   {"attn.c_attn": QKVParallelLinear, "attn.c_proj": RowParallelLinear, "attn.split_size":
-#    PerRank, "mlp.c_fc": ColumnParallelLinear, "mlp.c_proj": RowParallelLinear}
-# torchtitan's Llama (PerRank on n_kv_heads refuses a W that does not divide them):
-#   {"attention.wqkv": ColumnParallelLinear, "attention.wo": RowParallelLinear,
-#    "attention.n_heads": PerRank, "attention.n_kv_heads": PerRank, "feed_forward.w1":
-#    ColumnParallelLinear, "feed_forward.w3": ColumnParallelLinear, "feed_forward.w2":
-#    RowParallelLinear}
-# An attention that takes its width off its input (nanoGPT's `B, T, C = x.size()`, then C // n_head
-# and view(B, T, C)) cannot run on fewer heads than its input has features: read the width off q
-# instead (`-1` in those views), as torchtitan's and HuggingFace's attention do.
-# Under other names give the modules themselves: `blocks` (nanoGPT: transformer.h, torchtitan:
-# layers.values()), and for --sequence-parallel the module that takes the last block's output,
-# `head` (nanoGPT: transformer.ln_f, torchtitan: norm).
+# GPT-2 and nanoGPT fuse q, k and v in one layer as thirds (c_attn: q, then k, then v):
+# QKVParallelLinear keeps this rank's heads of each third. torchtitan's Llama fuses them by kv
+# group ([q heads of group 0 | k_0 | v_0 | q heads of group 1 | ...], wqkv): a rank's 1/W of those
+# rows are whole groups, a plain ColumnParallelLinear. An attention that counts its heads or width
+# in attributes (HF's split_size, torchtitan's n_heads and n_kv_heads) runs on its local heads once
+# the plan divides each by W with PerRank (torchtitan's way); on n_kv_heads it refuses a W that
+# does not divide them. nanoGPT's attention takes its width off its input (C of x.size()), which
+# no split changes: read it off q instead (`-1` in its views), as torchtitan's and HF's do. Plans
+# for Llama and HF's GPT-2: docs/copy.md. Under other names give the modules themselves: `blocks`
+# (nanoGPT: transformer.h, torchtitan: layers.values()), and for --sequence-parallel the module
+# that takes the last block's output, `head` (nanoGPT: transformer.ln_f, torchtitan: norm).
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -356,9 +346,18 @@ class PerRank(int):
                 "tensor-parallel ranks: each rank holds whole heads (under grouped-query "
                 "attention, whole kv heads: W must divide n_kv_heads)"
             )
-        local = super().__new__(cls, count // world)
-        local.whole = count
-        return local
+        return per_rank_count(count // world, count)
+
+    def __reduce__(self):
+        """copy.deepcopy and pickle rebuild this count as it is, not split it again."""
+        return per_rank_count, (int(self), self.whole)
+
+
+def per_rank_count(local, whole):
+    """A PerRank of `local` heads or features, one process holding `whole`."""
+    count = int.__new__(PerRank, local)
+    count.whole = whole
+    return count
 
 
 def whole_counts(model):

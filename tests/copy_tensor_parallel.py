@@ -278,14 +278,63 @@ def llama_parts(family, model):
     return HF_GPT2_PLAN, model.transformer.h, model.transformer.ln_f
 
 
+def first_block_parts(family, model):
+    """Block 0's fused q, k, v layer, its attention and the norm before it: Llama's wqkv (by kv
+    group), attention and attention_norm; GPT-2's c_attn (thirds), attn and ln_1."""
+    if family == "llama":
+        block = model.layers["0"]
+        return block.attention.wqkv, block.attention, block.attention_norm
+    block = model.transformer.h[0]
+    return block.attn.c_attn, block.attn, block.ln_1
+
+
+def head_count(family, attention):
+    """The heads the model's own attention runs on: Llama's n_heads, GPT-2's split_size (its
+    width of q) over head_dim."""
+    if family == "llama":
+        return int(attention.n_heads)
+    return attention.split_size // attention.head_dim
+
+
+def check_split(family, model, whole, heads):
+    """Asserted on every rank right after the split (a failure fails the launch): this rank's
+    block 0 fused q, k, v holds exactly its own heads of the whole weight: Llama's wqkv rows of
+    kv groups r·G/W to (r+1)·G/W (each group's q heads, k and v), GPT-2's c_attn columns of heads
+    r·H/W to (r+1)·H/W of q, of k and of v; and the model's own attention counts H/W heads."""
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    qkv, attention, _ = first_block_parts(family, model)
+    if family == "llama":
+        groups = whole.view(attention.n_kv_heads.whole, -1, whole.shape[1])  # [G, rows, D]
+        mine = groups.chunk(world)[rank].reshape(-1, whole.shape[1])
+    else:
+        by_head = whole.view(whole.shape[0], 3, heads, -1)  # Conv1D: [D, q|k|v, H, head_dim]
+        mine = by_head.chunk(world, dim=2)[rank].reshape(whole.shape[0], -1)
+    assert torch.equal(qkv.weight.detach(), mine), f"{family}: rank {rank} holds other rows"
+    assert head_count(family, attention) * world == heads
+
+
 def run_family_tensor_parallel(family, sequence_parallel, optim, config):
     """The model of `family` split by tensor_parallel (under sequence parallelism the tokens
-    split at the first block's input and gathered before the head), trained by its own recipe
-    with every rank feeding the whole micro-batch, clipped by the section's clip_grad_norm_."""
+    split at the first block's input and gathered before the head), the split checked
+    (check_split), trained by its own recipe with every rank feeding the whole micro-batch,
+    clipped by the section's clip_grad_norm_. The proof adds the tokens block 0's first norm
+    saw, T/W under sequence parallelism (asserted), and how far the replicated parameters ended
+    from rank 0's."""
     recipe = FAMILIES[family]
     model = recipe.model(config)
+    qkv, attention, _ = first_block_parts(family, model)
+    whole = qkv.weight.detach().clone()
+    heads = head_count(family, attention)
     plan, blocks, head = llama_parts(family, model)
     tensor_parallel.parallelize(model, CPU, sequence_parallel, plan, blocks=blocks, head=head)
+    check_split(family, model, whole, heads)
+    seen = {}
+
+    def note_tokens(module, inputs):
+        seen["tokens"] = inputs[0].shape[1]
+
+    first_block_parts(family, model)[2].register_forward_pre_hook(note_tokens)
     optimizer = recipe.make_optimizer(model, optim)
 
     def clip(parameters, max_norm):  # where the recipe clips model.parameters()
@@ -293,7 +342,12 @@ def run_family_tensor_parallel(family, sequence_parallel, optim, config):
 
     # rank=0, world=1: every rank feeds the whole micro-batch
     losses, norms = recipe.train(model, optimizer, recipe.batches(), clip=clip)
-    proof = dict(losses=losses, norms=norms, replicated_apart=replicated_apart(model))
+    tokens = config.max_seq_len if family == "llama" else config.n_positions
+    split_tokens = tokens // dist.get_world_size() if sequence_parallel else tokens
+    assert seen["tokens"] == split_tokens, f"{family}: the first norm saw {seen['tokens']} tokens"
+    proof = dict(losses=losses, norms=norms, norm_tokens=seen["tokens"])
+    proof["replicated_apart"] = replicated_apart(model)
+    assert proof["replicated_apart"] == 0.0, f"{family}: the replicated parameters drifted apart"
     return model, full_state_dict(model), proof
 
 

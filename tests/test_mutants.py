@@ -194,6 +194,11 @@ MUTANTS = {
         "TP's f on the attention's input as well as in its column-parallel layer",
         "test_tensor_parallel.py::test_each_block_input_gradient_all_reduced_once[gpt2]",
     ),
+    "tp-save-bypasses-state-dict-hooks": (
+        "TP saves its tensors by name, not through the model's own state_dict()",
+        "test_copy_llama.py::test_save_is_the_models_state_dict"
+        "[tensor_parallel-llama-tensor_parallel-tp-sgd]",
+    ),
     "pipeline-world-peers": (
         "the pipeline's messages name world ranks, not its group's",
         "test_groups.py::test_section_on_a_group_equals_one_process[group-pipeline-1f1b-sgd]",

@@ -680,6 +680,30 @@ if os.environ.get("MUTANT"):
             tensor_parallel.split_block = split_block_f_twice
 
         _after_import["tensor_parallel"] = _f_twice
+    elif _mutant == "tp-save-bypasses-state-dict-hooks":  # TP saves its tensors by name
+
+        def _tensors_by_name(tensor_parallel):
+            import torch
+
+            full_state_dict = tensor_parallel.full_state_dict
+
+            def by_name(module, *args, **kwargs):
+                # the whole tensors under their names, as before issue 40: no state_dict hook
+                # runs (Llama's wqkv is saved fused)
+                named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers()]
+                return dict(named)
+
+            def full_state_dict_by_name(model, group=None):
+                state_dict = torch.nn.Module.state_dict
+                torch.nn.Module.state_dict = by_name
+                try:
+                    return full_state_dict(model, group)
+                finally:
+                    torch.nn.Module.state_dict = state_dict
+
+            tensor_parallel.full_state_dict = full_state_dict_by_name
+
+        _after_import["tensor_parallel"] = _tensors_by_name
     elif _mutant == "pipeline-world-peers":  # the stages' messages name their peers in the world
 
         def _peers_in_world(pipeline):
