@@ -159,6 +159,10 @@ MUTANTS = {
         "EP starts a bucket where its gradients complete, which depends on the rank",
         "test_expert_parallel.py::test_dispatch_combine_equals_loop_over_experts",
     ),
+    "ep-stacked-wrong-rank": (
+        "EP keeps another rank's rows of the stacked experts",
+        "test_copy_llama.py::test_equals_one_process[expert_parallel-llama-expert_parallel-sgd]",
+    ),
     "cp-loss-rank-mean": (
         "CP averages each rank's mean loss (rank 0 has a target fewer)",
         "test_copy_nanogpt.py::test_equals_one_process"

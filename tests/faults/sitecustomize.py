@@ -586,6 +586,20 @@ if os.environ.get("MUTANT"):
             averager.wait = wait_and_forget
 
         _after_import["expert_parallel"] = _start_when_complete
+    elif _mutant == "ep-stacked-wrong-rank":  # EP: stacked experts sliced at another rank's rows
+
+        def _next_ranks_rows(expert_parallel):
+            keep_own_experts = expert_parallel.StackedExperts.keep_own_experts
+
+            def keep_next_ranks(self, experts, owned):
+                # the rows of the next rank's experts, while the routing sends this rank the
+                # tokens of its own
+                first = (owned.start + len(owned)) % self.num_experts
+                keep_own_experts(self, experts, range(first, first + len(owned)))
+
+            expert_parallel.StackedExperts.keep_own_experts = keep_next_ranks
+
+        _after_import["expert_parallel"] = _next_ranks_rows
     elif _mutant == "cp-loss-rank-mean":  # context parallelism: the mean of each rank's mean
 
         def _rank_mean(context_parallel):
