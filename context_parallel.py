@@ -236,8 +236,10 @@ def block_backward(q_scaled, kv_block, grad_out, log_sum_exp, grad_dot_out, mask
 
 class ContextParallel(TorchFunctionMode):
     """While it is on, F.scaled_dot_product_attention on this rank's tokens ([B, H, T/W, d]) attends
-    to all T tokens of the group: ring attention, or Ulysses. Every other function runs as it is.
-    torch's own experimental context_parallel swaps the kernel the same way."""
+    to all T tokens of the group: ring attention, or Ulysses. Every other function runs as it is,
+    after one Python call here. (torch's experimental context_parallel swaps the same call by
+    replacing the attribute F.scaled_dot_product_attention; a mode, public API, also catches a
+    model that imported the function under a name of its own.)"""
 
     def __init__(self, group, method="ring", zigzag=False):
         super().__init__()
