@@ -84,4 +84,5 @@ def test_workers_change_nothing(tmp_path):
     saved_here = torch.load(tmp_path / "w0.pt", weights_only=True)
     saved_by_workers = torch.load(tmp_path / "w2.pt", weights_only=True)
     for name, tensor in saved_here.items():
-        assert torch.equal(tensor, saved_by_workers[name]), name
+        difference = (tensor - saved_by_workers[name]).abs().max().item()
+        assert torch.equal(tensor, saved_by_workers[name]), (name, difference)

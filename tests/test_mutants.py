@@ -207,6 +207,10 @@ MUTANTS = {
         "the pipeline's messages name world ranks, not its group's",
         "test_groups.py::test_section_on_a_group_equals_one_process[group-pipeline-1f1b-sgd]",
     ),
+    "workers-epoch-copied": (
+        "a DataLoader worker's copy of the dataset keeps epoch 0's shifts",
+        "test_loop.py::test_workers_change_nothing",
+    ),
     "hybrid-loss-every-rank": (
         "hybrid_parallel: the loss divided by every rank, not the last stage's",
         "test_hybrid_parallel.py::test_reported_loss_is_one_process_loss[dp2pp2-z3-sgd]",

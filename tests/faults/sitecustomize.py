@@ -725,6 +725,14 @@ if os.environ.get("MUTANT"):
             pipeline.p2p = lambda ops, group=None: p2p(ops)
 
         _after_import["pipeline"] = _peers_in_world
+    elif _mutant == "workers-epoch-copied":  # the dataset's epoch a plain attribute again
+
+        def _plain_epoch(common):
+            # a DataLoader worker holds a copy made when it started: it never sees set_epoch
+            common.Digits.set_epoch = lambda self, epoch: setattr(self, "plain_epoch", epoch)
+            common.Digits.epoch = property(lambda self: getattr(self, "plain_epoch", 0))
+
+        _after_import["common"] = _plain_epoch
     elif _mutant == "hybrid-loss-every-rank":  # hybrid: the loss averaged over all W ranks
 
         def _every_rank(hybrid_parallel):
