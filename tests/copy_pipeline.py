@@ -15,7 +15,12 @@ with SGD; each pipeline's tied wte.weight is summed in an embedding group of its
 nanoGPT (tests/nanogpt_model.py, `nanogpt_cases`): the model as it is, its parts named in a
 pipeline.Parts (GPT_PARTS), its loss, its configure_optimizers run on the stage, its (x, y)
 micro-batches as the schedule's, and the section's clip_grad_norm_ over the stages where nanoGPT
-clips: 1F1B with SGD and AdamW, zb-h1 with SGD. Run by tests/copy_cases.py."""
+clips: 1F1B with SGD and AdamW, zb-h1 with SGD. Run by tests/copy_cases.py.
+
+Llama 3 (tests/llama_model.py) and HF GPT-2 with eager attention (tests/hf_gpt2_model.py),
+`llama_cases`: each model as it is, trained by its recipe through 1F1B on two stages (SGD, AdamW),
+its blocks called with what its forward gives them (Llama's freqs_cis and positions, GPT-2's 4-D
+causal mask and position_ids, by keyword), the save loaded strictly into a fresh model."""
 
 import hf_gpt2_model
 import llama_model
