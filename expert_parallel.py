@@ -163,8 +163,8 @@ class ExpertParallel:
         received_counts = torch.empty_like(sent_counts)
         # Even splits of E/W: rank r gets the counts for its own experts, from every rank in order.
         dist.all_to_all_single(received_counts, sent_counts, group=self.group)
-        # The layer's one host sync: the uneven all-to-alls take their split sizes as host
-        # integers (backward reuses them). Both lists come over in one copy.
+        # The section's one host sync a layer (a list's loop waits once more, as it does alone):
+        # the uneven all-to-alls, and backward's, take their split sizes as host integers.
         both = torch.stack([sent_counts, received_counts]).view(2, self.world, -1)
         sent, received = both.tolist()  # [W][E/W]: rows to (from) rank r's (this rank's) j-th
         self.send_splits = [sum(per_expert) for per_expert in sent]
