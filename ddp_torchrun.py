@@ -54,7 +54,7 @@ def parallelize(model, device):
 
 
 def full_state_dict(model):
-    """The plain state_dict of the common model: every rank holds it whole."""
+    """The model's own state_dict(), hooks and buffers included: every rank holds it whole."""
     return {k: v.detach().cpu() for k, v in model.module.state_dict().items()}
 
 

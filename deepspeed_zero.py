@@ -96,9 +96,9 @@ def parallelize(model, optimizer, scheduler, config):
 
 
 def full_state_dict(engine):
-    """The plain state_dict of the common model on every rank (a collective at stage 3, where
-    GatheredParameters gathers every parameter whole for the copy, the whole model at once on
-    every rank, fine for the ViT, and partitions them again)."""
+    """The model's own state_dict() on every rank, its hooks run and its persistent buffers in (a
+    collective at stage 3, where GatheredParameters gathers every parameter whole for the copy,
+    the whole model at once on every rank, fine for the ViT, and partitions them again)."""
     stage_3 = engine.zero_optimization_stage() == 3
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, enabled=stage_3):

@@ -70,7 +70,7 @@ def parallelize(model, device_ids, manual=False):
 
 
 def full_state_dict(model):
-    """The plain state_dict of the common model, inside the wrapper if there is one."""
+    """The model's own state_dict(), hooks and buffers included, inside the wrapper if any."""
     if isinstance(model, (nn.DataParallel, ManualDataParallel)):
         model = model.module
     return {k: v.detach().cpu() for k, v in model.state_dict().items()}
