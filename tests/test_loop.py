@@ -4,13 +4,17 @@ A logging step all-reduces the windowed loss and an epoch boundary starts a new 
 open across either (a pipeline whose last backward's gradient is received in the next step) hangs
 there on NCCL as on Gloo. Three batches an epoch, five steps, a loss line every two steps. Every
 script runs in one launch, one after another (tests/script_cases.py): all of them for one start-up.
+
+The loader of that loop, in N worker processes (--workers N), trains the same run for any N.
 """
 
 import re
 
 import pytest
 import torch
+import torch.distributed as dist
 
+import common
 from helpers import launch_cases
 
 LOOP = [
@@ -43,8 +47,9 @@ def needed(request):
     """The configurations this session's selected tests check: every one in a whole run."""
     names = []
     for item in request.session.items:
-        if item.module is request.module and hasattr(item, "callspec"):
-            names.append(item.callspec.params["name"])
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if item.module is request.module and "name" in params:
+            names.append(params["name"])
     return names
 
 
@@ -86,3 +91,23 @@ def test_workers_change_nothing(tmp_path):
     for name, tensor in saved_here.items():
         difference = (tensor - saved_by_workers[name]).abs().max().item()
         assert torch.equal(tensor, saved_by_workers[name]), (name, difference)
+
+
+@pytest.mark.parametrize(
+    "gpus,backend,workers", [(0, "auto", 0), (2, "auto", 4), (2, "nccl", 4), (2, "gloo", 0)]
+)
+def test_workers_default_is_the_devices_fastest(monkeypatch, gpus, backend, workers):
+    """Where the run trains on GPUs (pick_backend's choice) 4 workers keep them fed; on the CPU
+    the batches cost next to nothing, and workers would take its cores from the training."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    args = common.parse_args(common.get_parser("test"), ["--backend", backend])
+    assert args.workers == workers
+
+
+def test_negative_workers_are_one_clear_error(capsys):
+    with pytest.raises(SystemExit) as exit:
+        common.parse_args(common.get_parser("test"), ["--workers", "-1"])
+    assert exit.value.code == 2
+    assert "--workers must be >= 0, got -1" in capsys.readouterr().err
