@@ -21,6 +21,7 @@ import json
 import os
 import sys
 
+import hf_gpt2_model  # tests/, this script's folder
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -283,11 +284,12 @@ def errors(rank):
         with cp.ContextParallel(dist.group.WORLD):
             F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.bool))
 
-    def attention_in_matmuls():  # a forward without SDPA (HF's "eager" attention)
-        model = cp.parallelize(torch.nn.Linear(8, 8), torch.device("cpu"))
+    def attention_in_matmuls():  # HF's GPT-2 with "eager" attention: a forward without SDPA
+        gpt2 = hf_gpt2_model.model(hf_gpt2_model.CONFIGS["eager-"])
+        model = cp.parallelize(gpt2, torch.device("cpu"))
         try:
             with torch.no_grad():  # no backward will follow: DDP must not wait for one
-                model(torch.zeros(2, 8))
+                model(x[:, :8], position_ids=torch.arange(8 * rank, 8 * rank + 8))
         finally:
             del model  # DDP's reducer, freed while the group is up (see context_parallel.run)
             gc.collect()
