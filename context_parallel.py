@@ -46,11 +46,11 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 # q, k, v, as the ViT, nanoGPT, HF's "sdpa" attention and torchtitan's SDPA path do. During the
 # model's forward that call runs as ring attention (or Ulysses) on this rank's T/W tokens,
 # attending to all T: causal when the call says is_causal=True, grouped-query with enable_gqa.
-# Everything else is the model's own: embeddings, positions, norms, losses. (A block checkpointed
-# whole would recompute its attention in backward, after the forward: checkpoint around it.) The
-# model is fed this rank's tokens: the ViT through split_sequence (its embedding's output cut,
-# its pooled mean summed over the ranks); a language model splits its own (x, y) batches and
-# gives its forward each rank's positions (split_batch and causal_lm_loss, below). The same
+# Everything else is the model's own: embeddings, positions, norms, losses. (torch's checkpoint
+# recomputes in backward, after the forward, where SDPA is not swapped: checkpoint no attention.)
+# The model is fed this rank's tokens: the ViT through split_sequence (its embedding's output
+# cut, its pooled mean summed over the ranks); a language model splits its own (x, y) batches
+# and gives its forward each rank's positions (split_batch and causal_lm_loss, below). The same
 # weights on every rank; every rank feeds the same batch.
 # Two groups, None meaning the world for each. The context group, the ranks that split each
 # sample's tokens and feed the same batch, is parallelize's `group` and that of split_tokens,
@@ -447,9 +447,13 @@ def ulysses_attention(q, k, v, group, causal=False, zigzag=False, scale=None):
     """DeepSpeed-Ulysses (Jacobs et al. 2023, https://arxiv.org/abs/2309.14509): [B, H, T/W, d]
     in and out, as SDPA; SDPA sees all T tokens of H/W heads. The all-to-all gathers the tokens
     rank by rank: in sequence order, unless they were split zig-zag."""
+    heads = q.shape[1]
+    world = dist.get_world_size(group)
+    if heads % world:  # the same shapes on every rank: every rank raises alike
+        raise ValueError(f"Ulysses: {heads} heads do not split over {world} ranks")
     q, k, v = (tokens_to_heads(x, group) for x in (q, k, v))
     if causal and zigzag:
-        out = zigzag_causal_sdpa(q, k, v, dist.get_world_size(group), scale)
+        out = zigzag_causal_sdpa(q, k, v, world, scale)
     else:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     return heads_to_tokens(out, group)

@@ -284,6 +284,11 @@ def errors(rank):
         with cp.ContextParallel(dist.group.WORLD):
             F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.bool))
 
+    def heads_for_ulysses():  # 3 heads do not split over W = 2 ranks
+        q = torch.zeros(2, 3, 8, 8)
+        with cp.ContextParallel(dist.group.WORLD, "ulysses"):
+            F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
     def attention_in_matmuls():  # HF's GPT-2 with "eager" attention: a forward without SDPA
         gpt2 = hf_gpt2_model.model(hf_gpt2_model.CONFIGS["eager-"])
         model = cp.parallelize(gpt2, torch.device("cpu"))
@@ -300,6 +305,7 @@ def errors(rank):
         shapes=raised(shapes_differ),
         zigzag=raised(zigzag_chunks),
         mask=raised(padding_mask),
+        ulysses=raised(heads_for_ulysses),
         no_sdpa=raised(attention_in_matmuls),
     )
 

@@ -312,9 +312,9 @@ def test_errors_are_said_on_every_rank(errors_launch):
     (tests/cp_attention_check.py --errors), where rank 0 used to see only Gloo's "Connection
     closed by peer": targets of -100 to a loss that ignores -1 (on rank 1, which holds the
     sequences' ends), rank 1 feeding shorter sequences, and 10 tokens that the zig-zag split
-    cannot cut into 2W = 4 chunks. And the calls the kernel swap cannot run: SDPA with a mask, and
-    a forward that calls no SDPA (HF's GPT-2 with "eager" attention, written out in matmuls),
-    which would attend to this rank's tokens alone."""
+    cannot cut into 2W = 4 chunks. And the calls the kernel swap cannot run: SDPA with a mask,
+    Ulysses on 3 heads at W = 2, and a forward that calls no SDPA (HF's GPT-2 with "eager"
+    attention, written out in matmuls), which would attend to this rank's tokens alone."""
     run = errors_launch
     assert run.returncode == 0, run.output
     lines = [line for line in run.stdout.splitlines() if line.startswith("ERRORS ")]
@@ -327,6 +327,7 @@ def test_errors_are_said_on_every_rank(errors_launch):
         "shapes": "the ranks feed batches of different shapes",
         "zigzag": "10 tokens do not split into 4 equal chunks",
         "mask": "with an attn_mask or dropout_p: context parallelism attends over the ranks",
+        "ulysses": "Ulysses: 3 heads do not split over 2 ranks",
         "no_sdpa": "GPT2LMHeadModel's forward called no F.scaled_dot_product_attention",
     }
     for kind, text in expected.items():
