@@ -293,6 +293,20 @@ def _check_full_state_dict(expert_parallel, make_model, style):
     make_model().load_state_dict(state, strict=True)
 
 
+def _check_refusals(expert_parallel):
+    """An experts module the style cannot split is one clear error: stacked weights under the
+    list's style, a list under StackedExperts, experts that do not split over the ranks."""
+    llama = llama_model.model(llama_model.MOE_ARGS)
+    with pytest.raises(ValueError, match="style=StackedExperts"):
+        expert_parallel.parallelize(llama, torch.device("cpu"))
+    vit = common.build_model(common.parse_args(common.get_parser("t"), CFG))
+    with pytest.raises(ValueError, match="only parameters stacked"):
+        expert_parallel.parallelize(vit, torch.device("cpu"), style=expert_parallel.StackedExperts)
+    three = Experts(common.MLP(4, 8) for _ in range(3))
+    with pytest.raises(ValueError, match="3 experts do not split over 2 ranks"):
+        expert_parallel.ExpertParallel(three)
+
+
 def _dispatch_worker(rank, world, port):
     """The routing around a list of expert modules (common/moe.py's Experts) and around stacked
     experts (tests/llama_model.py's GroupedExperts, torchtitan's); the full state_dict of the ViT
@@ -326,6 +340,7 @@ def _dispatch_worker(rank, world, port):
         llama = functools.partial(llama_model.model, llama_model.MOE_ARGS)
         _check_full_state_dict(expert_parallel, vit, expert_parallel.ExpertParallel)
         _check_full_state_dict(expert_parallel, llama, stacked)
+        _check_refusals(expert_parallel)
         _check_overlap(expert_parallel)
         _check_same_order_everywhere(expert_parallel)
         _check_late_gradient_is_an_error(expert_parallel)
