@@ -118,15 +118,17 @@ def full_state_dict(model):
     second whole copy of the model on its device; a tied weight is gathered once. (torch's
     get_model_state_dict maps each key back to a parameter by name, and raises on a key a hook
     made.)"""
+    # a tied weight is one Parameter under two names: gathered once (the same on every rank, so
+    # that the gathers pair up), saved as one tensor under both, as torch.save saves the model's
+    parameters = dict(model.named_parameters(remove_duplicate=False))
     state = {}
-    gathered = {}  # (the shard's address, shape) -> the whole tensor: a tie is gathered once
+    gathered = {}  # the Parameter (or a key a hook made) -> the whole tensor
     for key, tensor in model.state_dict().items():
         if isinstance(tensor, DTensor):
-            local = tensor.to_local()
-            address = (local.data_ptr(), local.shape)
-            if address not in gathered:
-                gathered[address] = gather_whole(tensor)
-            tensor = gathered[address]
+            identity = id(parameters[key]) if key in parameters else key
+            if identity not in gathered:
+                gathered[identity] = gather_whole(tensor)
+            tensor = gathered[identity]
         if dist.get_rank() == 0:
             state[key] = tensor.cpu()
     return state
