@@ -506,7 +506,7 @@ def causal_part(rank, owner, local_tokens, zigzag, device):
 @functools.lru_cache
 def future_mask(device, queries, keys):
     """True above the diagonal of a rank's own [T/W, T/W] score block: a key after the query.
-    Made once per size and device, as LocalPatchEmbed's positions are."""
+    Made once per size and device, as positions_on's positions are."""
     return torch.ones(queries, keys, dtype=torch.bool, device=device).triu_(1)
 
 
@@ -561,7 +561,7 @@ def zigzag_causal_sdpa(q, k, v, world, scale=None):
 
 @functools.lru_cache
 def gathered_order(device, tokens, world):
-    """(gathered, in_sequence) on `device`, made once per sequence length as LocalPatchEmbed's
+    """(gathered, in_sequence) on `device`, made once per sequence length as positions_on's
     positions are. The all-to-all gathers the zig-zag split rank by rank: `gathered` holds each
     gathered token's position in the sequence, so x_in_sequence[gathered] is in the gathered
     order; `in_sequence` sorts them by position, so x_gathered[in_sequence] is in sequence order."""
