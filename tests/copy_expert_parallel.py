@@ -242,6 +242,11 @@ def run_llama_expert_parallel(optim, rank, world):
         llama_model.model(llama_model.MOE_ARGS), CPU, style=expert_parallel.StackedExperts
     )
     held = held_experts(model, llama_model.model(llama_model.MOE_ARGS))
+    # the split, which equal parameters alone would not show: rank r holds rows 2r, 2r + 1 of every
+    # layer's stacked weights (test_copy_llama reads no proof of it: checked here, at the source)
+    per_rank = llama_model.MOE_ARGS.moe_experts // world
+    owned = list(range(rank * per_rank, (rank + 1) * per_rank))
+    assert held == [owned] * llama_model.MOE_ARGS.n_layers, f"rank {rank} holds experts {held}"
     optimizer = llama_model.make_optimizer(model, optim)
     expert_parallel.hook_optimizer(
         model, optimizer, units=llama_units(model), backward_passes=llama_model.ACCUMULATE
