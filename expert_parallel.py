@@ -346,7 +346,7 @@ class StackedExperts(ExpertParallel):
         leading = {param.shape[0] for param in stacked}
         if len(leading) != 1 or len(experts.state_dict()) != len(stacked):
             raise ValueError(
-                f"StackedExperts takes a module holding only parameters stacked [E, ...]; "
+                "StackedExperts takes a module holding only parameters stacked [E, ...]; "
                 f"{type(experts).__name__} holds {sorted(experts.state_dict())}"
             )
         return leading.pop()
