@@ -33,6 +33,8 @@ def run(args):
             sampler=sampler,
             drop_last=True,
             pin_memory=device.type == "cuda",
+            num_workers=args.workers,
+            persistent_workers=args.workers > 0,  # started once, not every epoch
         )
         model = ddp.parallelize(common.build_model(args).to(device), device)
         optimizer = common.make_optimizer(model.parameters(), args)

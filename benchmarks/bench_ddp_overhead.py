@@ -24,10 +24,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import common  # noqa: E402
 
+UNTIMED_STEPS = 4  # the Meter's window of 3 observed steps and one warm-up step
+
 
 def plain_loop(flags, steps):
     """ddp.py's train() with the distributed parts taken out: its data, sampler order, model,
-    optimizer, schedule and loop, timed from the loader's first batch to the last step."""
+    optimizer, schedule and loop, timed as the Meter times ddp.py: from the step after the first
+    UNTIMED_STEPS (the loader's workers start in the first) to the last one."""
     args = common.parse_args(common.get_parser("plain"), [*flags, "--max-steps", str(steps)])
     backend, device = common.pick_backend(args.backend)  # ddp.py's device and CPU thread count
     train_set, _, _ = common.load_data(args, device)
@@ -40,33 +43,43 @@ def plain_loop(flags, steps):
         sampler=sampler,
         drop_last=True,
         pin_memory=device.type == "cuda",
+        num_workers=args.workers,
+        persistent_workers=args.workers > 0,  # started once, not every epoch
     )
     model = common.build_model(args).to(device)
     optimizer = common.make_optimizer(model.parameters(), args)
     scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
-    sampler.set_epoch(0)
-    train_set.set_epoch(0)
     model.train()
     loss_sum = torch.zeros((), device=device)
     done = 0
-    start = time.perf_counter()
-    for x, y in loader:
-        x = x.to(device, non_blocking=True)
-        y = y.to(device, non_blocking=True)
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss_sum += loss.detach()
-        done += 1
-        if done % args.log_every == 0 or done == steps:
-            loss_sum.item()  # ddp.py reads its loss as often (after an all-reduce)
+    start = None
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        train_set.set_epoch(epoch)
+        for x, y in loader:
+            if done == UNTIMED_STEPS:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+            x = x.to(device, non_blocking=True)
+            y = y.to(device, non_blocking=True)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss_sum += loss.detach()
+            done += 1
+            if done % args.log_every == 0 or done == steps:
+                loss_sum.item()  # ddp.py reads its loss as often (after an all-reduce)
+            if done == steps:
+                break
         if done == steps:
             break
+    common.check(done > UNTIMED_STEPS, f"{done} steps in --epochs {args.epochs}: none timed")
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return done * args.batch_size / (time.perf_counter() - start)
+    return (done - UNTIMED_STEPS) * args.batch_size / (time.perf_counter() - start)
 
 
 def ddp_w1(flags, steps):
@@ -85,6 +98,10 @@ def main():
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--repeats", type=int, default=3)
     options, rest = p.parse_known_args()
+    common.check(
+        options.steps > UNTIMED_STEPS,
+        f"--steps must be more than the {UNTIMED_STEPS} untimed ones, got {options.steps}",
+    )
     shared = [flag for flag in rest if flag != "--"]
     flags = ["--data", "synthetic", "--epochs", "1", "--no-progress", *shared]
     # a bad flag fails now, not in a subprocess
