@@ -32,9 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
     get_optimizer_state_dict,
-    set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
@@ -158,10 +156,24 @@ def sharded_state(model, optimizer, scheduler):
     parameter numbers; DCP flattens the nesting into keys such as "model.<name>" and
     "optim.state.<name>.exp_avg", the same at every world size."""
     return {
-        "model": get_model_state_dict(model),
+        "model": model_tensors(model),
         "optim": get_optimizer_state_dict(model, optimizer),
         "scheduler": scheduler.state_dict(),
     }
+
+
+def model_tensors(model):
+    """The model's parameters and persistent buffers by name: the tensors themselves (this rank's
+    shards), which DCP writes and, in place, reads back. Not the model's state_dict(): its hooks
+    may save a parameter under other keys (Llama's fused wqkv as wq, wk, wv), which torch's
+    get_model_state_dict cannot map back to the parameter, and into which a load would not
+    reach."""
+    saved_keys = model.state_dict().keys()  # the persistent buffers are those it saves
+    tensors = dict(model.named_parameters())
+    for name, buffer in model.named_buffers():
+        if name in saved_keys:
+            tensors[name] = buffer
+    return tensors
 
 
 def save_sharded(path, model, optimizer, scheduler):
@@ -174,10 +186,9 @@ def load_sharded(path, model, optimizer, scheduler):
     """Every rank reads the rows of its own shards from `path`, whatever the world size that saved
     them: DCP reshards. dcp.load() reads into the tensors it is given, in place, and each tells it
     which rows this rank needs: so the state is first built from this run's model and optimizer,
-    filled, then handed back to them."""
+    filled (the model's entries are its own tensors), then the optimizer's handed back."""
     state = sharded_state(model, optimizer, scheduler)
-    dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(model, state["model"])
+    dcp.load(state, checkpoint_id=path)  # the model's tensors filled in place
     set_optimizer_state_dict(model, optimizer, state["optim"])
     scheduler.load_state_dict(state["scheduler"])
 

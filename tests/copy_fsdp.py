@@ -11,6 +11,7 @@ from causal_lm import OPTIMS, CausalLM, make_optimizer, param_groups, train
 from torch.distributed.tensor import DTensor
 
 import fsdp
+import fsdp_resume
 
 CPU = torch.device("cpu")
 
@@ -99,7 +100,10 @@ def nanogpt_cases(rank, world, folder):
 # (tests/hf_gpt2_model.py) have them, each trained by its own recipe.
 
 FAMILIES = {"llama": llama_model, "gpt2": hf_gpt2_model}
-LLAMA_CASES = [f"{family}-fsdp-{optim}" for family in FAMILIES for optim in OPTIMS]
+LLAMA_CASES = [
+    *(f"{family}-fsdp-{optim}" for family in FAMILIES for optim in OPTIMS),
+    "llama-fsdp_resume-adamw",
+]
 
 
 def family_blocks(family, model):
@@ -121,8 +125,34 @@ def run_family_fsdp(family, optim, rank, world):
 
 
 def llama_cases(rank, world, folder):
-    """As `cases`, on Llama 3 and HF GPT-2."""
+    """As `cases`, on Llama 3 and HF GPT-2; then fsdp_resume.py's save and load on Llama 3."""
     for family in FAMILIES:
         for optim in OPTIMS:
             case = run_family_fsdp(family, optim, rank, world)
             yield f"{family}-fsdp-{optim}", f"{family}-{optim}", *case
+    case = llama_fsdp_resume("adamw", rank, world, folder)
+    yield "llama-fsdp_resume-adamw", "llama-adamw", *case
+
+
+# fsdp_resume.py's sharded checkpoints (DCP) on Llama 3: the run stopped after its second step
+# and resumed from the files in a new model and optimizer ends as the uninterrupted one.
+
+
+def llama_fsdp_resume(optim, rank, world, folder):
+    """Steps 1-2, save_sharded, then a fresh model, optimizer and schedule, load_sharded, step 3."""
+    step_batches = llama_model.batches()
+    directory = folder / f"llama-fsdp_resume-{optim}-checkpoint"
+    norms = []
+    for first, last in ((0, 2), (2, len(step_batches))):
+        model = llama_model.model()
+        model = fsdp_resume.parallelize(model, CPU, model.layers.values())
+        optimizer = llama_model.make_optimizer(model, optim)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        if first > 0:
+            fsdp_resume.load_sharded(directory, model, optimizer, scheduler)
+        batches = step_batches[first:last]
+        _, run_norms = llama_model.train(model, optimizer, batches, rank, world, clip_sharded)
+        norms += run_norms
+        if first == 0:
+            fsdp_resume.save_sharded(directory, model, optimizer, scheduler)
+    return model, fsdp_resume.full_state_dict(model), dict(norms=norms)
