@@ -16,35 +16,40 @@ https://arxiv.org/abs/1910.02054. Against zero.py: docs/techniques.md#zero-throu
 Needs DeepSpeed: pip install -r requirements-deepspeed.txt.
 
     torchrun --standalone --nproc_per_node=4 deepspeed_zero.py --stage 3
-    python deepspeed_zero.py --nproc 2 --stage 2 --offload cpu
+    python deepspeed_zero.py --nproc 2 --stage 2 --offload cpu --grad-accum 2
+    python deepspeed_zero.py --nproc 2 --stage 3 --offload disk --offload-dir /nvme/ds
     python deepspeed_zero.py --nproc 2 --ds-config ds_config.json   # your own config
 """
 
+import contextlib
+import glob
 import json
 import os
+import sys
+import threading
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils import cpp_extension
 from torch.utils.data import DataLoader, DistributedSampler
 
 import common
 
-# DeepSpeed picks its accelerator when imported: name it rather than let it guess (and warn).
-os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
-try:
-    import deepspeed
-except ImportError:  # an optional dependency: check_args says how to install it
-    deepspeed = None
+# DeepSpeed, an optional dependency, picks its accelerator as it loads: import_deepspeed() imports
+# it once --backend has named the device.
+deepspeed = None
 
 SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
+SHM_OP = "deepspeed_shm_comm"  # DeepSpeed's shared-memory collectives, a C++ op built on a CPU
+BUILD_WARNING_S = 15  # seconds in deepspeed.initialize before a CPU run says what it waits for
 
 
 ### begin: DeepSpeed ZeRO
 # Model contract: any nn.Module, built with the same weights on every rank, an optimizer over its
 # parameters and a schedule over the optimizer; deepspeed.initialize takes all three. The loop
-# (train()) then calls engine(x), engine.backward(loss) and engine.step(), which replace
-# backward, clip, optimizer.step(), scheduler.step() and zero_grad().
+# (train(), through forward_backward) then calls engine(x), engine.backward(loss) and
+# engine.step(), which replace backward, clip, optimizer.step(), scheduler.step() and zero_grad().
 
 
 def ds_config(args, world):
@@ -59,8 +64,8 @@ def ds_config(args, world):
             zero["offload_param"] = dict(target)
     return {
         "train_batch_size": args.batch_size,
-        "train_micro_batch_size_per_gpu": args.batch_size // world,
-        "gradient_accumulation_steps": 1,
+        "train_micro_batch_size_per_gpu": args.batch_size // world // args.grad_accum,
+        "gradient_accumulation_steps": args.grad_accum,
         "gradient_clipping": args.clip,
         "zero_optimization": zero,
         # the torch optimizer every script builds (SGD or AdamW), also with offload: DeepSpeed
@@ -95,6 +100,20 @@ def parallelize(model, optimizer, scheduler, config):
     return engine, optimizer, scheduler
 
 
+def forward_backward(engine, x, y, grad_accum=1):
+    """The batch (x, y) through the engine as grad_accum micro-batches; returns its mean loss.
+    engine.backward divides each micro-batch's loss by gradient_accumulation_steps itself (a loss
+    divided again would halve the gradients at 2); engine.step() counts the micro-batches and,
+    after the last, clips, steps the optimizer and the schedule and zeroes the gradients."""
+    batch_loss = torch.zeros((), device=x.device)
+    for micro_x, micro_y in zip(x.chunk(grad_accum), y.chunk(grad_accum), strict=True):
+        loss = F.cross_entropy(engine(micro_x), micro_y)
+        engine.backward(loss)  # backward, and the gradients averaged and sharded
+        engine.step()
+        batch_loss += loss.detach() / grad_accum
+    return batch_loss
+
+
 def full_state_dict(engine):
     """The model's own state_dict() on every rank, its hooks run and its persistent buffers in (a
     collective at stage 3, where GatheredParameters gathers every parameter whole for the copy,
@@ -103,6 +122,20 @@ def full_state_dict(engine):
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, enabled=stage_3):
         return {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}
+
+
+### more: a GPU of its own per process (srun --gpus-per-task=1)
+
+
+def give_deepspeed_the_device(device):
+    """DeepSpeed takes LOCAL_RANK for the index of this process's GPU among those it sees, as under
+    its own launcher, which shows every process all of the node's GPUs: the engine calls
+    set_device(LOCAL_RANK) (initialize's args.device_rank overrides that call alone) and stage 3
+    puts the parameters on cuda:LOCAL_RANK. A process shown only its own GPU trains on cuda:0
+    whatever its local rank ("invalid device ordinal"): tell DeepSpeed the index, before
+    deepspeed.initialize."""
+    if device.type == "cuda":
+        os.environ["LOCAL_RANK"] = str(device.index)
 
 
 ### end: DeepSpeed ZeRO
@@ -155,15 +188,41 @@ def fill_in_and_check(user_config, flags_config, path, where=""):
         )
 
 
+def import_deepspeed(accelerator):
+    """Import DeepSpeed for `accelerator` ("cuda" or "cpu"), or leave `deepspeed` None where it is
+    not installed (check_args says how to install it). DeepSpeed picks its accelerator once, as it
+    loads: from DS_ACCELERATOR, else from the GPUs it sees, so --backend gloo on a GPU host would
+    get CUDA's and fail on a device mismatch. Name the device the run trains on."""
+    global deepspeed
+    os.environ["DS_ACCELERATOR"] = accelerator
+    try:
+        import deepspeed as library
+    except ImportError:
+        return
+    deepspeed = library
+
+
 def check_args(args, world):
-    common.check(
-        deepspeed is not None,
-        "deepspeed_zero.py needs DeepSpeed: pip install -r requirements-deepspeed.txt",
-    )
     common.check(
         args.batch_size % world == 0,
         f"--batch-size {args.batch_size} is not divisible by world size {world}: "
         "every rank must get the same whole number of samples per step",
+    )
+    samples_per_rank = args.batch_size // world
+    common.check(
+        args.grad_accum >= 1 and samples_per_rank % args.grad_accum == 0,
+        f"--grad-accum {args.grad_accum} must be >= 1 and divide the {samples_per_rank} samples "
+        "each rank gets per step",
+    )
+    # At stages 1-2 DeepSpeed takes an offload_optimizer device "nvme" for "cpu", without a word.
+    common.check(
+        args.offload != "disk" or args.stage == 3,
+        f"--offload disk swaps to NVMe at --stage 3 only: at stage {args.stage} DeepSpeed would "
+        "keep the optimizer state in CPU memory instead; give --stage 3, or --offload cpu",
+    )
+    common.check(
+        deepspeed is not None,
+        "deepspeed_zero.py needs DeepSpeed: pip install -r requirements-deepspeed.txt",
     )
     if args.offload == "disk":
         # DeepSpeed's NVMe offload reads and writes through its async_io op, built at the first
@@ -195,10 +254,54 @@ def check_args(args, world):
             common.fail(f"--ds-config {args.ds_config} is not JSON: {error}")
 
 
+def unfinished_builds():
+    """The lock files of DeepSpeed's shared-memory op where it is not built yet: torch builds it in
+    $TORCH_EXTENSIONS_DIR/deepspeed_shm_comm, else in <build root>/<python>_<device>/..."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    folders = glob.glob(os.path.join(root, SHM_OP)) + glob.glob(os.path.join(root, "*", SHM_OP))
+    return [
+        os.path.join(folder, "lock")
+        for folder in folders
+        if os.path.exists(os.path.join(folder, "lock"))
+        and not glob.glob(os.path.join(folder, f"{SHM_OP}*.so"))
+    ]
+
+
+@contextlib.contextmanager
+def saying_what_deepspeed_waits_for(device, seconds=BUILD_WARNING_S):
+    """On a CPU, deepspeed.initialize loads DeepSpeed's shared-memory collectives, a C++ op that it
+    builds at its first run (about 25 s) under a lock that another process may hold: a build
+    still running, or one killed where torch's lock is a plain file (older torch). Every rank
+    then sleeps without a word, for ever. If initialize is still waiting for an unfinished build
+    after `seconds`, rank 0 says which lock it waits for."""
+
+    def warn():
+        locks = unfinished_builds()
+        if locks and dist.get_rank() == 0:
+            print(
+                f"warning: DeepSpeed has waited {seconds} s for its shared-memory op, which it "
+                f"builds at its first run on a CPU (about 25 s) under the lock {locks[0]}: if no "
+                "run is building it now, delete that file, or give this run a folder of its own "
+                "(TORCH_EXTENSIONS_DIR=DIR)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    timer = threading.Timer(seconds, warn)
+    timer.daemon = True  # never what keeps a failed run alive
+    if device.type == "cpu":
+        timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
 def setup(args):
     """Join the process group. torchrun (or common.launch) put RANK, WORLD_SIZE, MASTER_ADDR and
     MASTER_PORT in the environment; LOCAL_RANK picks this process's GPU."""
     backend, device = common.pick_backend(args.backend)  # NCCL and a GPU per rank, else Gloo
+    import_deepspeed(device.type)  # again in a process that --nproc spawned: it ran no main()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     rank, world = common.init_process_group(backend, device, args.timeout)
@@ -227,9 +330,7 @@ def train(model, optimizer, scheduler, loader, sampler, args, device, step=0):
         for i, (x, y) in enumerate(bar):
             x = x.to(device, non_blocking=True)
             y = y.to(device, non_blocking=True)
-            loss = F.cross_entropy(model(x), y)
-            model.backward(loss)  # the engine: backward, and the gradients averaged and sharded
-            model.step()  # clips, steps the optimizer and the schedule, zeroes the gradients
+            loss = forward_backward(model, x, y, args.grad_accum)  # and the engine's step
             step += 1
             loss_sum += loss.detach()
             losses_summed += 1
@@ -286,7 +387,9 @@ def run(args):
             len(loader) > 0,
             f"{len(train_set)} training samples make no full batch of {args.batch_size}",
         )
-        model = common.build_model(args)  # the same seeded weights on every rank
+        # the same seeded weights on every rank; --grad-accum: the MoE balance loss (--experts)
+        # is divided as the engine divides each micro-batch's loss
+        model = common.build_model(args, forwards_per_step=args.grad_accum)
         if args.load:
             model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
         psi = sum(p.numel() for p in model.parameters())
@@ -296,7 +399,9 @@ def run(args):
             optimizer = cpu_adam(model, args)
         scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
         config = ds_config_from(args, dp_world)
-        model, optimizer, scheduler = parallelize(model, optimizer, scheduler, config)
+        give_deepspeed_the_device(device)
+        with saying_what_deepspeed_waits_for(device):
+            model, optimizer, scheduler = parallelize(model, optimizer, scheduler, config)
         common.log(
             f"{SCRIPT}: world {world}, Ψ = {psi:,} parameters, {source} data "
             f"({len(train_set)} train / {len(test_set)} test), "
@@ -343,7 +448,8 @@ def main():
         "--offload",
         choices=["none", "cpu", "disk"],
         default="none",
-        help="cpu: offload_optimizer (and at stage 3 offload_param) to the CPU, disk: to NVMe",
+        help="cpu: offload_optimizer (and at stage 3 offload_param) to the CPU; disk: both to "
+        "NVMe files in --offload-dir, at --stage 3 only (DeepSpeed's NVMe offload)",
     )
     parser.add_argument(
         "--offload-dir", default=None, help="--offload disk: the nvme_path DeepSpeed writes to"
@@ -354,9 +460,16 @@ def main():
         help="with --offload cpu and --optim adamw: DeepSpeed's C++ CPU Adam for torch's AdamW",
     )
     parser.add_argument(
+        "--grad-accum",
+        type=int,
+        default=1,
+        help="micro-batches per step: the ds_config's gradient_accumulation_steps",
+    )
+    parser.add_argument(
         "--ds-config", default=None, help="a ds_config.json of your own, checked against the flags"
     )
     args = common.parse_args(parser)
+    import_deepspeed("cuda" if common.uses_gpus(args.backend) else "cpu")
     check_args(args, common.world_size(args))
     common.launch(run, args)
 

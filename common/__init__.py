@@ -39,6 +39,7 @@ from common.launch import (  # noqa: F401
     launch,
     parse_args,
     pick_backend,
+    uses_gpus,
     world_size,
 )
 from common.mesh_traffic import traffic_per_mesh_dimension  # noqa: F401

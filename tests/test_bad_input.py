@@ -106,6 +106,19 @@ CASES = [
         "--offload disk needs --offload-dir DIR, an existing writable directory (got {d}/junk.pt)",
     ),
     (
+        "deepspeed_zero.py",
+        ["--stage", "2", "--offload", "disk", "--offload-dir", "{d}"],
+        None,
+        "--offload disk swaps to NVMe at --stage 3 only: at stage 2 DeepSpeed would keep the "
+        "optimizer state in CPU memory instead; give --stage 3, or --offload cpu",
+    ),
+    (
+        "deepspeed_zero.py",
+        ["--grad-accum", "5"],
+        as_rank0_of(2),
+        "--grad-accum 5 must be >= 1 and divide the 64 samples each rank gets per step",
+    ),
+    (
         "fsdp_resume.py",
         ["--dcp", "{d}/notdcp"],
         None,

@@ -7,10 +7,26 @@ tests skip, saying so, except where REQUIRE_DEEPSPEED is set (CI), where they mu
 import importlib.util
 import json
 import os
+import subprocess
+import sys
+import threading
 
 import pytest
+import torch
 
-from helpers import SMALL, ddp_reference, fork_launch, launch_cases, max_diff, python, tiered
+from helpers import (
+    ROOT,
+    SMALL,
+    ddp_reference,
+    fork_launch,
+    kill_group,
+    launch_cases,
+    launch_env,
+    max_diff,
+    python,
+    run,
+    tiered,
+)
 
 HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 needs_deepspeed = pytest.mark.skipif(
@@ -116,10 +132,12 @@ def test_clip_load_offload_and_config(refs, tmp_path, tmp_path_factory):
     engine's gradient_clipping took the global norm over the shards); --load of a ddp.py save at
     stage 3 with lr 0 saves it back bit for bit; --offload cpu at stage 3 (offload_optimizer and
     offload_param, with the torch optimizer) ends where ddp.py ends; a --ds-config of the user's
-    that agrees with the flags trains as the flags would."""
+    that agrees with the flags trains as the flags would; --grad-accum 2 (two micro-batches of 6
+    a rank, the loss divided once, by the engine) ends where ddp.py's batches of 24 end."""
     config = tmp_path / "ds_config.json"
     config.write_text(json.dumps({"train_batch_size": 24, "zero_optimization": {"stage": 2}}))
-    saved = {name: tmp_path / f"{name}.pt" for name in ("clip", "load", "offload", "config")}
+    names = ("clip", "load", "offload", "config", "accum")
+    saved = {name: tmp_path / f"{name}.pt" for name in names}
     sgd = [*CFG, "--optim", "sgd"]
     argv = [
         ["deepspeed_zero", [*sgd, "--stage", 3, "--clip", CLIP, "--save", saved["clip"]]],
@@ -130,6 +148,7 @@ def test_clip_load_offload_and_config(refs, tmp_path, tmp_path_factory):
         ],
         ["deepspeed_zero", [*sgd, "--stage", 3, "--offload", "cpu", "--save", saved["offload"]]],
         ["deepspeed_zero", [*sgd, "--stage", 2, "--ds-config", config, "--save", saved["config"]]],
+        ["deepspeed_zero", [*sgd, "--stage", 2, "--grad-accum", 2, "--save", saved["accum"]]],
     ]
     launch_each(2, argv)
     clipped = ddp_reference(tmp_path_factory, [*CFG, "--clip", CLIP], "sgd")
@@ -138,6 +157,7 @@ def test_clip_load_offload_and_config(refs, tmp_path, tmp_path_factory):
     assert max_diff(saved["load"], refs["adamw"]) == 0
     assert max_diff(saved["offload"], refs["sgd"]) <= TOL["sgd"]
     assert max_diff(saved["config"], refs["sgd"]) <= TOL["sgd"]
+    assert max_diff(saved["accum"], refs["sgd"]) <= TOL["sgd"]
 
 
 @needs_deepspeed
@@ -206,3 +226,79 @@ def test_cpu_adam_without_cpu_offload_is_one_error():
         "--cpu-adam is DeepSpeed's CPU AdamW for --offload cpu: give --offload cpu --optim adamw"
     )
     assert r.stderr.count(message) == 1, r.output
+
+
+@needs_deepspeed
+def test_gloo_on_a_gpu_host_gives_deepspeed_the_cpu():
+    """--backend gloo where GPUs are visible (here made to look so) trains on the CPU, and
+    DeepSpeed, which picks its accelerator as it loads, is given the CPU's: it used to get CUDA's
+    because GPUs were visible, and failed on the device."""
+    script = ROOT / "deepspeed_zero.py"
+    gpu_host = (
+        "import runpy, sys, torch\n"
+        "torch.cuda.is_available = lambda: True\n"
+        "torch.cuda.device_count = lambda: 1\n"
+        "torch.accelerator.current_accelerator = lambda check_available=False: None\n"
+        f"sys.argv = [{str(script)!r}, *sys.argv[1:]]\n"
+        f"runpy.run_path({str(script)!r}, run_name='__main__')\n"
+    )
+    flags = [*SMALL, "--max-steps", "2", "--backend", "gloo"]
+    r = run([sys.executable, "-c", gpu_host, *flags], timeout=300)
+    assert r.returncode == 0, r.output
+    assert (r.result["backend"], r.result["device"], r.result["steps"]) == ("gloo", "cpu", 2)
+
+
+def test_deepspeed_is_told_the_gpu_of_a_process_shown_one(monkeypatch):
+    """srun --gpus-per-task=1: local rank 3 sees one GPU, cuda:0, which pick_backend gives it.
+    DeepSpeed takes LOCAL_RANK for its GPU's index (set_device, stage 3's parameters): it is told
+    0 before deepspeed.initialize, not left to ask for cuda:3 ("invalid device ordinal")."""
+    import deepspeed_zero
+
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    deepspeed_zero.give_deepspeed_the_device(torch.device("cpu"))
+    assert os.environ["LOCAL_RANK"] == "3"  # a CPU run has no GPU index to give
+    deepspeed_zero.give_deepspeed_the_device(torch.device("cuda", 0))
+    assert os.environ["LOCAL_RANK"] == "0"
+
+
+def stderr_until(process, text, timeout):
+    """The process's stderr up to the first line holding `text`, or what came in `timeout` s."""
+    lines = []
+    seen = threading.Event()
+
+    def read():
+        for line in process.stderr:
+            lines.append(line)
+            if text in line:
+                seen.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    seen.wait(timeout)
+    return "".join(lines)
+
+
+@needs_deepspeed
+@pytest.mark.full  # waits the script's 15 s before it speaks
+def test_a_build_lock_held_elsewhere_is_named_not_slept_on(tmp_path):
+    """A CPU run's first deepspeed.initialize builds DeepSpeed's shared-memory op under a lock;
+    while another process holds it (here the test; or a killed build's lock file, with an older
+    torch), every rank waited without a word. Rank 0 names the lock it waits for, once."""
+    import filelock  # the lock torch's build takes (an older torch waits on the file alone)
+
+    folder = tmp_path / "deepspeed_shm_comm"
+    folder.mkdir()
+    with filelock.FileLock(folder / "lock"):
+        process = subprocess.Popen(
+            [sys.executable, ROOT / "deepspeed_zero.py", *SMALL],
+            env={**launch_env(), "TORCH_EXTENSIONS_DIR": str(tmp_path)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            err = stderr_until(process, "warning: DeepSpeed has waited", timeout=120)
+        finally:
+            kill_group(process)
+    assert err.count("for its shared-memory op") == 1, err
+    assert f"under the lock {folder / 'lock'}: if no run is building it now" in err, err
