@@ -81,7 +81,7 @@ def test_check_cuda_hybrid_parallel_commands_run_on_the_cpu(tmp_path):
 @pytest.mark.full
 @needs_deepspeed
 def test_check_cuda_deepspeed_commands_run_on_the_cpu(tmp_path):
-    """A launch each (minutes on two cores); tests/test_deepspeed_zero.py proves the stages."""
+    """A launch each, for DeepSpeed's globals; tests/test_deepspeed_zero.py proves the stages."""
     run_check_cuda_commands({"deepspeed_zero.py"}, tmp_path)
 
 
