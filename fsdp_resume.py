@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
+    FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
@@ -111,25 +112,35 @@ def parallelize(
 def full_state_dict(model):
     """The model's own state_dict() on rank 0's CPU, whole: its keys, its persistent buffers, and
     whatever its state_dict hooks make of them (Llama's fused wqkv saved as wq, wk, wv); an empty
-    dict on the other ranks, which must call it too. Each sharded tensor (a DTensor, the hooks
-    having worked on it as on a tensor) is all-gathered one at a time, so no rank ever holds a
-    second whole copy of the model on its device; a tied weight is gathered once. (torch's
+    dict on the other ranks, which must call it too. Each sharded parameter is all-gathered in
+    turn (a tied one once) and goes to rank 0's CPU, so no rank holds a second whole copy of the
+    model on its device; rank 0 then takes the model's state_dict() with the whole parameters in
+    place of the shards, so that the hooks see whole tensors, as in one process. (torch's
     get_model_state_dict maps each key back to a parameter by name, and raises on a key a hook
-    made.)"""
-    # a tied weight is one Parameter under two names: gathered once (the same on every rank, so
-    # that the gathers pair up), saved as one tensor under both, as torch.save saves the model's
-    parameters = dict(model.named_parameters(remove_duplicate=False))
-    state = {}
-    gathered = {}  # the Parameter (or a key a hook made) -> the whole tensor
-    for key, tensor in model.state_dict().items():
-        if isinstance(tensor, DTensor):
-            identity = id(parameters[key]) if key in parameters else key
-            if identity not in gathered:
-                gathered[identity] = gather_whole(tensor)
-            tensor = gathered[identity]
-        if dist.get_rank() == 0:
-            state[key] = tensor.cpu()
-    return state
+    made; a hook run on the shards cannot cut a dimension W does not divide.)"""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()  # the shards in the modules, as state_dict()'s own pre-hook wants
+    rank = dist.get_rank()
+    wholes = {}  # id of a sharded Parameter -> it whole, on rank 0's CPU
+    in_place = []  # (module, name, the sharded Parameter): a tied one under each of its modules
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if not isinstance(param, DTensor):
+                continue
+            if id(param) not in wholes:
+                whole = gather_whole(param.detach())  # every rank, in the same order
+                wholes[id(param)] = torch.nn.Parameter(whole.cpu(), requires_grad=False)
+            in_place.append((module, name, param))
+    if rank != 0:
+        return {}
+    try:
+        for module, name, param in in_place:
+            setattr(module, name, wholes[id(param)])
+        return {key: tensor.cpu() for key, tensor in model.state_dict().items()}
+    finally:
+        for module, name, param in in_place:
+            setattr(module, name, param)
 
 
 def gather_whole(tensor):
@@ -166,13 +177,15 @@ def model_tensors(model):
     """The model's parameters and persistent buffers by name: the tensors themselves (this rank's
     shards), which DCP writes and, in place, reads back. Not the model's state_dict(): its hooks
     may save a parameter under other keys (Llama's fused wqkv as wq, wk, wv), which torch's
-    get_model_state_dict cannot map back to the parameter, and into which a load would not
-    reach."""
-    saved_keys = model.state_dict().keys()  # the persistent buffers are those it saves
+    get_model_state_dict cannot map back to the parameter and a load would not reach, and they
+    would run on the shards."""
     tensors = dict(model.named_parameters())
-    for name, buffer in model.named_buffers():
-        if name in saved_keys:
-            tensors[name] = buffer
+    for module_name, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            # torch keeps which buffers are not saved in this private set only; the public way,
+            # state_dict(), would run the model's hooks on the shards
+            if name not in module._non_persistent_buffers_set:
+                tensors[f"{module_name}.{name}" if module_name else name] = buffer
     return tensors
 
 
