@@ -203,3 +203,28 @@ def test_pipeline_called_each_block_with_the_models_arguments(copies, module):
             (call,) = calls.values()
             assert call["keywords"] == ["attention_mask", "position_ids"]
             assert call["arguments"] == [[8, 1, 16, 16], [1, 16]] and call["causal"] is True
+
+
+# the copy-test model itself
+
+
+@pytest.mark.skipif(
+    not hasattr(torch.nn.functional, "grouped_mm"),
+    reason="this torch has no public grouped_mm: GroupedExperts runs its loop only",
+)
+def test_grouped_experts_grouped_mm_equals_the_loop():
+    """GroupedExperts' two paths (one grouped GEMM over the stacked [E, ...] weights, which it takes
+    in bf16 on a GPU; a matmul per expert, which it takes here) give the same outputs and
+    gradients, an expert with no token included."""
+    experts = llama_model.model(llama_model.MOE_ARGS).layers["0"].moe.experts
+    x = torch.randn(20, llama_model.MOE_ARGS.dim, generator=torch.Generator().manual_seed(0))
+    x.requires_grad_(True)
+    counts = torch.tensor([5, 0, 9, 6])
+    inputs = [x, experts.w1, experts.w2, experts.w3]
+    loop = experts.run_for_loop(x, counts)
+    grouped = experts.run_grouped_mm(x, counts)
+    assert torch.allclose(grouped, loop, atol=1e-6)
+    loop_grads = torch.autograd.grad(loop.square().sum(), inputs)
+    grouped_grads = torch.autograd.grad(grouped.square().sum(), inputs)
+    for grouped_grad, loop_grad in zip(grouped_grads, loop_grads, strict=True):
+        assert torch.allclose(grouped_grad, loop_grad, atol=1e-6)
