@@ -15,8 +15,10 @@ modules the selected tests need (tests/copy_cases.py --llama).
 """
 
 import importlib
+import importlib.util
 import json
 import math
+import os
 
 import hf_gpt2_model
 import llama_model
@@ -36,9 +38,19 @@ MODULES = [
     "context_parallel",
     "pipeline",
     "hybrid",
+    "deepspeed",  # last: DeepSpeed's import sets globals of its own in the launch's processes
 ]
+# DeepSpeed is optional (requirements-deepspeed.txt): its cases skip, saying so, where it is not
+# installed, except where REQUIRE_DEEPSPEED is set (CI), where they must run.
+SKIP_DEEPSPEED = importlib.util.find_spec("deepspeed") is None and not os.environ.get(
+    "REQUIRE_DEEPSPEED"
+)
+needs_deepspeed = pytest.mark.skipif(
+    SKIP_DEEPSPEED, reason="DeepSpeed is not installed: pip install -r requirements-deepspeed.txt"
+)
+MARKS = {"deepspeed": needs_deepspeed}
 CASES = [
-    (module, case)
+    pytest.param(module, case, id=f"{module}-{case}", marks=MARKS.get(module, ()))
     for module in MODULES
     for case in importlib.import_module(f"copy_{module}").LLAMA_CASES
 ]
@@ -67,9 +79,13 @@ def needed(request):
             continue
         callspec = getattr(item, "callspec", None)
         module = callspec.params.get("module") if callspec else None
+        if module == "deepspeed" and SKIP_DEEPSPEED:
+            continue  # its tests skip
         if module in MODULES and module not in modules:
             modules.append(module)
-    return modules or MODULES
+    if modules:
+        return modules
+    return [module for module in MODULES if not (module == "deepspeed" and SKIP_DEEPSPEED)]
 
 
 @pytest.fixture(scope="module")
@@ -203,6 +219,26 @@ def test_pipeline_called_each_block_with_the_models_arguments(copies, module):
             (call,) = calls.values()
             assert call["keywords"] == ["attention_mask", "position_ids"]
             assert call["arguments"] == [[8, 1, 16, 16], [1, 16]] and call["causal"] is True
+
+
+# deepspeed
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("module", ["deepspeed"])
+def test_deepspeed_stage_3_partitioned_every_parameter(copies, module):
+    """Stage 3 keeps no parameter whole on a rank outside a forward or backward (their data are
+    empty; each rank's partition is in ds_tensor), so the equal parameters above came through
+    DeepSpeed's gathers; stages 1 and 2 keep them whole on every rank."""
+    _, results = copies
+    for family in FAMILIES:
+        # the model's parameters, a tied one once
+        numel = sum(param.numel() for param in fresh_model(f"{family}-sgd").parameters())
+        for stage in (1, 2, 3):
+            for optim in ("sgd", "adamw"):
+                proof = results[f"{family}-deepspeed{stage}-{optim}"]
+                assert proof["numel"] == numel
+                assert proof["held"] == (0 if stage == 3 else numel), (stage, proof["held"])
 
 
 # the copy-test model itself

@@ -223,6 +223,10 @@ MUTANTS = {
         "CP builds its positions, causal mask and Ulysses' order at every call",
         "test_context_parallel.py::test_index_tensors_made_once",
     ),
+    "deepspeed-loss-divided-twice": (
+        "DeepSpeed: the loss divided by the accumulation steps before engine.backward divides it",
+        "test_copy_llama.py::test_equals_one_process[deepspeed-llama-deepspeed2-sgd]",
+    ),
 }
 
 

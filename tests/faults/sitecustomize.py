@@ -757,5 +757,20 @@ if os.environ.get("MUTANT"):
             hybrid_parallel.expert_parallel.clip_grad_norm_ = clip_over_the_world
 
         _after_import["hybrid_parallel"] = _ep_clip_on_world
+    elif _mutant == "deepspeed-loss-divided-twice":  # the loss divided by gas before the engine's
+
+        def _divide_again(engine_module):
+            # a loop that divides its loss by the accumulation steps, as for plain torch, before
+            # engine.backward, which divides it by them again (or, told scale_wrt_gas=False, once
+            # where the loss was already over the step's global count of targets)
+            backward = engine_module.DeepSpeedEngine.backward
+
+            def backward_of_a_divided_loss(engine, loss, *args, **kwargs):
+                divided = loss / engine.gradient_accumulation_steps()
+                return backward(engine, divided, *args, **kwargs)
+
+            engine_module.DeepSpeedEngine.backward = backward_of_a_divided_loss
+
+        _after_import["deepspeed.runtime.engine"] = _divide_again
     else:
         raise SystemExit(f"tests/faults: unknown MUTANT={_mutant}")
