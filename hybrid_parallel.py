@@ -25,6 +25,7 @@ and several nodes: docs/hybrid_parallel.md
     python hybrid_parallel.py --nproc 4 --dp 2 --ep 2 --experts 4         # data x expert
 """
 
+import functools
 import math
 import os
 from collections.abc import Callable
@@ -48,201 +49,149 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 ### begin: Hybrid parallel
 # Model contract: the three sections' own, each on its mesh dimension's group: pipeline.py's (the
-# ViT's embed, blocks and head; a [B/m, L, D] activation crosses each stage boundary, [B/m, L/T,
-# D] under sequence parallelism), tensor_parallel.py's (its PLAN splits each block's linears) and
-# zero.py's (the stage's units in forward order: the embedding on the first stage, the stage's
-# blocks, the head on the last). `mesh` is a DeviceMesh over the whole world with the dimensions
-# MESH_DIMS: the loss's and the clip's all-reduces run over every rank. The loss is train_step's
-# loss_fn, cross-entropy by default. Build the optimizer over model.zero.param_groups after
-# parallelize, then call hook_optimizer. A language model's parts, fused q, k, v, optimizer groups
-# and a weight tied across the first and the last stage (GPT-2's) go in a Contract: `### more: a
-# language model`. The layouts data x context and data x expert take context_parallel.py's and
-# expert_parallel.py's contracts: their `### more:` parts, entered where a function checks
-# `model.layout`.
+# ViT's embed, blocks and head; a [B/m, L, D] activation crosses each stage boundary),
+# tensor_parallel.py's (its PLAN splits each block's linears) and zero.py's (the stage's units in
+# forward order: the embedding on the first stage, the stage's blocks, the head on the last).
+# `mesh` is a DeviceMesh over the whole world with the dimensions MESH_DIMS. The loss is
+# train_step's loss_fn, cross-entropy by default. Build the optimizer over model.zero.param_groups
+# after parallelize, then call hook_optimizer. The checkpoint, the clip, sequence parallelism, a
+# language model's Contract and the layouts data x context and data x expert: the `### more:`
+# parts after the core, each a subclass of Hybrid or a wrapper of a function of the core.
+
+# Why the product is one process's step: each section cuts what the others leave whole. The
+# pipeline gives each stage its own blocks; tensor parallelism splits a block's linears among tp
+# ranks that see the same micro-batch, its f and g making each layer's output and input gradient
+# whole; ZeRO shards what is left over dp ranks that see other samples, and averages. Each talks
+# only on its dimension's group, so ZeRO shards a stage's tp split as zero.py shards a whole model.
 
 # The mesh's dimensions, outermost to innermost. The tensor-parallel ranks exchange activations in
 # every block, so they are the innermost: the ranks of a node. ep and cp, used beside dp only,
 # sit between dp and tp: inside a node too, where their all-to-alls and ring are cheapest.
 MESH_DIMS = ("pp", "dp", "ep", "cp", "tp")
-# What parallelize built, kept at model.layout: this section's core, or one of the other layouts.
-THREE_D = "pp x dp x tp"
-CONTEXT = "dp x cp"
-EXPERTS = "dp x ep"
 
 
-def parallelize(
-    model,
-    mesh,
-    device,
-    zero_stage=1,
-    schedule="1f1b",
-    micro_batches=1,
-    sequence_parallel=False,
-    contract=None,
-):
-    """This rank's part of the model: its pipeline stage, each block split by TP, the stage's units
-    sharded by ZeRO (`zero_stage`) over the data-parallel ranks. Each section is told its group
+class Hybrid:
+    """The composition parallelize builds, kept at stage.hybrid: each step a method, so that a
+    `### more:` part extends a step with a subclass of its own. Each section is told its group
     and nothing of the others: pipeline.py sends to its pp peers, tensor_parallel.py's f and g
-    all-reduce over tp, zero.py reduce-scatters and all-gathers over dp. `schedule` and
+    all-reduce over tp, zero.py reduce-scatters and all-gathers over dp."""
+
+    plan = tensor_parallel.PLAN  # how tensor parallelism splits each block: the ViT's
+
+    def __init__(self, mesh, zero_stage=1, schedule="1f1b", micro_batches=1):
+        self.mesh = mesh
+        self.zero_stage = zero_stage
+        self.schedule = schedule
+        self.micro_batches = micro_batches  # the pipeline's, and ZeRO's gradient accumulation
+
+    def parallelize(self, model, device):
+        """This rank's part of the model: its pipeline stage, each block split by TP, the stage's
+        units sharded by ZeRO over the data-parallel ranks."""
+        # 1. The pipeline split over pp: this rank keeps its stage's blocks and nothing else.
+        stage = self.split_stages(model, device)
+        blocks = [stage.get_submodule(name) for name in stage.block_names]
+        # 2. Tensor parallelism over tp inside each of the stage's blocks (at tp 1: none).
+        if self.mesh["tp"].size() > 1:
+            self.split_blocks(stage, blocks)
+        # 3. ZeRO over dp, on what the tp split left.
+        self.shard(stage, self.units(stage, blocks), device)
+        stage.hybrid = self  # train_step reads it: the skeleton's train() passes only `model`
+        # Each test sample's logits are counted on one rank: the last stage's first tp rank. Its tp
+        # peers hold the same logits (the head is not split), and would count each sample T times.
+        stage.answers = stage.is_last and self.mesh["tp"].get_local_rank() == 0
+        return stage
+
+    def activation_shape(self, model):
+        """(L, D) of one sample's activation between stages: the ViT's."""
+        return tuple(model.embed.pos.shape[1:])
+
+    def split_stages(self, model, device):
+        """pipeline.py's split: this rank's stage, on its device."""
+        shape = self.activation_shape(model)
+        return pipeline.parallelize(model, device, shape, group=self.mesh["pp"].get_group())
+
+    def split_blocks(self, stage, blocks):
+        """tensor_parallel.py's split of each block, as the plan says: Megatron's f on the
+        column-parallel layers' input, g on the row-parallel ones' output; the block's own
+        attention runs on this rank's H/T heads."""
+        tp_group = self.mesh["tp"].get_group()
+        f, g = self.operators(tp_group)
+        for block in blocks:
+            tensor_parallel.split_block(block, self.plan, f, g, tp_group)
+
+    def operators(self, tp_group):
+        """Megatron's f and g on the tp group."""
+        return tensor_parallel.operators(group=tp_group)
+
+    def units(self, stage, blocks):
+        """ZeRO's units in forward order: each module the first stage runs before the blocks (the
+        embedding), each block, each module the last stage runs after them (the head), as the
+        pipeline's Stage names them."""
+        units = list(blocks)
+        if stage.is_first:
+            units = [stage.get_submodule(name) for name in stage.first_modules] + units
+        if stage.is_last:
+            units += [stage.get_submodule(name) for name in stage.last_modules]
+        return units
+
+    def shard(self, stage, units, device, **options):
+        """zero.py's sharding of the stage's units over the dp group (options: what zero.py's
+        parts take besides)."""
+        dp_group = self.mesh["dp"].get_group()
+        zero.parallelize(stage, device, self.zero_stage, units=units, group=dp_group, **options)
+
+    def train_step(self, stage, x, y, loss_fn):
+        """The pipeline's forward and backward of every micro-batch, then after_backward."""
+        loss = pipeline.train_step(stage, x, y, self.schedule, self.micro_batches, loss_fn)
+        self.after_backward(stage)
+        return loss
+
+    def after_backward(self, stage):
+        """The step's last reduce-scatter finished (zero.py's run while backward computes): each
+        unit's grad_shard is this rank's shard of its gradient averaged over dp."""
+        stage.zero.finish_reduce_scatter()
+
+
+# The class parallelize builds: each `### more:` part that extends a step rebinds it to its
+# subclass.
+Composition = Hybrid
+
+
+def parallelize(model, mesh, device, zero_stage=1, schedule="1f1b", micro_batches=1, **options):
+    """This rank's part of the model (Hybrid.parallelize), ZeRO at `zero_stage`. `schedule` and
     `micro_batches`: the pipeline's (the micro-batches are also ZeRO's gradient accumulation).
-    `contract`: what the sections need of a model other than the common ViT (a Contract; None:
-    the ViT's)."""
-    if mesh["cp"].size() > 1 or mesh["ep"].size() > 1:
-        return parallelize_other_layout(model, mesh, device, contract)  # their `### more:` parts
-    # The ViT's names and plan, or a language model's: `### more: a language model`.
-    contract = resolve_contract(contract, model, sequence_parallel)
-    pp_group = mesh["pp"].get_group()
-    tp_group = mesh["tp"].get_group()
-    dp_group = mesh["dp"].get_group()
-    sequence_parallel = sequence_parallel and mesh["tp"].size() > 1
-    # 1. The pipeline split: this rank keeps its stage's blocks and nothing else.
-    tokens, dim = contract.activation_shape
-    if sequence_parallel:
-        tokens //= mesh["tp"].size()  # each tp rank's share of the tokens crosses the boundary
-    stage = pipeline.parallelize(model, device, (tokens, dim), contract.parts, group=pp_group)
-    blocks = [stage.get_submodule(name) for name in stage.block_names]
-    # 2. Tensor parallelism inside each of the stage's blocks: the same plan as tensor_parallel.py.
-    if mesh["tp"].size() > 1:
-        split_blocks(stage, blocks, tp_group, sequence_parallel, contract)
-    # 3. ZeRO over the data-parallel ranks, on what the tp split left: each block is a unit, and so
-    # is each module the first stage runs before them (the embedding) and the last after them (the
-    # head), as the pipeline's Parts name them.
-    units = list(blocks)
-    if stage.is_first:
-        units = [stage.get_submodule(name) for name in stage.parts.first] + units
-    if stage.is_last:
-        units += [stage.get_submodule(name) for name in stage.parts.last]
-    # Read by name before ZeRO replaces the parameters, found again in its units after.
-    split_keys = keys_of(stage, tp_split_params(stage))
-    token_sharded_keys = set()
-    if sequence_parallel:
-        token_sharded_keys = keys_of(stage, tensor_parallel.token_sharded_params(blocks))
-    tied_keys = tied_weight_keys(stage)  # `### more: a language model`
-    # The optimizer's groups (None: one group), over the parameters the tp split left.
-    param_groups = contract.param_groups(stage) if contract.param_groups else None
-    zero.parallelize(stage, device, zero_stage, param_groups, units=units, group=dp_group)
-    for unit in stage.zero.units:
-        unit.token_sharded = shard_slices(unit, stage.zero.rank, token_sharded_keys)
-    mark_replicated(stage, split_keys)  # for clip_grad_norm_: its `### more:` part
-    mark_tied(stage, tied_keys)  # `### more: a language model`
-    # What train_step, infer and full_state_dict need besides the module, kept on the stage: the
-    # skeleton's train() and evaluate() pass them only `model`.
-    stage.layout = THREE_D
-    stage.mesh = mesh
-    stage.schedule_name = schedule
-    stage.micro_batches = micro_batches
-    stage.sequence_parallel = sequence_parallel
-    # Each test sample's logits are counted on one rank: the last stage's first tp rank. Its tp
-    # peers hold the same logits (the head is not split), and would count each sample T times.
-    stage.answers = stage.is_last and mesh["tp"].get_local_rank() == 0
-    return stage
+    `options`: what the parts' subclasses take besides (sequence_parallel, contract)."""
+    hybrid = Composition(mesh, zero_stage, schedule, micro_batches, **options)
+    return hybrid.parallelize(model, device)
 
 
-def split_blocks(stage, blocks, tp_group, sequence_parallel, contract):
-    """tensor_parallel.py's split of each block over tp_group, as the contract's plan says:
-    Megatron's f on the column-parallel layers' input, g on the row-parallel ones' output; the
-    model's own attention runs on this rank's H/T heads. Under sequence parallelism the first
-    stage's first block hands each tp rank its L/T tokens and the last stage's head gathers them
-    back; the stages between them receive and send token shards. Not
-    tensor_parallel.parallelize, which would hook the first block and model.head on every stage,
-    and sum the norms' partial gradients with hooks on parameters that ZeRO replaces
-    (sum_token_sharded does it on ZeRO's shards instead)."""
-    f, g = tensor_parallel.operators(sequence_parallel, tp_group)
-    for block in blocks:
-        tensor_parallel.split_block(block, contract.plan, f, g, tp_group)
-    if sequence_parallel:
-        tensor_parallel.gather_tokens_into(blocks, tp_group)
-        first_block = blocks[0] if stage.is_first else None
-        head = stage.head if stage.is_last else None
-        tensor_parallel.split_tokens(first_block, head, tp_group)
-
-
-def tp_split_params(stage):
-    """The parameters tensor parallelism split, each tp rank holding other rows or columns of
-    them: those the parallel linears name in their `shard_dims`."""
-    split = []
-    for module in stage.modules():
-        shard_dims = getattr(module, "shard_dims", {})
-        for name, param in module.named_parameters(recurse=False):
-            if name in shard_dims:
-                split.append(param)
-    return split
-
-
-def keys_of(stage, params):
-    """The state_dict keys of `params` in the stage."""
-    key_of = {param: key for key, param in stage.named_parameters()}
-    return {key_of[param] for param in params}
-
-
-def shard_slices(unit, rank, keys):
-    """The slices of this rank's ZeRO shard of `unit` that hold the parameters named by `keys`."""
-    shard_start = rank * unit.shard_numel
-    shard_end = shard_start + unit.shard_numel
-    slices = []
-    for key, tensor, offset in unit.params:
-        low = max(offset, shard_start)
-        high = min(offset + tensor.numel(), shard_end)
-        if key in keys and low < high:
-            slices.append(slice(low - shard_start, high - shard_start))
-    return slices
-
-
-def hook_optimizer(model, optimizer):
+def hook_optimizer(stage, optimizer):
     """zero.py's work around optimizer.step(): the gradient shards handed to the optimizer before
-    it, the updated shards all-gathered after it (stages 1-2). The other layouts' own."""
-    if model.layout != THREE_D:
-        return hook_other_layout_optimizer(model, optimizer)
-    zero.hook_optimizer(model, optimizer)
+    it, the updated shards all-gathered after it (stages 1-2)."""
+    zero.hook_optimizer(stage, optimizer)
 
 
 def train_step(stage, x, y, loss_fn=F.cross_entropy):
     """Forward, loss_fn and backward of this data-parallel rank's batch through the pipeline (its
     micro-batches are ZeRO's gradient accumulation), then the gradients made whole on ZeRO's
-    shards: the last reduce-scatter finished, so that each unit's `grad_shard` is this rank's shard
-    of its averaged gradient, and under sequence parallelism the tp ranks' partial gradients summed.
-    Call it once per optimizer step: those sums, and a tied weight's, are not to be repeated. The
-    optimizer's pre-hook (zero.py's before_step) hands the shards to its pieces. Returns the
-    batch's mean loss on the last stage, and 0 on the stages before it."""
-    if stage.layout != THREE_D:
-        return other_layout_step(stage, x, y, loss_fn)
-    loss = pipeline.train_step(stage, x, y, stage.schedule_name, stage.micro_batches, loss_fn)
-    stage.zero.finish_reduce_scatter()
-    if stage.sequence_parallel:
-        sum_token_sharded(stage)
-    sum_tied_copies(stage)  # `### more: a language model`
-    return loss
-
-
-def sum_token_sharded(stage):
-    """Sequence parallelism's partial gradients, summed over tp on ZeRO's shards. The blocks'
-    norms and row-parallel biases saw only this tp rank's tokens; tensor_parallel.py sums their
-    gradients in backward with hooks on the parameters, which ZeRO replaced. Summing afterwards,
-    on the reduce-scattered shards, gives the same: both sums are linear, and every tp rank's
-    shard holds the same parameters at the same offsets (its units have the same shapes)."""
-    partials = []
-    for unit in stage.zero.units:
-        partials += [unit.grad_shard[part] for part in unit.token_sharded]
-    if not partials:
-        return
-    flat = torch.cat(partials)  # one all-reduce, not one per parameter, as Megatron does
-    dist.all_reduce(flat, group=stage.mesh["tp"].get_group())
-    sums = flat.split([partial.numel() for partial in partials])
-    for partial, summed in zip(partials, sums, strict=True):
-        partial.copy_(summed)
+    shards: each unit's `grad_shard` is this rank's shard of its averaged gradient. Call it once
+    per optimizer step: what after_backward sums is not to be summed twice. The optimizer's
+    pre-hook (zero.py's before_step) hands the shards to its pieces. Returns the batch's mean loss
+    on the last stage, and 0 on the stages before it."""
+    return stage.hybrid.train_step(stage, x, y, loss_fn)
 
 
 @torch.no_grad()
 def infer(stage, x):
     """The batch through the stages in turn (pipeline.py's infer on the pp group). Returns the
     logits where stage.answers, None elsewhere."""
-    if stage.layout != THREE_D:
-        logits = stage(x)
-    else:
-        logits = pipeline.infer(stage, x)
+    logits = pipeline.infer(stage, x)
     if stage.answers:
         return logits
     return None
+
+
+### more: the checkpoint: ZeRO's shards gathered, the tp splits joined, the stages merged
 
 
 def full_state_dict(stage, mesh):
@@ -252,9 +201,7 @@ def full_state_dict(stage, mesh):
     rank's split of the stage; the tp ranks' splits are joined on the tp group's first rank, which
     takes the stage's state_dict() with the whole parameters and head counts in place; the stages
     are gathered on rank 0 over the pp group of the ranks at dp 0 and tp 0."""
-    if stage.layout != THREE_D:
-        return other_layout_state_dict(stage)
-    split_state = zero.gather_parameters(stage.zero)  # {} off the dp group's first rank
+    split_state = stage.zero.gather_parameters()  # {} off the dp group's first rank
     if mesh["dp"].get_local_rank() != 0:
         return None
     whole_parameters = join_tp_splits(stage, split_state, mesh["tp"].get_group())
@@ -287,8 +234,7 @@ def join_tp_splits(stage, split_state, tp_group):
     state = {}
     for key in sorted(split_state):
         tensor = split_state[key]
-        module_name, _, name = key.rpartition(".")
-        module = stage.get_submodule(module_name)
+        module, name = owner_of(stage, key)
         shard_dims = getattr(module, "shard_dims", {})  # only the parallel linears have them
         if name not in shard_dims:
             state[key] = tensor  # every tp rank holds it whole
@@ -305,15 +251,13 @@ def join_tp_splits(stage, split_state, tp_group):
     return state
 
 
+def owner_of(stage, key):
+    """The module holding the parameter with the state_dict key `key`, and its name there."""
+    module_name, _, name = key.rpartition(".")
+    return stage.get_submodule(module_name), name
+
+
 ### more: gradient clipping over every dimension, each parameter counted once
-
-
-def mark_replicated(stage, split_keys):
-    """On each ZeRO unit, `replicated`: the slices of this rank's shard whose parameters every tp
-    rank holds whole (the norms, the embedding, the head, the row-parallel biases)."""
-    for unit in stage.zero.units:
-        whole_keys = {key for key, _, _ in unit.params} - split_keys
-        unit.replicated = shard_slices(unit, stage.zero.rank, whole_keys)
 
 
 @torch.no_grad()
@@ -325,9 +269,9 @@ def clip_grad_norm_(stage, max_norm):
     last stage counts on the first only (after train_step both copies hold its whole gradient).
     Every rank scales its shards, both copies too, by the same factor. Call it after train_step,
     before the step; returns the total norm, as torch's does."""
-    if stage.layout != THREE_D:
-        return other_layout_clip(stage, max_norm)
-    tp_size = stage.mesh["tp"].size()
+    tp_size = stage.hybrid.mesh["tp"].size()
+    split_keys = tp_split_keys(stage)
+    tied_units = getattr(stage, "tied_units", [])  # a language model's: its `### more:` part
     shards = []
     squares = torch.zeros((), device=stage.zero.device)
     for unit in stage.zero.units:
@@ -335,9 +279,11 @@ def clip_grad_norm_(stage, max_norm):
         if grad is None:
             continue  # a unit with no parameter of its own (nanoGPT's drop, or a tied lm_head)
         shards.append(grad)
-        if unit in stage.tied_units and not stage.is_first:
+        if unit in tied_units and not stage.is_first:
             continue  # the last stage's copy of a tied weight: the first stage's counts
-        replicated = sum(grad[part].square().sum() for part in unit.replicated)
+        whole_keys = {key for key, _, _ in unit.params} - split_keys
+        whole_parts = shard_slices(unit, stage.zero.rank, whole_keys)
+        replicated = sum(grad[part].square().sum() for part in whole_parts)
         split = grad.square().sum() - replicated
         squares += split + replicated / tp_size
     dist.all_reduce(squares)  # the world: every dimension at once
@@ -348,8 +294,111 @@ def clip_grad_norm_(stage, max_norm):
     return total_norm
 
 
+def tp_split_keys(stage):
+    """The keys of the parameters tensor parallelism split, each tp rank holding other rows or
+    columns of them: those the parallel linears name in their `shard_dims`."""
+    keys = set()
+    for unit in stage.zero.units:
+        for key, _, _ in unit.params:
+            module, name = owner_of(stage, key)
+            if name in getattr(module, "shard_dims", {}):
+                keys.add(key)
+    return keys
+
+
+def shard_slices(unit, rank, keys):
+    """The slices of this rank's ZeRO shard of `unit` that hold the parameters named by `keys`."""
+    shard_start = rank * unit.shard_numel
+    shard_end = shard_start + unit.shard_numel
+    slices = []
+    for key, tensor, offset in unit.params:
+        low = max(offset, shard_start)
+        high = min(offset + tensor.numel(), shard_end)
+        if key in keys and low < high:
+            slices.append(slice(low - shard_start, high - shard_start))
+    return slices
+
+
+### more: sequence parallelism (Korthikanti et al. 2022), its partial gradients on ZeRO's shards
+# tensor_parallel.py's part, in each stage: the first stage's first block hands each tp rank its
+# L/T tokens, the last stage's head gathers them back, and the stages between them receive and
+# send token shards, [B/m, L/T, D]. The blocks' norms and row-parallel biases then see only this
+# tp rank's tokens: tensor_parallel.py sums their gradients with hooks on the parameters, which
+# ZeRO replaces; here they are summed after the step's last reduce-scatter, on ZeRO's shards,
+# which gives the same: both sums are linear, and every tp rank's shard holds the same parameters
+# at the same offsets (its units have the same shapes).
+
+
+class SequenceParallel(Composition):
+    """parallelize(..., sequence_parallel=True): with tp > 1, the blocks on L/T tokens."""
+
+    def __init__(self, mesh, *args, sequence_parallel=False, **options):
+        super().__init__(mesh, *args, **options)
+        self.sequence_parallel = sequence_parallel and mesh["tp"].size() > 1
+
+    def activation_shape(self, model):
+        tokens, dim = super().activation_shape(model)
+        if self.sequence_parallel:
+            tokens //= self.mesh["tp"].size()  # each tp rank's share of the tokens crosses
+        return tokens, dim
+
+    def operators(self, tp_group):
+        if self.sequence_parallel:
+            return tensor_parallel.sequence_operators(tp_group)
+        return super().operators(tp_group)
+
+    def split_blocks(self, stage, blocks):
+        super().split_blocks(stage, blocks)
+        if self.sequence_parallel:
+            tp_group = self.mesh["tp"].get_group()
+            tensor_parallel.gather_tokens_into(blocks, tp_group)
+            first_block = blocks[0] if stage.is_first else None
+            head = stage.head if stage.is_last else None
+            tensor_parallel.split_tokens(first_block, head, tp_group)
+
+    def shard(self, stage, units, device, **options):
+        """ZeRO's, and on each unit `token_sharded`: the slices of this rank's shard whose
+        parameters saw only this tp rank's tokens, read by name before ZeRO replaces them."""
+        token_sharded_keys = set()
+        if self.sequence_parallel:
+            blocks = [stage.get_submodule(name) for name in stage.block_names]
+            token_sharded_keys = keys_of(stage, tensor_parallel.token_sharded_params(blocks))
+        super().shard(stage, units, device, **options)
+        for unit in stage.zero.units:
+            unit.token_sharded = shard_slices(unit, stage.zero.rank, token_sharded_keys)
+
+    def after_backward(self, stage):
+        super().after_backward(stage)
+        if self.sequence_parallel:
+            sum_token_sharded(stage)
+
+
+Composition = SequenceParallel
+
+
+def keys_of(stage, params):
+    """The state_dict keys of `params` in the stage."""
+    key_of = {param: key for key, param in stage.named_parameters()}
+    return {key_of[param] for param in params}
+
+
+def sum_token_sharded(stage):
+    """The tp ranks' partial gradients, summed over tp on ZeRO's shards: one all-reduce, not one
+    per parameter, as Megatron does."""
+    partials = []
+    for unit in stage.zero.units:
+        partials += [unit.grad_shard[part] for part in unit.token_sharded]
+    if not partials:
+        return
+    flat = torch.cat(partials)
+    dist.all_reduce(flat, group=stage.hybrid.mesh["tp"].get_group())
+    sums = flat.split([partial.numel() for partial in partials])
+    for partial, summed in zip(partials, sums, strict=True):
+        partial.copy_(summed)
+
+
 ### more: a language model (parts, plan, a tied weight across the first and last stage)
-# What the cores read off the ViT, another model names in a Contract: pipeline.py's Parts and the
+# What the core reads off the ViT, another model names in a Contract: pipeline.py's Parts and the
 # (L, D) crossing a stage boundary; tensor_parallel.py's plan (its layers, a fused q, k, v as
 # GPT-2's c_attn, the head counts it divides); the optimizer's groups, built on the stage the tp
 # split left, where zero.py cuts each unit's shard into pieces. GPT-2's tied embedding
@@ -366,10 +415,9 @@ class Contract(NamedTuple):
     """What the sections need of a model, by name; the defaults are the common ViT's. parts: a
     pipeline.Parts (None: the ViT's embed, blocks, head). activation_shape: (L, D) of a sample's
     activation between stages (None: model.embed.pos's, the ViT's). plan: tensor_parallel.py's
-    (None: its PLAN, the ViT's). param_groups: a function of
-    the stage returning the optimizer's groups over its parameters as the tp split left them,
-    each copy of a tied weight in a group with the same hyperparameters on both ends (None: one
-    group)."""
+    (None: its PLAN, the ViT's). param_groups: a function of the stage returning the optimizer's
+    groups over its parameters as the tp split left them, each copy of a tied weight in a group
+    with the same hyperparameters on both ends (None: one group)."""
 
     parts: pipeline.Parts | None = None
     activation_shape: tuple | None = None
@@ -377,15 +425,51 @@ class Contract(NamedTuple):
     param_groups: Callable | None = None
 
 
-def resolve_contract(contract, model, sequence_parallel):
-    """The ViT's Contract when none is given, with its activation shape read off the model. A
-    model of another layout names that shape itself, and runs without sequence parallelism: the
-    token split hooks the ViT's embed (its output is the first block's input) and head, which a
-    Parts does not name (CausalLM and nanoGPT add wte's and wpe's outputs inline)."""
-    if contract is None:
-        contract = Contract()
+class LanguageModel(Composition):
+    """parallelize(..., contract=Contract(...)): a model other than the common ViT, and a weight
+    tied across the first and the last stage."""
+
+    def __init__(self, mesh, *args, contract=None, **options):
+        super().__init__(mesh, *args, **options)
+        self.contract = contract or Contract()
+        check_contract(self.contract, getattr(self, "sequence_parallel", False))
+        self.plan = self.contract.plan
+
+    def activation_shape(self, model):
+        if self.contract.parts is None:  # the ViT's
+            return super().activation_shape(model)
+        return self.contract.activation_shape
+
+    def split_stages(self, model, device):
+        shape = self.activation_shape(model)
+        pp_group = self.mesh["pp"].get_group()
+        parts = self.contract.parts
+        return pipeline.parallelize(model, device, shape, group=pp_group, parts=parts)
+
+    def shard(self, stage, units, device, **options):
+        """ZeRO's, the shards cut where the optimizer's groups meet, each tied copy a unit of its
+        own."""
+        if self.contract.param_groups is not None:
+            options["param_groups"] = self.contract.param_groups(stage)
+        tied_keys = tied_weight_keys(stage)  # by name, before ZeRO replaces the copies
+        super().shard(stage, units, device, **options)
+        mark_tied(stage, tied_keys)
+
+    def after_backward(self, stage):
+        super().after_backward(stage)
+        sum_tied_copies(stage)
+
+
+Composition = LanguageModel
+
+
+def check_contract(contract, sequence_parallel):
+    """A model of another layout names the shape crossing a stage boundary itself, and runs
+    without sequence parallelism: the token split hooks the ViT's embed (its output is the first
+    block's input) and head, which a Parts does not name (CausalLM and nanoGPT add wte's and wpe's
+    outputs inline)."""
     if contract.parts is None:
-        return contract._replace(activation_shape=tuple(model.embed.pos.shape[1:]))
+        return
     if contract.activation_shape is None:
         raise ValueError("a Contract with Parts of its own names its activation_shape: (L, D)")
     if sequence_parallel:
@@ -393,7 +477,6 @@ def resolve_contract(contract, model, sequence_parallel):
             "sequence parallelism splits the tokens after the ViT's embed and gathers them "
             "before its head: a Contract with Parts of its own runs without it"
         )
-    return contract
 
 
 def tied_weight_keys(stage):
@@ -427,74 +510,131 @@ def mark_tied(stage, tied_keys):
 
 
 def sum_tied_copies(stage):
-    """train_step's, after the step's last reduce-scatter, on the first and the last stage: each
-    copy's gradient shard holds its stage's part of the tied weight's gradient (the embedding's
-    use, the head's), averaged over dp; summed over the embedding group, both hold the shard of the
-    whole gradient (the same slices: the same unit shape, the same dp rank), and both copies take
-    the same step. The stages between hold no copy."""
+    """After the step's last reduce-scatter, on the first and the last stage: each copy's gradient
+    shard holds its stage's part of the tied weight's gradient (the embedding's use, the head's),
+    averaged over dp; summed over the embedding group, both hold the shard of the whole gradient
+    (the same slices: the same unit shape, the same dp rank), and both copies take the same step.
+    The stages between hold no copy."""
     for unit in stage.tied_units:
         dist.all_reduce(unit.grad_shard, group=stage.tied_group)
 
 
 ### more: the layouts data x context and data x expert
+# Two more layouts on the same mesh, each another section beside data parallelism: a model of
+# either keeps its layout at model.layout, and each function of the core (and the checkpoint's and
+# the clip's) is wrapped so that the layout's method of the same name runs for it instead.
 
 
-def parallelize_other_layout(model, mesh, device, contract):
+class OtherLayout:
+    """What data x context and data x expert share: the model whole but for their section's
+    split, kept at model.layout, and the loop's forward, loss and backward."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+
+    def train_step(self, model, x, y, loss_fn=F.cross_entropy):
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        return loss.detach()
+
+    @torch.no_grad()
+    def infer(self, model, x):
+        logits = model(x)
+        if model.answers:
+            return logits
+        return None
+
+
+class DataContext(OtherLayout):
     """Data x context (mesh["cp"] > 1): each sample's tokens split over the cp ranks (ring
     attention), the data over dp; DDP averages over every rank of the mesh, which is the whole
     gradient of the global batch (each cp rank's gradient is its tokens' part, made W_cp times
-    larger by context_parallel.py's SumOverRanks). Data x expert (mesh["ep"] > 1): each MoE
-    layer's experts spread over the ep ranks, every rank a data-parallel rank on its own slice of
-    the batch. Both take the ViT as context_parallel.py and expert_parallel.py do: no Contract."""
-    if contract is not None:
-        raise ValueError("a Contract is for the pp x dp x tp layout; cp and ep take the ViT")
-    model = model.to(device)
-    if mesh["cp"].size() > 1:
-        cp_group = mesh["cp"].get_group()
+    larger by context_parallel.py's SumOverRanks). The ViT, as context_parallel.py takes it."""
+
+    def parallelize(self, model, device):
+        cp_group = self.mesh["cp"].get_group()
+        model = model.to(device)
         context_parallel.split_sequence(model.embed, model.head.fc, cp_group)  # the ViT's tokens
         model = context_parallel.parallelize(model, device, "ring", cp_group, data_group=None)
-        model.layout = CONTEXT
-        model.answers = mesh["cp"].get_local_rank() == 0  # the cp ranks pool the same logits
-    else:
-        model = expert_parallel.parallelize(model, device, group=mesh["ep"].get_group())
-        model.layout = EXPERTS
+        model.layout = self
+        model.answers = self.mesh["cp"].get_local_rank() == 0  # the cp ranks pool the same logits
+        return model
+
+    def hook_optimizer(self, model, optimizer):
+        """Nothing: DDP averages in backward."""
+
+    def clip_grad_norm_(self, model, max_norm):
+        """torch's: every rank holds every whole gradient after DDP's average."""
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    def full_state_dict(self, model, mesh):
+        """DDP's copy of the model's own state_dict() on rank 0."""
+        return context_parallel.full_state_dict(model)
+
+
+class DataExpert(OtherLayout):
+    """Data x expert (mesh["ep"] > 1): each MoE layer's experts spread over the ep ranks, every rank
+    a data-parallel rank on its own slice of the batch; the dense part's gradients averaged over
+    every rank before the step, each expert's over the ranks holding it (one in each dp copy of
+    the ep group). The ViT, as expert_parallel.py takes it."""
+
+    def parallelize(self, model, device):
+        model = expert_parallel.parallelize(model, device, group=self.mesh["ep"].get_group())
+        model.layout = self
         model.answers = True  # each rank evaluates samples of its own
-    model.mesh = mesh
-    return model
+        return model
 
-
-def hook_other_layout_optimizer(model, optimizer):
-    """Data x expert: the dense part's gradients averaged over every rank before the step, each
-    expert's over the ranks holding it (one in each dp copy of the ep group). Data x context:
-    nothing, DDP averages in backward."""
-    if model.layout == EXPERTS:
-        replica_group = model.mesh["dp"].get_group()
+    def hook_optimizer(self, model, optimizer):
+        replica_group = self.mesh["dp"].get_group()
         expert_parallel.hook_optimizer(
             model, optimizer, data_group=None, replica_group=replica_group
         )
 
-
-def other_layout_step(model, x, y, loss_fn):
-    """Forward, loss and backward of the data x context and data x expert layouts."""
-    loss = loss_fn(model(x), y)
-    loss.backward()
-    return loss.detach()
-
-
-def other_layout_clip(model, max_norm):
-    """Data x expert: expert_parallel.py's clip over the ep group. Data x context: torch's, as
-    every rank holds every whole gradient after DDP's average."""
-    if model.layout == EXPERTS:
-        ep_group = model.mesh["ep"].get_group()
+    def clip_grad_norm_(self, model, max_norm):
+        """expert_parallel.py's, over the ep group, where each expert lives once."""
+        ep_group = self.mesh["ep"].get_group()
         return expert_parallel.clip_grad_norm_(model, max_norm, group=ep_group)
-    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    def full_state_dict(self, model, mesh):
+        """The model's own state_dict() on rank 0, the experts gathered over the ep group."""
+        return expert_parallel.full_state_dict(model, group=self.mesh["ep"].get_group())
 
 
-def other_layout_state_dict(model):
-    """The plain state_dict on rank 0: the experts gathered over the ep group, or DDP's copy."""
-    if model.layout == EXPERTS:
-        return expert_parallel.full_state_dict(model, group=model.mesh["ep"].get_group())
-    return context_parallel.full_state_dict(model)
+def with_other_layouts(parallelize_3d):
+    """parallelize, wrapped: on a mesh with cp or ep > 1, that layout's."""
+
+    @functools.wraps(parallelize_3d)
+    def parallelize_any(model, mesh, device, *args, **options):
+        if mesh["cp"].size() == mesh["ep"].size() == 1:
+            return parallelize_3d(model, mesh, device, *args, **options)
+        if options.get("contract") is not None:
+            raise ValueError("a Contract is for the pp x dp x tp layout; cp and ep take the ViT")
+        layout = DataContext(mesh) if mesh["cp"].size() > 1 else DataExpert(mesh)
+        return layout.parallelize(model, device)
+
+    return parallelize_any
+
+
+def on_its_layout(function_3d):
+    """A function of the pp x dp x tp layout, wrapped: for a model of another layout, the layout's
+    method of the same name."""
+
+    @functools.wraps(function_3d)
+    def on_any_layout(model, *args, **kwargs):
+        layout = getattr(model, "layout", None)
+        if layout is None:
+            return function_3d(model, *args, **kwargs)
+        return getattr(layout, function_3d.__name__)(model, *args, **kwargs)
+
+    return on_any_layout
+
+
+parallelize = with_other_layouts(parallelize)
+hook_optimizer = on_its_layout(hook_optimizer)
+train_step = on_its_layout(train_step)
+infer = on_its_layout(infer)
+clip_grad_norm_ = on_its_layout(clip_grad_norm_)
+full_state_dict = on_its_layout(full_state_dict)
 
 
 ### end: Hybrid parallel
@@ -830,7 +970,7 @@ def run(args):
             args.zero_stage,
             args.schedule,
             micro_batches,
-            args.sequence_parallel,
+            sequence_parallel=args.sequence_parallel,
         )
         optimizer = common.make_optimizer(model.parameters(), args)
         hook_optimizer(model, optimizer)

@@ -108,8 +108,8 @@ def test_sequence_parallel_with_parts_of_another_model_is_refused():
     name: a Contract with Parts of its own is refused under it, rather than trained wrongly."""
     contract = hybrid_parallel.Contract(parts=CAUSAL_LM_PARTS, activation_shape=(16, 32))
     with pytest.raises(ValueError, match="sequence parallelism splits the tokens"):
-        hybrid_parallel.resolve_contract(contract, None, sequence_parallel=True)
-    assert hybrid_parallel.resolve_contract(contract, None, sequence_parallel=False) is contract
+        hybrid_parallel.check_contract(contract, sequence_parallel=True)
+    hybrid_parallel.check_contract(contract, sequence_parallel=False)
     without_shape = hybrid_parallel.Contract(parts=CAUSAL_LM_PARTS)
     with pytest.raises(ValueError, match="names its activation_shape"):
-        hybrid_parallel.resolve_contract(without_shape, None, sequence_parallel=False)
+        hybrid_parallel.check_contract(without_shape, sequence_parallel=False)

@@ -15,9 +15,11 @@ import json
 import math
 
 import pytest
+import torch
 from test_nd_parallel import CFG  # the same small ViT, data and steps as nd_parallel.py's tests
 from test_pipeline import replay
 
+import common
 from helpers import ddp_references, fork_launch, launch_cases, max_diff, reference_result
 
 EXPERTS = ["--experts", "4"]
@@ -132,6 +134,21 @@ def test_same_parameters_as_ddp_one_process(layout, runs, tmp_path_factory):
     assert r["world_size"] == layout.world and r["steps"] == 3
     assert r["mesh"] == layout.sizes
     assert diff < TOL[layout.optim]
+
+
+@pytest.mark.parametrize("layout", CASES)
+def test_save_loads_strictly_into_a_fresh_model(layout, runs):
+    """Every layout saves the model's own state_dict(), whole: a strict load_state_dict into a
+    fresh model of the same flags accepts it (its keys, and each tensor's shape), and the model
+    then holds exactly what was saved. Data x context saves DDP's copy, data x expert its experts
+    gathered over ep, the 3-D layouts the stages' ZeRO shards and tp splits put together."""
+    _, path = runs[layout.name]
+    saved = torch.load(path, weights_only=True)
+    args = common.parse_args(common.get_parser("a fresh model"), layout.reference_cfg())
+    model = common.build_model(args)
+    model.load_state_dict(saved, strict=True)
+    for key, tensor in model.state_dict().items():
+        assert torch.equal(tensor, saved[key]), key
 
 
 def test_clip_bites(tmp_path_factory):
