@@ -32,9 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -79,7 +78,7 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 class Stage(nn.Module):
     """Pipeline stage `index` of `num_stages`: its share of the model's blocks, the embedding on
     the first stage, the head on the last. Each block keeps its index in the model as its key, so
-    the stage's state_dict has the plain model's keys."""
+    that each of the stage's tensors has its name in the model."""
 
     def __init__(self, model, index, num_stages):
         super().__init__()
@@ -144,6 +143,10 @@ def parallelize(model, mesh, device, microbatches, schedule_name):
     dp_mesh = data_parallel_mesh(mesh)
     # 1. The pipeline split: this rank keeps its stage's blocks and nothing else.
     stage = Stage(model, pp_mesh.get_local_rank(), pp_mesh.size()).to(device)
+    # Rank 0 also keeps the unsplit model, whose own state_dict() full_state_dict takes: the other
+    # stages' modules stay where the model was built, a copy on rank 0 alone. object.__setattr__
+    # keeps it out of the stage's submodules, whose parameters are the stage's.
+    object.__setattr__(stage, "unsplit_model", model if dist.get_rank() == 0 else None)
     # 2. Tensor parallelism inside each of the stage's blocks: their weights become DTensors. The
     # plan's keys are module paths inside the stage; `*` matches every block's key.
     if tp_mesh.size() > 1:
@@ -251,16 +254,18 @@ def infer(stage, x):
 
 
 def full_state_dict(stage, mesh):
-    """The plain model's state_dict on rank 0, None elsewhere. Every rank helps to put its stage's
-    tensors together from their TP and FSDP shards; then the pipe through rank 0 (every coordinate
-    but pp zero) gathers the stages on rank 0, stage 0's first rank."""
-    options = StateDictOptions(full_state_dict=True)
-    whole_tensors = get_model_state_dict(stage, options=options)
-    stage_state = {name: tensor.cpu() for name, tensor in whole_tensors.items()}
-    # The other pipes hold copies of the same stages: only rank 0's pipe takes part in the gather.
+    """The model's own state_dict() on rank 0 (its keys, its persistent buffers, whatever its
+    state_dict hooks make of them), None elsewhere. Every rank puts its stage's tensors together
+    from their TP and FSDP shards (whole_tensors); the pipe through rank 0 (every coordinate but
+    pp zero) gathers them on rank 0, stage 0's first rank, which takes its unsplit model's
+    state_dict() with every whole tensor in place, as one process would. (torch's
+    get_model_state_dict on the stage would miss the buffers and hooks the model keeps outside
+    its embed, blocks and head, and raises on a key a hook made.)"""
+    # The other pipes hold copies of the same stages: they take part in the shards' gathers only.
     in_rank_0_pipe = all(
         mesh[dim].get_local_rank() == 0 for dim in ("dp_replicate", "dp_shard", "tp")
     )
+    stage_tensors = whole_tensors(stage, keep=in_rank_0_pipe)
     if not in_rank_0_pipe:
         return None
     group = stage.pp_group
@@ -268,14 +273,44 @@ def full_state_dict(stage, mesh):
     if stage.is_first:
         stage_states = [None] * stage.num_stages
     rank_0 = dist.get_global_rank(group, 0)  # gather_object names its destination globally
-    dist.gather_object(stage_state, stage_states, dst=rank_0, group=group)
+    dist.gather_object(stage_tensors, stage_states, dst=rank_0, group=group)
     if not stage.is_first:
         return None
-    # The stages' keys are disjoint (each block keeps its index in the model): merge them.
-    state = {}
-    for one_stage_state in stage_states:
-        state.update(one_stage_state)
-    return state
+    # The stages' names are disjoint and the model's (each block keeps its index in the model).
+    in_place = []  # (module, name, what it held): put back after the state_dict
+    model = stage.unsplit_model
+    try:
+        for parameters, buffers in stage_states:
+            for path, whole in [*parameters.items(), *buffers.items()]:
+                module_name, _, name = path.rpartition(".")
+                module = model.get_submodule(module_name)
+                in_place.append((module, name, getattr(module, name)))
+                if path in parameters:
+                    whole = nn.Parameter(whole, requires_grad=False)
+                setattr(module, name, whole)
+        return {key: tensor.detach().cpu() for key, tensor in model.state_dict().items()}
+    finally:
+        for module, name, held in reversed(in_place):
+            setattr(module, name, held)
+
+
+def whole_tensors(stage, keep):
+    """({name: parameter}, {name: buffer}) of the stage, each whole on the CPU, under its name in
+    the stage (the model's). A DTensor (TP's split, FSDP's shard, both) is all-gathered on its
+    mesh, so every rank of the stage takes part, in the same order; a rank that does not `keep`
+    the tensors drops each at once. TP and FSDP split no buffer."""
+    for module in stage.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()  # its shards in place of any whole parameter a forward left
+    parameters = {}
+    for name, param in stage.named_parameters():
+        whole = param.full_tensor() if isinstance(param, DTensor) else param
+        if keep:
+            parameters[name] = whole.detach().cpu()
+    buffers = {}
+    if keep:
+        buffers = {name: buffer.detach().cpu() for name, buffer in stage.named_buffers()}
+    return parameters, buffers
 
 
 ### end: N-D parallel

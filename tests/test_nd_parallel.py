@@ -2,8 +2,9 @@
 torch.distributed.pipelining) ends with the parameters of the one-process ddp.py run; rank 0
 holds the bytes worked out here from the model's shapes; each mesh dimension carries the traffic
 worked out here from B, T, D and the layout (measured from outside, keyed by process group); the
-save loads in ddp.py with the same test accuracy; the evaluation sends each message between
-stages as a batch of one.
+save loads in ddp.py with the same test accuracy, and is the model's own state_dict() (a buffer
+of the model's own and a state_dict hook's keys, on TP x PP); the evaluation sends each message
+between stages as a batch of one.
 
 One launch per world size runs its layouts one after another (tests/script_cases.py), shared by
 the tests of each layout. The quick suite runs two layouts at W=4 that between them cover every
@@ -12,15 +13,18 @@ mean belongs shows at once). The full tier (`-m full`) adds the other layouts wi
 at W=4, the 3-D (1,2,2,2) and HSDP x TP (2,2,2,1) at W=8, and AdamW (sharded optimizer state);
 the optimizer alternates over the layouts."""
 
+import copy
 import math
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 
 import common
 import nd_parallel
-from helpers import ddp_references, launch_cases, max_diff
+from helpers import ROOT, ddp_references, fork_launch, launch_cases, max_diff
 
 CFG = [
     "--data",
@@ -401,3 +405,93 @@ def test_clip_is_one_process_clip(tmp_path, tmp_path_factory):
     for layout, _ in layouts:
         diff = max_diff(tmp_path / "R{}S{}T{}P{}.pt".format(*layout), clipped)
         assert diff < TOL["sgd"], f"{layout}: max |Δparameter| {diff:.2e} against ddp.py --clip"
+
+
+# The save is the model's own state_dict(): a model with a persistent buffer of its own (outside
+# embed, blocks and head) and a state_dict hook in every block, which saves q, k and v as one
+# qkv.weight (a load hook splits it again), trained one step on TP x PP at W=4.
+
+HOOKED_LAYOUT = (2, 1, 1, 2)  # (pp, dp_replicate, dp_shard, tp): MESH_DIMS' order
+RANK_PROGRAM = """import sys
+sys.path[:0] = [{root!r}, {tests!r}]
+import test_nd_parallel
+test_nd_parallel.train_and_save_hooked_model({path!r})
+"""
+
+
+def fuse_qkv(attention, state_dict, prefix, local_metadata):
+    """state_dict post-hook: q, k and v's weights saved as one qkv.weight, [3D, D]."""
+    names = [f"{prefix}{name}.weight" for name in ("q", "k", "v")]
+    state_dict[f"{prefix}qkv.weight"] = torch.cat([state_dict.pop(name) for name in names])
+
+
+def split_qkv(attention, state_dict, prefix, *args):
+    """load_state_dict pre-hook: qkv.weight split back into q, k and v's weights."""
+    fused = state_dict.pop(f"{prefix}qkv.weight")
+    for name, weight in zip(("q", "k", "v"), fused.chunk(3), strict=True):
+        state_dict[f"{prefix}{name}.weight"] = weight
+
+
+def hooked_model():
+    model = common.build_model(common.parse_args(common.get_parser("test"), CFG))
+    model.register_buffer("version", torch.tensor(3))  # persistent, held by the model itself
+    for block in model.blocks:
+        block.attn.register_state_dict_post_hook(fuse_qkv)
+        block.attn.register_load_state_dict_pre_hook(split_qkv)
+    return model
+
+
+def one_batch():
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randn(8, 1, 28, 28, generator=generator)
+    return images, torch.randint(0, 10, (8,), generator=generator)
+
+
+def train_and_save_hooked_model(path):
+    """One rank of test_save_is_the_models_own_state_dict: the hooked model split over
+    HOOKED_LAYOUT, one SGD step, full_state_dict; rank 0 saves it next to the state_dict() of the
+    same model trained one step in one process."""
+    dist.init_process_group("gloo")
+    model = hooked_model()
+    one_process = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", HOOKED_LAYOUT, mesh_dim_names=nd_parallel.MESH_DIMS)
+    stage = nd_parallel.parallelize(model, mesh, torch.device("cpu"), M, "1f1b")
+    optimizer = torch.optim.SGD(stage.parameters(), lr=0.1)
+    images, labels = one_batch()
+    nd_parallel.train_step(stage, images, labels)
+    optimizer.step()
+    state = nd_parallel.full_state_dict(stage, mesh)
+    if dist.get_rank() == 0:
+        one_process_optimizer = torch.optim.SGD(one_process.parameters(), lr=0.1)
+        F.cross_entropy(one_process(images), labels).backward()
+        one_process_optimizer.step()
+        torch.save(dict(saved=state, expected=one_process.state_dict()), path)
+    dist.destroy_process_group()
+
+
+def test_save_is_the_models_own_state_dict(tmp_path):
+    """full_state_dict on TP x PP is the model's own state_dict(): its persistent buffer (which no
+    stage holds) and its hook's qkv.weight (which torch's get_model_state_dict, mapping keys back
+    to parameters, raised on), the stages' TP shards joined, one step's values to round-off; a
+    strict load_state_dict into a fresh model accepts it."""
+    path = tmp_path / "saved.pt"
+    program = tmp_path / "rank.py"
+    program.write_text(
+        RANK_PROGRAM.format(root=str(ROOT), tests=str(ROOT / "tests"), path=str(path))
+    )
+    r = fork_launch(str(program), 4)
+    assert r.returncode == 0, r.output
+    result = torch.load(path, weights_only=True)
+    saved = result["saved"]
+    expected = result["expected"]
+    assert saved.keys() == expected.keys(), sorted(saved.keys() ^ expected.keys())
+    assert "version" in saved and "blocks.1.attn.qkv.weight" in saved
+    diffs = {key: (saved[key] - expected[key]).abs().max().item() for key in expected}
+    assert max(diffs.values()) < TOL["sgd"], max(diffs.items(), key=lambda item: item[1])
+    assert max_diff_from_initial(saved) > 100 * TOL["sgd"]  # the step moved them
+    hooked_model().load_state_dict(saved, strict=True)
+
+
+def max_diff_from_initial(state):
+    initial = hooked_model().state_dict()
+    return max((state[key].float() - initial[key].float()).abs().max().item() for key in initial)
