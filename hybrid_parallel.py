@@ -227,8 +227,8 @@ def full_state_dict(stage, mesh):
 def join_tp_splits(stage, split_state, tp_group):
     """The tp ranks' splits of the stage joined on the tp group's first rank: each parameter a
     parallel linear split is gathered and joined as it was cut (tensor_parallel.join_shards), in
-    the same key order on every tp rank so that the gathers pair up. zero.gather_parameters hands
-    CPU tensors; each travels from the device, where NCCL can send it."""
+    the same key order on every tp rank so that the gathers pair up. ZeRO's gather_parameters
+    hands CPU tensors; each travels from the device, where NCCL can send it."""
     tp_rank = dist.get_rank(tp_group)
     tp_world = dist.get_world_size(tp_group)
     state = {}
@@ -276,8 +276,6 @@ def clip_grad_norm_(stage, max_norm):
     squares = torch.zeros((), device=stage.zero.device)
     for unit in stage.zero.units:
         grad = unit.grad_shard
-        if grad is None:
-            continue  # a unit with no parameter of its own (nanoGPT's drop, or a tied lm_head)
         shards.append(grad)
         if unit in tied_units and not stage.is_first:
             continue  # the last stage's copy of a tied weight: the first stage's counts
