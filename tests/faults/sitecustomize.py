@@ -772,5 +772,21 @@ if os.environ.get("MUTANT"):
             engine_module.DeepSpeedEngine.backward = backward_of_a_divided_loss
 
         _after_import["deepspeed.runtime.engine"] = _divide_again
+    elif _mutant == "deepspeed-save-parameters-by-name":  # DeepSpeed's save without state_dict()
+
+        def _parameters_by_name(deepspeed_zero):
+            def full_state_dict_by_name(engine):
+                # every parameter whole, under its name: no hook runs (Llama's wqkv saved fused),
+                # no buffer is saved (freqs_cis), a tied one once
+                params = list(engine.module.parameters())
+                stage_3 = engine.zero_optimization_stage() == 3
+                gathered = deepspeed_zero.deepspeed.zero.GatheredParameters(params, enabled=stage_3)
+                with gathered:
+                    named = engine.module.named_parameters()
+                    return {name: param.detach().clone() for name, param in named}
+
+            deepspeed_zero.full_state_dict = full_state_dict_by_name
+
+        _after_import["deepspeed_zero"] = _parameters_by_name
     else:
         raise SystemExit(f"tests/faults: unknown MUTANT={_mutant}")
