@@ -39,17 +39,19 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 
 ### begin: Pipeline
-# Model contract: the model's embedding, its list of blocks ([B, T, D] -> [B, T, D]), cut into p
-# contiguous stages, and its head, named in a Parts: the common ViT's embed, blocks and head by
-# default; each block is called on x alone, or with what the model's forward gives it (a mask,
-# positions), as the Parts say. The same weights are built on every rank. A [B/m, T, D] tensor
-# crosses each stage boundary: (T, D) is parallelize's activation_shape, model.embed.pos's
-# [1, T, D] by default, in parallelize's activation_dtype (the parameters' dtype by default). The
-# loss is train_step's loss_fn(output, targets), cross-entropy by default. The pipeline is the
-# ranks of parallelize's `group` (the world when None): stage s on its group rank s, the peers
-# group ranks, every send and receive on the group. Clip with the section's clip_grad_norm_, not
-# torch's. Evaluation and the checkpoint, a language model's parts by name, a weight its first and
-# last stage share (GPT-2's tied embedding) and clipping: the `### more:` parts after the core.
+# Model contract: the common ViT's embed, its list of blocks ([B, T, D] -> [B, T, D]), cut into p
+# contiguous stages, and its head; each block called on x alone. The same weights are built on
+# every rank. A [B/m, T, D] tensor crosses each stage boundary: (T, D) is parallelize's
+# activation_shape, model.embed.pos's [1, T, D] by default, in parallelize's activation_dtype (the
+# parameters' dtype by default). The loss is train_step's loss_fn(output, targets), cross-entropy
+# by default. The pipeline is the ranks of parallelize's `group` (the world when None): stage s on
+# its group rank s, the peers group ranks, every send and receive on the group. Why it is exact:
+# the micro-batches' gradients add up in .grad, each loss divided by m, so one optimizer step sees
+# the batch's mean gradient, as one process; every stage sees the whole batch, and a stage's
+# receive buffer has the shape and dtype its peer sends (the ViT's blocks keep [B/m, T, D]).
+# Another model's parts by name and the arguments of its blocks, each send checked against its
+# receive, a weight its first and last stage share (GPT-2's tied embedding) and clipping: the
+# `### more:` parts after the core.
 
 
 class Stage(torch.nn.Module):
@@ -58,27 +60,29 @@ class Stage(torch.nn.Module):
     name in the whole model (block 5 stays blocks.5), so the stage's state_dict has the model's
     keys."""
 
-    def __init__(
-        self, model, index, num_stages, activation_shape=None, parts=None, activation_dtype=None
-    ):
+    # What the stage holds of the model, by name: its list of blocks, the modules the first stage
+    # runs before them and those the last stage runs after them (the common ViT's).
+    block_list = "blocks"
+    first_modules = ("embed",)
+    last_modules = ("head",)
+
+    def __init__(self, model, index, num_stages, activation_shape=None, activation_dtype=None):
         super().__init__()
-        self.parts = parts or Parts()  # the ViT's by default: `### more: a language model's parts`
         self.index = index
         self.num_stages = num_stages
         self.is_first = index == 0
         self.is_last = index == num_stages - 1
-        depth = len(model.get_submodule(self.parts.blocks))
+        depth = len(model.get_submodule(self.block_list))
         first_block = index * depth // num_stages
         end_block = (index + 1) * depth // num_stages
-        self.block_names = [f"{self.parts.blocks}.{i}" for i in range(first_block, end_block)]
+        self.block_names = [f"{self.block_list}.{i}" for i in range(first_block, end_block)]
         held = list(self.block_names)
         if self.is_first:
-            held += self.parts.first
+            held += self.first_modules
         if self.is_last:
-            held += self.parts.last
+            held += self.last_modules
         for name in held:
             hold(self, model, name)  # at the same dotted path in the stage as in the model
-        hold_own_buffers(self, model)  # Llama's freqs_cis: `### more: a language model's parts`
         if activation_shape is None:
             activation_shape = model.embed.pos.shape[1:]
         self.activation_shape = tuple(activation_shape)
@@ -91,47 +95,46 @@ class Stage(torch.nn.Module):
         shape = (samples, *self.activation_shape)
         return torch.empty(shape, dtype=self.activation_dtype, device=device)
 
-    def sendable(self, tensor):
-        """`tensor`, checked against the buffer its peer posts for it (`empty`): on NCCL a message
-        of another shape hangs or fails, and one of another dtype of the same size arrives as
-        garbage, with no error. An activation's gradient, sent back, has the shape and dtype of
-        the buffer it was received in."""
-        expected = (len(tensor), *self.activation_shape)
-        if tuple(tensor.shape) != expected or tensor.dtype != self.activation_dtype:
-            raise ValueError(
-                f"pipeline stage {self.index} sends a {list(tensor.shape)} {tensor.dtype} tensor "
-                f"where its peer receives {list(expected)} {self.activation_dtype}: pass "
-                "parallelize the activation_shape and activation_dtype its blocks give"
-            )
-        return tensor
-
     def forward(self, x, inputs=None):
         """x: the micro-batch's inputs on the first stage, the activation received on the others;
-        inputs: the micro-batch's inputs on every stage, for the arguments the model's forward
-        gives its blocks (a mask, positions: `### more: a language model's parts`)."""
+        inputs: the micro-batch's inputs, which every stage is given (the ViT's blocks take x
+        alone)."""
         if self.is_first:
-            x = self.parts.embed(self, x)
-        arguments = self.parts.block_arguments(self, inputs, x)  # None for the ViT's blocks
+            x = self.embed(x)
         for name in self.block_names:
-            x = self.parts.call_block(self.get_submodule(name), x, arguments)
+            x = self.get_submodule(name)(x)
         if self.is_last:
-            x = self.parts.head(self, x)
+            x = self.head(x)
         return x
 
 
-def parallelize(
-    model, device, activation_shape=None, parts=None, activation_dtype=None, group=None
-):
+def hold(stage, model, name):
+    """Hold the model's module `name` (a dotted path) at the same path in `stage`, inside empty
+    modules standing for the ones around it that the stage does not hold whole."""
+    owner = stage
+    *path, leaf = name.split(".")
+    for part in path:
+        if part not in dict(owner.named_children()):
+            owner.add_module(part, torch.nn.Module())
+        owner = owner.get_submodule(part)
+    owner.add_module(leaf, model.get_submodule(name))
+
+
+# The class parallelize builds: where the `### more:` parts that change a stage plug in, each with
+# a subclass of the one before it.
+StageClass = Stage
+
+
+def parallelize(model, device, activation_shape=None, activation_dtype=None, group=None, **options):
     """Keep this rank's stage, on its device; the rest of the model is dropped. activation_shape:
     (T, D) of one sample's activation between stages (default: model.embed.pos's), in
-    activation_dtype (default: the parameters' dtype, bf16 for a bf16 model); parts: what
-    runs where (a Parts; default: the common ViT's); group: the pipeline's process group (the
-    world when None), whose rank s holds stage s."""
+    activation_dtype (default: the parameters' dtype, bf16 for a bf16 model); group: the
+    pipeline's process group (the world when None), whose rank s holds stage s; options: what the
+    StageClass takes besides."""
     num_stages = dist.get_world_size(group)
     index = dist.get_rank(group)  # stage s on the group's rank s
-    stage = Stage(model, index, num_stages, activation_shape, parts, activation_dtype)
+    stage = StageClass(model, index, num_stages, activation_shape, activation_dtype, **options)
     stage.group = group  # train_step, infer and full_state_dict communicate on it
-    tie_first_and_last(stage, model)  # `### more: a weight tied across the first and the last`
     return stage.to(device)
 
 
@@ -172,10 +175,9 @@ def p2p(ops, group=None):
 
 
 def train_step(stage, x, y, schedule_name, micro_batches, loss_fn=F.cross_entropy):
-    """Forward, loss and backward of every micro-batch in the schedule's order, then the tied
-    weights' gradients summed. Returns the batch's mean loss on the last stage, 0 elsewhere. The
-    micro-batches are the step's gradient accumulation; a second train_step before the optimizer's
-    step adds to the gradients too.
+    """Forward, loss and backward of every micro-batch in the schedule's order. Returns the
+    batch's mean loss on the last stage, 0 elsewhere. The micro-batches are the step's gradient
+    accumulation; a second train_step before the optimizer's step adds to the gradients too.
 
     An action's output is sent in one batch with the next action's receive, as Megatron-LM and
     torch.distributed.pipelining do: in 1F1B's steady state stage s sends activation i while stage
@@ -185,7 +187,6 @@ def train_step(stage, x, y, schedule_name, micro_batches, loss_fn=F.cross_entrop
     loss = torch.zeros((), device=x.device)
     kept = {}  # micro-batch -> (its input, its output), kept for its backward
     sends = []  # the last action's output, which goes out with the next action's receive
-    drop_summed_copies(stage)  # for a tied weight's copy: see its `### more:` part
     for action, i in schedule(schedule_name, micro_batches, stage.num_stages, stage.index):
         if action == "F":
             if stage.is_first:
@@ -206,7 +207,7 @@ def train_step(stage, x, y, schedule_name, micro_batches, loss_fn=F.cross_entrop
                 loss += output.detach()
                 sends = []
             else:
-                sends = [(dist.isend, stage.sendable(output.detach()), stage.index + 1)]
+                sends = [(dist.isend, output.detach(), stage.index + 1)]
             kept[i] = (activation, output)
         else:
             activation, output = kept.pop(i)
@@ -221,11 +222,7 @@ def train_step(stage, x, y, schedule_name, micro_batches, loss_fn=F.cross_entrop
             sends = [] if stage.is_first else [(dist.isend, activation.grad, stage.index - 1)]
     # the last backward's gradient: stage s-1 receives it in its own last backward
     p2p(sends, stage.group)
-    all_reduce_tied(stage)  # the two copies of a tied weight: see its `### more:` part
     return loss
-
-
-### more: evaluation and the checkpoint (infer for evaluate(), full_state_dict for --save)
 
 
 @torch.no_grad()
@@ -239,7 +236,7 @@ def infer(stage, x):
     output = stage(activation, inputs=x)
     if stage.is_last:
         return output
-    p2p([(dist.isend, stage.sendable(output), stage.index + 1)], stage.group)
+    p2p([(dist.isend, output, stage.index + 1)], stage.group)
     return None
 
 
@@ -256,7 +253,7 @@ def full_state_dict(model):
     return {name: tensor for part in parts for name, tensor in part.items()}
 
 
-### more: a language model's parts, by name, and the arguments of its blocks (Parts, hold)
+### more: a language model's parts, by name, and the arguments of its blocks (Parts)
 # A language model names its parts otherwise (nanoGPT: transformer.wte, transformer.h, lm_head)
 # and runs code of its own around its blocks. A Parts names them: `blocks`, the dotted name of
 # the model's list of blocks; `first`, the modules the first stage runs before the blocks, and
@@ -275,6 +272,7 @@ def full_state_dict(model):
 # forward's line that calls a block (HF's blocks return a tuple: `block(x, ...)[0]`). Every stage
 # holds the buffers the model keeps outside its modules (Llama's freqs_cis), persistent or not as
 # in the model: its blocks' arguments read them there, and the saved state_dict has them.
+# parallelize(..., parts=...) builds a LanguageModelStage.
 
 
 class Parts(NamedTuple):
@@ -289,6 +287,33 @@ class Parts(NamedTuple):
     call_block: Callable = lambda block, x, arguments: block(x)
 
 
+class LanguageModelStage(Stage):
+    """A Stage of the model `parts` names (a Parts; None: the common ViT's), run as its forward
+    runs: the parts' embed, each block called with what block_arguments prepares, the head."""
+
+    def __init__(
+        self, model, index, num_stages, activation_shape=None, activation_dtype=None, parts=None
+    ):
+        parts = parts or Parts()
+        # Stage's __init__ reads the names: plain attributes, so they may be set before it.
+        self.parts = parts
+        self.block_list = parts.blocks
+        self.first_modules = parts.first
+        self.last_modules = parts.last
+        super().__init__(model, index, num_stages, activation_shape, activation_dtype)
+        hold_own_buffers(self, model)
+
+    def forward(self, x, inputs=None):
+        if self.is_first:
+            x = self.parts.embed(self, x)
+        arguments = self.parts.block_arguments(self, inputs, x)  # None for the ViT's blocks
+        for name in self.block_names:
+            x = self.parts.call_block(self.get_submodule(name), x, arguments)
+        if self.is_last:
+            x = self.parts.head(self, x)
+        return x
+
+
 def hold_own_buffers(stage, model):
     """The buffers `model` holds itself, not in a module, on `stage` under the same names, each
     persistent (in the state_dict) as it is in the model."""
@@ -298,16 +323,36 @@ def hold_own_buffers(stage, model):
         stage.register_buffer(name, buffer, persistent=persistent)
 
 
-def hold(stage, model, name):
-    """Hold the model's module `name` (a dotted path) at the same path in `stage`, inside empty
-    modules standing for the ones around it that the stage does not hold whole."""
-    owner = stage
-    *path, leaf = name.split(".")
-    for part in path:
-        if part not in dict(owner.named_children()):
-            owner.add_module(part, torch.nn.Module())
-        owner = owner.get_submodule(part)
-    owner.add_module(leaf, model.get_submodule(name))
+StageClass = LanguageModelStage
+
+
+### more: each send checked against the receive its peer posts (NCCL)
+# The core's receive buffer has the shape and dtype the ViT's blocks give. Another model's (T, D),
+# or autocast's bf16 activations of an fp32 model, may not: on NCCL a message of another shape
+# hangs or fails, and one of another dtype of the same size arrives as garbage, with no error.
+# Each activation is checked before it is sent; its gradient, sent back, has the shape and dtype
+# of the buffer it was received in.
+
+
+class CheckedStage(LanguageModelStage):
+    """A stage whose output, on every stage but the last (it goes to the next stage), is checked
+    against the buffer the next stage posts for it (`empty`): one clear error before any send."""
+
+    def forward(self, x, inputs=None):
+        output = super().forward(x, inputs)
+        if self.is_last:
+            return output  # the logits or the loss's input: not sent
+        expected = (len(output), *self.activation_shape)
+        if tuple(output.shape) != expected or output.dtype != self.activation_dtype:
+            raise ValueError(
+                f"pipeline stage {self.index} sends a {list(output.shape)} {output.dtype} tensor "
+                f"where its peer receives {list(expected)} {self.activation_dtype}: pass "
+                "parallelize the activation_shape and activation_dtype its blocks give"
+            )
+        return output
+
+
+StageClass = CheckedStage
 
 
 ### more: a weight tied across the first and the last stage (GPT-2's wte.weight, lm_head.weight)
@@ -316,7 +361,8 @@ def hold(stage, model, name):
 # two stages, its "embedding group", sum their gradients after each step's backward
 # (all_reduce_tied): both copies take the same step, the tied weight's. Several pipelines side by
 # side (hybrid parallelism) have an embedding group each. A weight-decay split by shape puts the
-# last stage's copy in the group of its original's shape there.
+# last stage's copy in the group of its original's shape there. This part wraps the core's
+# parallelize and train_step under their own names: the callers' code does not change.
 
 
 def tie_first_and_last(stage, model):
@@ -325,7 +371,7 @@ def tie_first_and_last(stage, model):
     stage.tied = []
     stage.tied_group = None
     # A pipeline of one stage holds both ends of a tied weight: nothing to keep equal.
-    tied_names = tied_weights(model, stage.parts) if stage.num_stages > 1 else []
+    tied_names = tied_weights(model, stage) if stage.num_stages > 1 else []
     if not tied_names:
         return
     stage.tied_group = embedding_group(stage.group)
@@ -354,14 +400,14 @@ def embedding_group(group):
     return made
 
 
-def tied_weights(model, parts):
-    """The names, in the model, of the last modules' parameters that the first modules hold too
-    (GPT-2's lm_head.weight, which is transformer.wte.weight)."""
+def tied_weights(model, stage):
+    """The names, in the model, of the parameters of the last modules that the first modules hold
+    too (GPT-2's lm_head.weight, which is transformer.wte.weight), as the stage names them."""
     first_parameters = set()
-    for name in parts.first:
+    for name in stage.first_modules:
         first_parameters.update(model.get_submodule(name).parameters())
     tied = []
-    for name in parts.last:
+    for name in stage.last_modules:
         for param_name, param in model.get_submodule(name).named_parameters():
             if param in first_parameters:
                 tied.append(f"{name}.{param_name}")
@@ -392,6 +438,25 @@ def all_reduce_tied(stage):
     both, after the step's last backward. The other stages hold no copy and do nothing."""
     for weight in stage.tied:
         dist.all_reduce(weight.grad, group=stage.tied_group)
+
+
+untied_parallelize = parallelize
+untied_train_step = train_step
+
+
+def parallelize(model, device, *args, **kwargs):
+    """The core's parallelize (the same arguments), then the tied weights' copies and group."""
+    stage = untied_parallelize(model, device, *args, **kwargs)
+    tie_first_and_last(stage, model)
+    return stage
+
+
+def train_step(stage, *args, **kwargs):
+    """The core's train_step (the same arguments), each tied copy's gradient summed after it."""
+    drop_summed_copies(stage)
+    loss = untied_train_step(stage, *args, **kwargs)
+    all_reduce_tied(stage)
+    return loss
 
 
 ### more: gradient clipping over the stages

@@ -37,18 +37,16 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 
 ### begin: Pipeline
-# Model contract: the model's embedding, its list of blocks ([B, T, D] -> [B, T, D]), cut into p
-# contiguous stages, and its head, named in a Parts: the common ViT's embed, blocks and head by
-# default; each block is called on x alone, or with what the model's forward gives it (a mask,
-# positions), as the Parts say. The same weights are built on every rank. A [B/m, T, D] tensor
-# crosses each stage boundary: (T, D) is parallelize's activation_shape, model.embed.pos's
-# [1, T, D] by default, in parallelize's activation_dtype (the parameters' dtype by default). The
-# loss is cross-entropy. The pipeline is the ranks of parallelize's `group` (the world when None):
-# stage s on its group rank s, the peers group ranks, every send and receive on the group. No
-# gradient clipping: each stage steps after each of its backwards, at its own times, so no step
-# has a norm over all stages (check_args refuses --clip). Evaluation and the checkpoint, a
-# language model's parts by name, and the refusal of a weight the first and the last stage share:
-# the `### more:` parts.
+# Model contract: the common ViT's embed, its list of blocks ([B, T, D] -> [B, T, D]), cut into p
+# contiguous stages, and its head; each block called on x alone. The same weights are built on
+# every rank. A [B/m, T, D] tensor crosses each stage boundary: (T, D) is parallelize's
+# activation_shape, model.embed.pos's [1, T, D] by default, in parallelize's activation_dtype (the
+# parameters' dtype by default). The loss is cross-entropy. The pipeline is the ranks of
+# parallelize's `group` (the world when None): stage s on its group rank s, the peers group ranks,
+# every send and receive on the group. No gradient clipping: each stage steps after each of its
+# backwards, at its own times, so no step has a norm over all stages (check_args refuses --clip).
+# Another model's parts by name and the arguments of its blocks, each send checked against its
+# receive, and the refusal of a weight the first and the last stage share: the `### more:` parts.
 
 
 class Stage(torch.nn.Module):
@@ -57,27 +55,29 @@ class Stage(torch.nn.Module):
     name in the whole model (block 5 stays blocks.5), so the stage's state_dict has the model's
     keys."""
 
-    def __init__(
-        self, model, index, num_stages, activation_shape=None, parts=None, activation_dtype=None
-    ):
+    # What the stage holds of the model, by name: its list of blocks, the modules the first stage
+    # runs before them and those the last stage runs after them (the common ViT's).
+    block_list = "blocks"
+    first_modules = ("embed",)
+    last_modules = ("head",)
+
+    def __init__(self, model, index, num_stages, activation_shape=None, activation_dtype=None):
         super().__init__()
-        self.parts = parts or Parts()  # the ViT's by default: `### more: a language model's parts`
         self.index = index
         self.num_stages = num_stages
         self.is_first = index == 0
         self.is_last = index == num_stages - 1
-        depth = len(model.get_submodule(self.parts.blocks))
+        depth = len(model.get_submodule(self.block_list))
         first_block = index * depth // num_stages
         end_block = (index + 1) * depth // num_stages
-        self.block_names = [f"{self.parts.blocks}.{i}" for i in range(first_block, end_block)]
+        self.block_names = [f"{self.block_list}.{i}" for i in range(first_block, end_block)]
         held = list(self.block_names)
         if self.is_first:
-            held += self.parts.first
+            held += self.first_modules
         if self.is_last:
-            held += self.parts.last
+            held += self.last_modules
         for name in held:
             hold(self, model, name)  # at the same dotted path in the stage as in the model
-        hold_own_buffers(self, model)  # Llama's freqs_cis: `### more: a language model's parts`
         if activation_shape is None:
             activation_shape = model.embed.pos.shape[1:]
         self.activation_shape = tuple(activation_shape)
@@ -94,46 +94,45 @@ class Stage(torch.nn.Module):
         shape = (samples, *self.activation_shape)
         return torch.empty(shape, dtype=self.activation_dtype, device=device)
 
-    def sendable(self, tensor):
-        """`tensor`, checked against the buffer its peer posts for it (`empty`): on NCCL a message
-        of another shape hangs or fails, and one of another dtype of the same size arrives as
-        garbage, with no error. An activation's gradient, sent back, has the shape and dtype of
-        the buffer it was received in."""
-        expected = (len(tensor), *self.activation_shape)
-        if tuple(tensor.shape) != expected or tensor.dtype != self.activation_dtype:
-            raise ValueError(
-                f"pipeline stage {self.index} sends a {list(tensor.shape)} {tensor.dtype} tensor "
-                f"where its peer receives {list(expected)} {self.activation_dtype}: pass "
-                "parallelize the activation_shape and activation_dtype its blocks give"
-            )
-        return tensor
-
     def forward(self, x, inputs=None):
         """x: the micro-batch's inputs on the first stage, the activation received on the others;
-        inputs: the micro-batch's inputs on every stage, for the arguments the model's forward
-        gives its blocks (a mask, positions: `### more: a language model's parts`)."""
+        inputs: the micro-batch's inputs, which every stage is given (the ViT's blocks take x
+        alone)."""
         if self.is_first:
-            x = self.parts.embed(self, x)
-        arguments = self.parts.block_arguments(self, inputs, x)  # None for the ViT's blocks
+            x = self.embed(x)
         for name in self.block_names:
-            x = self.parts.call_block(self.get_submodule(name), x, arguments)
+            x = self.get_submodule(name)(x)
         if self.is_last:
-            x = self.parts.head(self, x)
+            x = self.head(x)
         return x
 
 
-def parallelize(
-    model, device, activation_shape=None, parts=None, activation_dtype=None, group=None
-):
+def hold(stage, model, name):
+    """Hold the model's module `name` (a dotted path) at the same path in `stage`, inside empty
+    modules standing for the ones around it that the stage does not hold whole."""
+    owner = stage
+    *path, leaf = name.split(".")
+    for part in path:
+        if part not in dict(owner.named_children()):
+            owner.add_module(part, torch.nn.Module())
+        owner = owner.get_submodule(part)
+    owner.add_module(leaf, model.get_submodule(name))
+
+
+# The class parallelize builds: where the `### more:` parts that change a stage plug in, each with
+# a subclass of the one before it.
+StageClass = Stage
+
+
+def parallelize(model, device, activation_shape=None, activation_dtype=None, group=None, **options):
     """Keep this rank's stage, on its device; the rest of the model is dropped. activation_shape:
     (T, D) of one sample's activation between stages (default: model.embed.pos's), in
-    activation_dtype (default: the parameters' dtype, bf16 for a bf16 model); parts: what
-    runs where (a Parts; default: the common ViT's); group: the pipeline's process group (the
-    world when None), whose rank s holds stage s."""
+    activation_dtype (default: the parameters' dtype, bf16 for a bf16 model); group: the
+    pipeline's process group (the world when None), whose rank s holds stage s; options: what the
+    StageClass takes besides."""
     num_stages = dist.get_world_size(group)
-    refuse_tied_weights(model, parts or Parts(), num_stages)  # `### more: a tied weight, refused`
     index = dist.get_rank(group)  # stage s on the group's rank s
-    stage = Stage(model, index, num_stages, activation_shape, parts, activation_dtype)
+    stage = StageClass(model, index, num_stages, activation_shape, activation_dtype, **options)
     stage.group = group  # train_step, infer and full_state_dict communicate on it
     return stage.to(device)
 
@@ -217,7 +216,7 @@ def train_step(stage, x, y, micro_batches, optimizer, final=False):
                 loss += output.detach() / micro_batches
                 sends = []
             else:
-                sends = [(dist.isend, stage.sendable(output.detach()), stage.index + 1)]
+                sends = [(dist.isend, output.detach(), stage.index + 1)]
             stage.kept[j] = (activation, output, stash)
         else:
             activation, output, stash = stage.kept.pop(j)
@@ -249,9 +248,6 @@ def train_step(stage, x, y, micro_batches, optimizer, final=False):
     return loss
 
 
-### more: evaluation and the checkpoint (infer for evaluate(), full_state_dict for --save)
-
-
 @torch.no_grad()
 def infer(stage, x):
     """The whole batch through the stages in turn: the logits on the last stage, None on the
@@ -263,7 +259,7 @@ def infer(stage, x):
     output = stage(activation, inputs=x)
     if stage.is_last:
         return output
-    p2p([(dist.isend, stage.sendable(output), stage.index + 1)], stage.group)
+    p2p([(dist.isend, output, stage.index + 1)], stage.group)
     return None
 
 
@@ -280,7 +276,7 @@ def full_state_dict(model):
     return {name: tensor for part in parts for name, tensor in part.items()}
 
 
-### more: a language model's parts, by name, and the arguments of its blocks (Parts, hold)
+### more: a language model's parts, by name, and the arguments of its blocks (Parts)
 # A language model names its parts otherwise (nanoGPT: transformer.wte, transformer.h, lm_head)
 # and runs code of its own around its blocks. A Parts names them: `blocks`, the dotted name of
 # the model's list of blocks; `first`, the modules the first stage runs before the blocks, and
@@ -299,6 +295,7 @@ def full_state_dict(model):
 # forward's line that calls a block (HF's blocks return a tuple: `block(x, ...)[0]`). Every stage
 # holds the buffers the model keeps outside its modules (Llama's freqs_cis), persistent or not as
 # in the model: its blocks' arguments read them there, and the saved state_dict has them.
+# parallelize(..., parts=...) builds a LanguageModelStage.
 
 
 class Parts(NamedTuple):
@@ -313,6 +310,33 @@ class Parts(NamedTuple):
     call_block: Callable = lambda block, x, arguments: block(x)
 
 
+class LanguageModelStage(Stage):
+    """A Stage of the model `parts` names (a Parts; None: the common ViT's), run as its forward
+    runs: the parts' embed, each block called with what block_arguments prepares, the head."""
+
+    def __init__(
+        self, model, index, num_stages, activation_shape=None, activation_dtype=None, parts=None
+    ):
+        parts = parts or Parts()
+        # Stage's __init__ reads the names: plain attributes, so they may be set before it.
+        self.parts = parts
+        self.block_list = parts.blocks
+        self.first_modules = parts.first
+        self.last_modules = parts.last
+        super().__init__(model, index, num_stages, activation_shape, activation_dtype)
+        hold_own_buffers(self, model)
+
+    def forward(self, x, inputs=None):
+        if self.is_first:
+            x = self.parts.embed(self, x)
+        arguments = self.parts.block_arguments(self, inputs, x)  # None for the ViT's blocks
+        for name in self.block_names:
+            x = self.parts.call_block(self.get_submodule(name), x, arguments)
+        if self.is_last:
+            x = self.parts.head(self, x)
+        return x
+
+
 def hold_own_buffers(stage, model):
     """The buffers `model` holds itself, not in a module, on `stage` under the same names, each
     persistent (in the state_dict) as it is in the model."""
@@ -322,47 +346,79 @@ def hold_own_buffers(stage, model):
         stage.register_buffer(name, buffer, persistent=persistent)
 
 
-def hold(stage, model, name):
-    """Hold the model's module `name` (a dotted path) at the same path in `stage`, inside empty
-    modules standing for the ones around it that the stage does not hold whole."""
-    owner = stage
-    *path, leaf = name.split(".")
-    for part in path:
-        if part not in dict(owner.named_children()):
-            owner.add_module(part, torch.nn.Module())
-        owner = owner.get_submodule(part)
-    owner.add_module(leaf, model.get_submodule(name))
+StageClass = LanguageModelStage
+
+
+### more: each send checked against the receive its peer posts (NCCL)
+# The core's receive buffer has the shape and dtype the ViT's blocks give. Another model's (T, D),
+# or autocast's bf16 activations of an fp32 model, may not: on NCCL a message of another shape
+# hangs or fails, and one of another dtype of the same size arrives as garbage, with no error.
+# Each activation is checked before it is sent; its gradient, sent back, has the shape and dtype
+# of the buffer it was received in.
+
+
+class CheckedStage(LanguageModelStage):
+    """A stage whose output, on every stage but the last (it goes to the next stage), is checked
+    against the buffer the next stage posts for it (`empty`): one clear error before any send."""
+
+    def forward(self, x, inputs=None):
+        output = super().forward(x, inputs)
+        if self.is_last:
+            return output  # the logits or the loss's input: not sent
+        expected = (len(output), *self.activation_shape)
+        if tuple(output.shape) != expected or output.dtype != self.activation_dtype:
+            raise ValueError(
+                f"pipeline stage {self.index} sends a {list(output.shape)} {output.dtype} tensor "
+                f"where its peer receives {list(expected)} {self.activation_dtype}: pass "
+                "parallelize the activation_shape and activation_dtype its blocks give"
+            )
+        return output
+
+
+StageClass = CheckedStage
 
 
 ### more: a tied weight, refused (GPT-2's wte.weight, lm_head.weight)
 # pipeline.py gives the last stage a copy of a weight the first and the last stage share and sums
 # the two copies' gradients before each step, but here the first and the last stage step after
-# each micro-batch's backward at different times, each with its own stashed versions.
+# each micro-batch's backward at different times, each with its own stashed versions. This part
+# wraps the core's parallelize under its own name: the callers' code does not change.
 
 
-def refuse_tied_weights(model, parts, num_stages):
-    """parallelize's, before the stage is built: a ValueError naming the weights the first and the
-    last modules share, in a world of more than one stage."""
-    tied_names = tied_weights(model, parts)
-    if num_stages > 1 and tied_names:
+def refuse_tied_weights(stage, model):
+    """A ValueError naming the weights the first and the last modules share, in a pipeline of
+    more than one stage."""
+    tied_names = tied_weights(model, stage)
+    if stage.num_stages > 1 and tied_names:
         raise ValueError(
             f"the first and the last modules share {tied_names}: pipeline_pipedream.py cannot "
             "keep a tied weight's two stages in step; untie it, or use pipeline.py"
         )
 
 
-def tied_weights(model, parts):
-    """The names, in the model, of the last modules' parameters that the first modules hold too
-    (GPT-2's lm_head.weight, which is transformer.wte.weight)."""
+def tied_weights(model, stage):
+    """The names, in the model, of the parameters of the last modules that the first modules hold
+    too (GPT-2's lm_head.weight, which is transformer.wte.weight), as the stage names them."""
     first_parameters = set()
-    for name in parts.first:
+    for name in stage.first_modules:
         first_parameters.update(model.get_submodule(name).parameters())
     tied = []
-    for name in parts.last:
+    for name in stage.last_modules:
         for param_name, param in model.get_submodule(name).named_parameters():
             if param in first_parameters:
                 tied.append(f"{name}.{param_name}")
     return tied
+
+
+untied_parallelize = parallelize
+
+
+def parallelize(model, device, *args, **kwargs):
+    """The core's parallelize (the same arguments), refusing a weight the first and the last
+    stage share."""
+    stage = untied_parallelize(model, device, *args, **kwargs)
+    refuse_tied_weights(stage, model)
+    return stage
 
 
 ### end: Pipeline

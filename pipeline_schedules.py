@@ -39,17 +39,19 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 
 ### begin: Pipeline
-# Model contract: the model's embedding, its list of blocks ([B, T, D] -> [B, T, D]), cut into p
-# contiguous stages, and its head, named in a Parts: the common ViT's embed, blocks and head by
-# default; each block is called on x alone, or with what the model's forward gives it (a mask,
-# positions), as the Parts say. The same weights are built on every rank. A [B/m, T, D] tensor
-# crosses each stage boundary: (T, D) is parallelize's activation_shape, model.embed.pos's
-# [1, T, D] by default, in parallelize's activation_dtype (the parameters' dtype by default). The
-# loss is train_step's loss_fn(output, targets), cross-entropy by default. The pipeline is the
-# ranks of parallelize's `group` (the world when None): stage s on its group rank s, the peers
-# group ranks, every send and receive on the group. Clip with the section's clip_grad_norm_, not
-# torch's. Evaluation and the checkpoint, a language model's parts by name, a weight its first and
-# last stage share (GPT-2's tied embedding) and clipping: the `### more:` parts after the core.
+# Model contract: the common ViT's embed, its list of blocks ([B, T, D] -> [B, T, D]), cut into p
+# contiguous stages, and its head; each block called on x alone. The same weights are built on
+# every rank. A [B/m, T, D] tensor crosses each stage boundary: (T, D) is parallelize's
+# activation_shape, model.embed.pos's [1, T, D] by default, in parallelize's activation_dtype (the
+# parameters' dtype by default). The loss is train_step's loss_fn(output, targets), cross-entropy
+# by default. The pipeline is the ranks of parallelize's `group` (the world when None): stage s on
+# its group rank s, the peers group ranks, every send and receive on the group. Why it is exact:
+# the micro-batches' gradients add up in .grad, each loss divided by m, so one optimizer step sees
+# the batch's mean gradient, as one process; every stage sees the whole batch, and a stage's
+# receive buffer has the shape and dtype its peer sends (the ViT's blocks keep [B/m, T, D]).
+# Another model's parts by name and the arguments of its blocks, each send checked against its
+# receive, a weight its first and last stage share (GPT-2's tied embedding) and clipping: the
+# `### more:` parts after the core.
 
 
 class Stage(torch.nn.Module):
@@ -59,18 +61,16 @@ class Stage(torch.nn.Module):
     chunk C-1. Each module sits under its name in the whole model (block 5 stays blocks.5), so the
     stage's state_dict has the model's keys."""
 
+    # What the stage holds of the model, by name: its list of blocks, the modules the first stage
+    # runs before them and those the last stage runs after them (the common ViT's).
+    block_list = "blocks"
+    first_modules = ("embed",)
+    last_modules = ("head",)
+
     def __init__(
-        self,
-        model,
-        index,
-        num_stages,
-        num_chunks=1,
-        activation_shape=None,
-        parts=None,
-        activation_dtype=None,
+        self, model, index, num_stages, num_chunks=1, activation_shape=None, activation_dtype=None
     ):
         super().__init__()
-        self.parts = parts or Parts()  # the ViT's by default: `### more: a language model's parts`
         self.index = index
         self.num_stages = num_stages
         self.num_chunks = num_chunks
@@ -80,21 +80,20 @@ class Stage(torch.nn.Module):
         # the pipeline's group (chunk p on rank 0 follows chunk p-1 on rank p-1)
         self.next_rank = (index + 1) % num_stages
         self.previous_rank = (index - 1) % num_stages
-        depth = len(model.get_submodule(self.parts.blocks))
+        depth = len(model.get_submodule(self.block_list))
         global_chunks = num_chunks * num_stages
         self.chunks = []  # per chunk v of this stage: its blocks' names
         for global_chunk in range(index, global_chunks, num_stages):  # c = v·p + s
             first_block = global_chunk * depth // global_chunks
             end_block = (global_chunk + 1) * depth // global_chunks
-            self.chunks.append([f"{self.parts.blocks}.{i}" for i in range(first_block, end_block)])
+            self.chunks.append([f"{self.block_list}.{i}" for i in range(first_block, end_block)])
         held = [name for block_names in self.chunks for name in block_names]
         if self.is_first:
-            held += self.parts.first
+            held += self.first_modules
         if self.is_last:
-            held += self.parts.last
+            held += self.last_modules
         for name in held:
             hold(self, model, name)  # at the same dotted path in the stage as in the model
-        hold_own_buffers(self, model)  # Llama's freqs_cis: `### more: a language model's parts`
         if activation_shape is None:
             activation_shape = model.embed.pos.shape[1:]
         self.activation_shape = tuple(activation_shape)
@@ -107,20 +106,6 @@ class Stage(torch.nn.Module):
         shape = (samples, *self.activation_shape)
         return torch.empty(shape, dtype=self.activation_dtype, device=device)
 
-    def sendable(self, tensor):
-        """`tensor`, checked against the buffer its peer posts for it (`empty`): on NCCL a message
-        of another shape hangs or fails, and one of another dtype of the same size arrives as
-        garbage, with no error. An activation's gradient, sent back, has the shape and dtype of
-        the buffer it was received in."""
-        expected = (len(tensor), *self.activation_shape)
-        if tuple(tensor.shape) != expected or tensor.dtype != self.activation_dtype:
-            raise ValueError(
-                f"pipeline stage {self.index} sends a {list(tensor.shape)} {tensor.dtype} tensor "
-                f"where its peer receives {list(expected)} {self.activation_dtype}: pass "
-                "parallelize the activation_shape and activation_dtype its blocks give"
-            )
-        return tensor
-
     def is_first_chunk(self, chunk):
         return self.is_first and chunk == 0
 
@@ -129,16 +114,32 @@ class Stage(torch.nn.Module):
 
     def forward(self, x, chunk=0, inputs=None):
         """x: the micro-batch's inputs before the first chunk, the activation received before the
-        others; inputs: the micro-batch's inputs on every stage, for the arguments the model's
-        forward gives its blocks (a mask, positions: `### more: a language model's parts`)."""
+        others; inputs: the micro-batch's inputs, which every stage is given (the ViT's blocks take
+        x alone)."""
         if self.is_first_chunk(chunk):
-            x = self.parts.embed(self, x)
-        arguments = self.parts.block_arguments(self, inputs, x)  # None for the ViT's blocks
+            x = self.embed(x)
         for name in self.chunks[chunk]:
-            x = self.parts.call_block(self.get_submodule(name), x, arguments)
+            x = self.get_submodule(name)(x)
         if self.is_last_chunk(chunk):
-            x = self.parts.head(self, x)
+            x = self.head(x)
         return x
+
+
+def hold(stage, model, name):
+    """Hold the model's module `name` (a dotted path) at the same path in `stage`, inside empty
+    modules standing for the ones around it that the stage does not hold whole."""
+    owner = stage
+    *path, leaf = name.split(".")
+    for part in path:
+        if part not in dict(owner.named_children()):
+            owner.add_module(part, torch.nn.Module())
+        owner = owner.get_submodule(part)
+    owner.add_module(leaf, model.get_submodule(name))
+
+
+# The class parallelize builds: where the `### more:` parts that change a stage plug in, each with
+# a subclass of the one before it.
+StageClass = Stage
 
 
 def parallelize(
@@ -146,20 +147,21 @@ def parallelize(
     device,
     num_chunks=1,
     activation_shape=None,
-    parts=None,
     activation_dtype=None,
     group=None,
+    **options,
 ):
     """Keep this rank's chunks, on its device; the rest of the model is dropped. activation_shape:
     (T, D) of one sample's activation between stages (default: model.embed.pos's), in
-    activation_dtype (default: the parameters' dtype, bf16 for a bf16 model); parts: what
-    runs where (a Parts; default: the common ViT's); group: the pipeline's process group (the
-    world when None), whose rank s holds stage s."""
+    activation_dtype (default: the parameters' dtype, bf16 for a bf16 model); group: the
+    pipeline's process group (the world when None), whose rank s holds stage s; options: what the
+    StageClass takes besides."""
     num_stages = dist.get_world_size(group)
     index = dist.get_rank(group)  # stage s on the group's rank s
-    stage = Stage(model, index, num_stages, num_chunks, activation_shape, parts, activation_dtype)
+    stage = StageClass(
+        model, index, num_stages, num_chunks, activation_shape, activation_dtype, **options
+    )
     stage.group = group  # train_step, infer and full_state_dict communicate on it
-    tie_first_and_last(stage, model)  # `### more: a weight tied across the first and the last`
     return stage.to(device)
 
 
@@ -220,10 +222,9 @@ def receives(stage, step, inputs, received):
 
 
 def train_step(stage, x, y, schedule_name, micro_batches, loss_fn=F.cross_entropy):
-    """Forward, loss and backward of every micro-batch in the schedule's order, then the tied
-    weights' gradients summed. Returns the batch's mean loss on the last stage, 0 elsewhere. The
-    micro-batches are the step's gradient accumulation; a second train_step before the optimizer's
-    step adds to the gradients too.
+    """Forward, loss and backward of every micro-batch in the schedule's order. Returns the
+    batch's mean loss on the last stage, 0 elsewhere. The micro-batches are the step's gradient
+    accumulation; a second train_step before the optimizer's step adds to the gradients too.
 
     A step's sends go in one batch with the next step's receives, as Megatron-LM and
     torch.distributed.pipelining do, so no two stages both wait to send. zb-h1: B takes the input's
@@ -236,7 +237,6 @@ def train_step(stage, x, y, schedule_name, micro_batches, loss_fn=F.cross_entrop
     received = {}  # (action, micro-batch, chunk) -> the tensor its input arrives in
     kept = {}  # (micro-batch, chunk) -> (its input, its output), kept for its B (zb-h1: its W)
     output_grads = {}  # zb-h1: (micro-batch, chunk) -> the gradient its B went back with, for W
-    drop_summed_copies(stage)  # for a tied weight's copy: see its `### more:` part
     # The first step's inputs come alone: no step before it has sends to pair them with.
     p2p(receives(stage, steps[0], inputs, received), stage.group)
     for step, next_step in zip(steps, [*steps[1:], []], strict=True):
@@ -256,7 +256,7 @@ def train_step(stage, x, y, schedule_name, micro_batches, loss_fn=F.cross_entrop
                     output = loss_fn(output, targets[i]) / micro_batches
                     loss += output.detach()
                 else:
-                    sends.append((dist.isend, stage.sendable(output.detach()), stage.next_rank))
+                    sends.append((dist.isend, output.detach(), stage.next_rank))
                 kept[i, chunk] = (activation, output)
             elif action == "B":
                 grad = None if stage.is_last_chunk(chunk) else received.pop(("B", i, chunk))
@@ -274,8 +274,35 @@ def train_step(stage, x, y, schedule_name, micro_batches, loss_fn=F.cross_entrop
                 _, output = kept.pop((i, chunk))
                 output.backward(output_grads.pop((i, chunk)), inputs=list(stage.parameters()))
         p2p(sends + receives(stage, next_step, inputs, received), stage.group)
-    all_reduce_tied(stage)  # the two copies of a tied weight: see its `### more:` part
     return loss
+
+
+@torch.no_grad()
+def infer(stage, x):
+    """The whole batch through the chunks in turn, around the ranks V times: the logits on the
+    last stage, None on the others. A chain (receive, compute, send): one op a group is safe."""
+    activation = x
+    for chunk in range(stage.num_chunks):
+        if not stage.is_first_chunk(chunk):
+            activation = stage.empty(len(x), x.device)
+            p2p([(dist.irecv, activation, stage.previous_rank)], stage.group)
+        activation = stage(activation, chunk, inputs=x)
+        if not stage.is_last_chunk(chunk):
+            p2p([(dist.isend, activation, stage.next_rank)], stage.group)
+    return activation if stage.is_last else None
+
+
+def full_state_dict(model):
+    """The model's own state_dict(), gathered on the pipeline group's rank 0 (None elsewhere):
+    each stage holds its modules and the model's own buffers under the model's names, so its
+    state_dict() has the model's keys (its modules' hooks run); the parts only need merging."""
+    mine = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
+    group = model.group
+    parts = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
+    dist.gather_object(mine, parts, group=group, group_dst=0)
+    if parts is None:
+        return None
+    return {name: tensor for part in parts for name, tensor in part.items()}
 
 
 ### more: interleaved 1F1B (Narayanan et al. 2021, Megatron-LM)
@@ -334,38 +361,7 @@ def with_weight_passes(actions, micro_batches, index):
     return scheduled
 
 
-### more: evaluation and the checkpoint (infer for evaluate(), full_state_dict for --save)
-
-
-@torch.no_grad()
-def infer(stage, x):
-    """The whole batch through the chunks in turn, around the ranks V times: the logits on the
-    last stage, None on the others. A chain (receive, compute, send): one op a group is safe."""
-    activation = x
-    for chunk in range(stage.num_chunks):
-        if not stage.is_first_chunk(chunk):
-            activation = stage.empty(len(x), x.device)
-            p2p([(dist.irecv, activation, stage.previous_rank)], stage.group)
-        activation = stage(activation, chunk, inputs=x)
-        if not stage.is_last_chunk(chunk):
-            p2p([(dist.isend, stage.sendable(activation), stage.next_rank)], stage.group)
-    return activation if stage.is_last else None
-
-
-def full_state_dict(model):
-    """The model's own state_dict(), gathered on the pipeline group's rank 0 (None elsewhere):
-    each stage holds its modules and the model's own buffers under the model's names, so its
-    state_dict() has the model's keys (its modules' hooks run); the parts only need merging."""
-    mine = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
-    group = model.group
-    parts = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
-    dist.gather_object(mine, parts, group=group, group_dst=0)
-    if parts is None:
-        return None
-    return {name: tensor for part in parts for name, tensor in part.items()}
-
-
-### more: a language model's parts, by name, and the arguments of its blocks (Parts, hold)
+### more: a language model's parts, by name, and the arguments of its blocks (Parts)
 # A language model names its parts otherwise (nanoGPT: transformer.wte, transformer.h, lm_head)
 # and runs code of its own around its blocks. A Parts names them: `blocks`, the dotted name of
 # the model's list of blocks; `first`, the modules the first stage runs before the blocks, and
@@ -384,6 +380,7 @@ def full_state_dict(model):
 # forward's line that calls a block (HF's blocks return a tuple: `block(x, ...)[0]`). Every stage
 # holds the buffers the model keeps outside its modules (Llama's freqs_cis), persistent or not as
 # in the model: its blocks' arguments read them there, and the saved state_dict has them.
+# parallelize(..., parts=...) builds a LanguageModelStage.
 
 
 class Parts(NamedTuple):
@@ -398,6 +395,40 @@ class Parts(NamedTuple):
     call_block: Callable = lambda block, x, arguments: block(x)
 
 
+class LanguageModelStage(Stage):
+    """A Stage of the model `parts` names (a Parts; None: the common ViT's), run as its forward
+    runs: the parts' embed, each block called with what block_arguments prepares, the head."""
+
+    def __init__(
+        self,
+        model,
+        index,
+        num_stages,
+        num_chunks=1,
+        activation_shape=None,
+        activation_dtype=None,
+        parts=None,
+    ):
+        parts = parts or Parts()
+        # Stage's __init__ reads the names: plain attributes, so they may be set before it.
+        self.parts = parts
+        self.block_list = parts.blocks
+        self.first_modules = parts.first
+        self.last_modules = parts.last
+        super().__init__(model, index, num_stages, num_chunks, activation_shape, activation_dtype)
+        hold_own_buffers(self, model)
+
+    def forward(self, x, chunk=0, inputs=None):
+        if self.is_first_chunk(chunk):
+            x = self.parts.embed(self, x)
+        arguments = self.parts.block_arguments(self, inputs, x)  # None for the ViT's blocks
+        for name in self.chunks[chunk]:
+            x = self.parts.call_block(self.get_submodule(name), x, arguments)
+        if self.is_last_chunk(chunk):
+            x = self.parts.head(self, x)
+        return x
+
+
 def hold_own_buffers(stage, model):
     """The buffers `model` holds itself, not in a module, on `stage` under the same names, each
     persistent (in the state_dict) as it is in the model."""
@@ -407,16 +438,36 @@ def hold_own_buffers(stage, model):
         stage.register_buffer(name, buffer, persistent=persistent)
 
 
-def hold(stage, model, name):
-    """Hold the model's module `name` (a dotted path) at the same path in `stage`, inside empty
-    modules standing for the ones around it that the stage does not hold whole."""
-    owner = stage
-    *path, leaf = name.split(".")
-    for part in path:
-        if part not in dict(owner.named_children()):
-            owner.add_module(part, torch.nn.Module())
-        owner = owner.get_submodule(part)
-    owner.add_module(leaf, model.get_submodule(name))
+StageClass = LanguageModelStage
+
+
+### more: each send checked against the receive its peer posts (NCCL)
+# The core's receive buffer has the shape and dtype the ViT's blocks give. Another model's (T, D),
+# or autocast's bf16 activations of an fp32 model, may not: on NCCL a message of another shape
+# hangs or fails, and one of another dtype of the same size arrives as garbage, with no error.
+# Each activation is checked before it is sent; its gradient, sent back, has the shape and dtype
+# of the buffer it was received in.
+
+
+class CheckedStage(LanguageModelStage):
+    """A stage whose output, on every chunk but the last (it goes to the next chunk), is checked
+    against the buffer the next chunk posts for it (`empty`): one clear error before any send."""
+
+    def forward(self, x, chunk=0, inputs=None):
+        output = super().forward(x, chunk, inputs)
+        if self.is_last_chunk(chunk):
+            return output  # the logits or the loss's input: not sent
+        expected = (len(output), *self.activation_shape)
+        if tuple(output.shape) != expected or output.dtype != self.activation_dtype:
+            raise ValueError(
+                f"pipeline stage {self.index} sends a {list(output.shape)} {output.dtype} tensor "
+                f"where its peer receives {list(expected)} {self.activation_dtype}: pass "
+                "parallelize the activation_shape and activation_dtype its blocks give"
+            )
+        return output
+
+
+StageClass = CheckedStage
 
 
 ### more: a weight tied across the first and the last stage (GPT-2's wte.weight, lm_head.weight)
@@ -425,7 +476,8 @@ def hold(stage, model, name):
 # two stages, its "embedding group", sum their gradients after each step's backward
 # (all_reduce_tied): both copies take the same step, the tied weight's. Several pipelines side by
 # side (hybrid parallelism) have an embedding group each. A weight-decay split by shape puts the
-# last stage's copy in the group of its original's shape there.
+# last stage's copy in the group of its original's shape there. This part wraps the core's
+# parallelize and train_step under their own names: the callers' code does not change.
 
 
 def tie_first_and_last(stage, model):
@@ -434,7 +486,7 @@ def tie_first_and_last(stage, model):
     stage.tied = []
     stage.tied_group = None
     # A pipeline of one stage holds both ends of a tied weight: nothing to keep equal.
-    tied_names = tied_weights(model, stage.parts) if stage.num_stages > 1 else []
+    tied_names = tied_weights(model, stage) if stage.num_stages > 1 else []
     if not tied_names:
         return
     stage.tied_group = embedding_group(stage.group)
@@ -463,14 +515,14 @@ def embedding_group(group):
     return made
 
 
-def tied_weights(model, parts):
-    """The names, in the model, of the last modules' parameters that the first modules hold too
-    (GPT-2's lm_head.weight, which is transformer.wte.weight)."""
+def tied_weights(model, stage):
+    """The names, in the model, of the parameters of the last modules that the first modules hold
+    too (GPT-2's lm_head.weight, which is transformer.wte.weight), as the stage names them."""
     first_parameters = set()
-    for name in parts.first:
+    for name in stage.first_modules:
         first_parameters.update(model.get_submodule(name).parameters())
     tied = []
-    for name in parts.last:
+    for name in stage.last_modules:
         for param_name, param in model.get_submodule(name).named_parameters():
             if param in first_parameters:
                 tied.append(f"{name}.{param_name}")
@@ -501,6 +553,25 @@ def all_reduce_tied(stage):
     both, after the step's last backward. The other stages hold no copy and do nothing."""
     for weight in stage.tied:
         dist.all_reduce(weight.grad, group=stage.tied_group)
+
+
+untied_parallelize = parallelize
+untied_train_step = train_step
+
+
+def parallelize(model, device, *args, **kwargs):
+    """The core's parallelize (the same arguments), then the tied weights' copies and group."""
+    stage = untied_parallelize(model, device, *args, **kwargs)
+    tie_first_and_last(stage, model)
+    return stage
+
+
+def train_step(stage, *args, **kwargs):
+    """The core's train_step (the same arguments), each tied copy's gradient summed after it."""
+    drop_summed_copies(stage)
+    loss = untied_train_step(stage, *args, **kwargs)
+    all_reduce_tied(stage)
+    return loss
 
 
 ### more: gradient clipping over the stages

@@ -90,7 +90,7 @@ def held_by_rank(stage):
     """What each rank's stage holds, gathered on every rank: {what: [per rank]}. The technique ran:
     the blocks cut over the ranks, the position embedding on the first stage only, a tied copy on
     each end."""
-    blocks = len(list(stage.get_submodule(stage.parts.blocks).children()))
+    blocks = len(list(stage.get_submodule(stage.block_list).children()))
     wpe = any("wpe." in key for key in stage.state_dict())
     held = dict(blocks=blocks, wpe=wpe, copies=len(stage.tied))
     gathered = [None] * dist.get_world_size()

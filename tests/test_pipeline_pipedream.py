@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from causal_lm import CausalLM
+from causal_lm import CONTEXT, CausalLM
 from test_pipeline import (
     LOOP,
     LOOP_COLLECTIVES,
@@ -195,11 +195,14 @@ def test_the_replay_catches_a_send_left_open_across_the_loops_all_reduce(monkeyp
 
 def test_a_weight_tied_across_stages_is_refused(monkeypatch):
     """A language model's tied embedding (tests/causal_lm.py: lm_head.weight is wte.weight) cannot
-    be kept in step by PipeDream's per-micro-batch steps: parallelize says so before it splits
-    the model, instead of training two copies that drift apart (pipeline.py sums them)."""
+    be kept in step by PipeDream's per-micro-batch steps: parallelize says so before training,
+    instead of training two copies that drift apart (pipeline.py sums them)."""
     monkeypatch.setattr(pipeline_pipedream.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(pipeline_pipedream.dist, "get_rank", lambda group=None: 0)
     with pytest.raises(ValueError, match="share \\['head.lm_head.weight'\\].*use pipeline.py"):
-        pipeline_pipedream.parallelize(CausalLM(), torch.device("cpu"))
+        model = CausalLM()
+        shape = (CONTEXT, model.embed.wte.embedding_dim)  # what it sends, as copy_pipeline's
+        pipeline_pipedream.parallelize(model, torch.device("cpu"), activation_shape=shape)
 
 
 def test_clip_is_refused_before_any_process_group():
