@@ -43,14 +43,14 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 
 ### begin: Tensor parallel
 # Model contract: [B, T, D] activations through `model.blocks`, the same weights on every rank of
-# the group, and each of them fed the same batch. `plan` names each layer of a block to split
-# (nn.Linear, or HuggingFace's Conv1D) and how; the block's own forward then runs on the split
-# layers, so its attention must take its head count off the width it is given (PLAN is the ViT's,
-# whose attention reads it off q's width). The tensor-parallel group is the `group` argument, the
-# world when None: every collective runs on it, W is its size and a rank's shard is cut by its
-# rank in it. Clip with the section's clip_grad_norm_(model, max_norm, group), not torch's.
-# A language model's fused q, k, v and head counts, sequence parallelism and clipping: the
-# `### more:` parts after the core.
+# the group, and each of them fed the same batch. `plan` names each nn.Linear of a block to split
+# and how; the block's own forward then runs on the split layers, so its attention must take its
+# head count off the width it is given (PLAN is the ViT's, whose attention reads it off q's
+# width). The tensor-parallel group is the `group` argument, the world when None: every
+# collective runs on it, W is its size and a rank's shard is cut by its rank in it.
+# The core ends at the first `### more:` line and trains the ViT alone; each part after it plugs
+# in from outside (classes a plan names, a parallelize of its own, a wrapper of operators or
+# full_state_dict). Clip with the section's clip_grad_norm_(model, max_norm, group), not torch's.
 
 # Shoeybi et al. 2019, section 3 and Figure 3 (https://arxiv.org/abs/1909.08053): the MLP's first
 # weight A split by columns (output features), its second B by rows (input features), so that
@@ -68,13 +68,15 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 #
 # f sits where a column-parallel layer's input enters it, g where a row-parallel layer's output
 # leaves it, both inside the split layers: whatever the block passes its attention (positions,
-# masks, keyword arguments), no path crosses f or g twice.
+# masks, keyword arguments), no path crosses f or g twice. The embedding, the norms and the head
+# stay whole on every rank: each rank sees the whole batch and, past g, the whole activations,
+# so their gradients are the same everywhere and the ranks' replicas stay equal.
 
 
 def shard_of(tensor, dim, parts=1, group=None):
     """This rank's 1/W of `tensor` along `dim`, copied (a view would keep the whole alive), W and
-    the rank counted in `group`. With parts=3 (q, k and v fused in one tensor), its 1/W of each
-    third, side by side."""
+    the rank counted in `group`. With parts > 1 (matrices side by side along `dim`), its 1/W of
+    each of them, side by side."""
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     pieces = tensor.detach().chunk(parts, dim)
@@ -89,19 +91,23 @@ def all_reduce(partial, group=None):
     return partial
 
 
+# The Functions take their group first, as torch.distributed.nn's do, so that
+# functools.partial(Function.apply, group) is f or g on that group, a callable on a tensor.
+
+
 class CopyToTensorParallel(torch.autograd.Function):
     """f, before the column-parallel q, k, v (or fc1). Forward: identity, every rank has the whole
     X. Backward: all-reduce over `group`, since rank r's X·A_r gives only its part of dX; the sum
     is dX."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, group, x):
         ctx.group = group
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return all_reduce(grad, ctx.group), None  # no gradient for the group
+        return None, all_reduce(grad, ctx.group)  # no gradient for the group
 
 
 class ReduceFromTensorParallel(torch.autograd.Function):
@@ -109,27 +115,26 @@ class ReduceFromTensorParallel(torch.autograd.Function):
     Backward: identity, the gradient of a sum is the same for each of its terms."""
 
     @staticmethod
-    def forward(ctx, partial, group):
+    def forward(ctx, group, partial):
         return all_reduce(partial, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None  # no gradient for the group
+        return None, grad  # no gradient for the group
 
 
 class ColumnParallelLinear(nn.Module):
-    """Y_r = f(X)·A_r: this rank's 1/W of a layer's output features and of its bias, with f on
-    its input; its output stays split. The weight keeps the layer's layout (nn.Linear's [out, in]
-    split by rows, Conv1D's [in, out] by columns), so the state_dict keeps its shapes' order."""
+    """Y_r = f(X)·A_r: this rank's 1/W of an nn.Linear's output features and of its bias, with f
+    on its input; its output stays split. nn.Linear keeps its weight [out, in], so rank r keeps
+    its rows, and the state_dict keeps the layer's shapes' order."""
 
-    parts = 1  # the output features are one matrix's (QKVParallelLinear: three side by side)
+    parts = 1  # matrices side by side in the output features: one
+    out_dim = 0  # where the weight keeps the output features: nn.Linear's [out, in]
 
     def __init__(self, layer, f, g, group=None):
         super().__init__()
-        self.in_out = stores_in_out(layer)
-        out_dim = 1 if self.in_out else 0
-        self.shard_dims = {"weight": out_dim}  # where full_state_dict joins the shards
-        self.weight = nn.Parameter(shard_of(layer.weight, out_dim, self.parts, group))
+        self.shard_dims = {"weight": self.out_dim}  # where full_state_dict joins the shards
+        self.weight = nn.Parameter(shard_of(layer.weight, self.out_dim, self.parts, group))
         self.bias = None  # None for the key projection
         if layer.bias is not None:
             self.shard_dims["bias"] = 0
@@ -137,31 +142,28 @@ class ColumnParallelLinear(nn.Module):
         self.f = f
 
     def forward(self, x):
-        weight = self.weight.t() if self.in_out else self.weight  # F.linear takes [out, in]
-        return F.linear(self.f(x), weight, self.bias)
+        return F.linear(self.f(x), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
-    """Z = g(Y_r·B_r) + b = Σ_r Y_r·B_r + b: this rank's 1/W of a layer's input features,
+    """Z = g(Y_r·B_r) + b = Σ_r Y_r·B_r + b: this rank's 1/W of an nn.Linear's input features,
     applied to the column-parallel layer's split output Y_r, then g sums the W partial products.
     The bias is whole and added once, after g: added before it, the sum would count it W times.
     That is why g lives here rather than in the block."""
 
     parts = 1  # full_state_dict reads it off every parallel linear
+    in_dim = 1  # where the weight keeps the input features: nn.Linear's [out, in]
 
     def __init__(self, layer, f, g, group=None):
         super().__init__()
-        self.in_out = stores_in_out(layer)
-        in_dim = 0 if self.in_out else 1
-        self.shard_dims = {"weight": in_dim}  # where full_state_dict joins; the bias is whole
-        self.weight = nn.Parameter(shard_of(layer.weight, in_dim, group=group))
+        self.shard_dims = {"weight": self.in_dim}  # where full_state_dict joins; the bias is whole
+        self.weight = nn.Parameter(shard_of(layer.weight, self.in_dim, group=group))
         bias = layer.bias  # None with bias=False
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
         self.g = g
 
     def forward(self, y):
-        weight = self.weight.t() if self.in_out else self.weight  # F.linear takes [out, in]
-        z = self.g(F.linear(y, weight))
+        z = self.g(F.linear(y, self.weight))
         return z if self.bias is None else z + self.bias
 
 
@@ -176,24 +178,11 @@ PLAN = {
 }
 
 
-def operators(sequence_parallel=False, group=None):
+def operators(group=None):
     """Megatron's f and g, each a callable on a tensor that runs its collectives on `group`."""
-    f = OncePerInput(with_group(CopyToTensorParallel, group))
-    g = with_group(ReduceFromTensorParallel, group)
-    if sequence_parallel:  # the tokens gathered at the module's input: `### more: sequence ...`
-        f = tokens_gathered
-        g = with_group(ReduceScatterFromTensorParallel, group)
+    f = functools.partial(CopyToTensorParallel.apply, group)
+    g = functools.partial(ReduceFromTensorParallel.apply, group)
     return f, g
-
-
-def with_group(function, group):
-    """function.apply(x, group) as a callable on x alone. Not functools.partial(function.apply,
-    group=group): torch 2.11's Function.apply takes no keyword arguments."""
-
-    def apply(x):
-        return function.apply(x, group)
-
-    return apply
 
 
 def split_block(block, plan, f, g, group=None):
@@ -205,41 +194,37 @@ def split_block(block, plan, f, g, group=None):
         setattr(owner, attribute, split(getattr(owner, attribute), f, g, group))
 
 
-def parallelize(
-    model,
-    device,
-    sequence_parallel=False,
-    plan=PLAN,
-    checkpointing=False,
-    partition=False,
-    blocks=None,
-    head=None,
-    group=None,
-):
+def parallelize(model, device, plan=PLAN, blocks=None, group=None):
     """Split every block's layers in place as `plan` says, over the ranks of `group` (None: the
-    world); the embedding and the head stay replicated (every rank sees the whole batch, so their
-    gradients are the same everywhere). `blocks`: model.blocks unless given. `head` is for
-    sequence parallelism: see its `### more:` part. `device` is unused: the model is
-    already on it (the argument keeps every script's call the same)."""
-    f, g = operators(sequence_parallel, group)
+    world); the embedding and the head stay replicated. `blocks`: model.blocks unless given.
+    `device` is unused: the model is already on it (the argument keeps every script's call the
+    same)."""
+    f, g = operators(group)
     blocks = model.blocks if blocks is None else blocks
     for block in blocks:
         split_block(block, plan, f, g, group)
-        if checkpointing or partition:  # Pa checkpoints too
-            block.forward = CheckpointedForward(block.forward, sequence_parallel, partition, group)
-    if sequence_parallel:  # the blocks on T/W tokens, the embedding and the head on all T
-        gather_tokens_into(blocks, group)
-        head = model.head if head is None else head
-        split_tokens(next(iter(blocks)), head, group)
-        sum_partial_gradients(token_sharded_params(blocks), group)
     return model
 
 
 def join_shards(shards, dim, parts=1):
     """The whole tensor again from the W ranks' shard_of(tensor, dim, parts), in its own order:
-    with parts=3, every rank's q rows, then every rank's k rows, then every rank's v rows."""
+    with parts=3, every rank's rows of the first matrix, then of the second, then of the third."""
     pieces = [shard.chunk(parts, dim) for shard in shards]  # pieces[rank][part]
     return torch.cat([by_rank[part] for part in range(parts) for by_rank in pieces], dim)
+
+
+@contextlib.contextmanager
+def swapped(values):
+    """Each (module, name, value) of `values` set in place for the length of a `with`, the
+    module's own attribute back after."""
+    own = [(module, name, getattr(module, name)) for module, name, _ in values]
+    try:
+        for module, name, value in values:
+            setattr(module, name, value)
+        yield
+    finally:
+        for module, name, value in own:
+            setattr(module, name, value)
 
 
 def full_state_dict(model, group=None):
@@ -262,7 +247,6 @@ def full_state_dict(model, group=None):
                 wholes.append((module, name, nn.Parameter(whole, requires_grad=False)))
     if rank != 0:
         return None
-    wholes += whole_counts(model)  # the head counts a plan divided: `### more: a language model`
     with swapped(wholes):
         return {key: value.detach().cpu() for key, value in model.state_dict().items()}
 
@@ -271,6 +255,13 @@ def full_state_dict(model, group=None):
 # Rajbhandari et al. 2019, section 6.1 (https://arxiv.org/abs/1910.02054): tensor parallelism
 # leaves every rank the same whole activations outside the split layers; checkpointing keeps
 # only each block's input, and Pa keeps only this rank's T/W tokens of it.
+
+
+def checkpoint_blocks(blocks, sequence_parallel=False, partition=False, group=None):
+    """ZeRO-R's activation work on each of the split `blocks` (--checkpoint, or Pa with
+    `partition`), a CheckpointedForward in place of its forward; Pa's all-gathers on `group`."""
+    for block in blocks:
+        block.forward = CheckpointedForward(block.forward, sequence_parallel, partition, group)
 
 
 class CheckpointedForward:
@@ -309,17 +300,17 @@ class CheckpointedForward:
         return self.forward(x)
 
 
-### more: one f per input tensor, Conv1D's [in, out] weights, the state_dict of the whole model
-# What the split layers and full_state_dict above need beyond the paper's picture: q, k and v
-# entering through one f, HuggingFace's transposed weights, the whole tensors in place of the
-# shards while the model's own state_dict() runs.
+### more: one f per input tensor
+# Performance: q, k and v read the same normed x (Llama's w1 and w3 too), and the paper's picture
+# has one f before all three. With an f in each layer, backward would all-reduce each layer's dX
+# apart; entered once per input tensor, f all-reduces their sum once (the same sum, a third of
+# the traffic). Plugged in by wrapping the core's operators().
 
 
 class OncePerInput:
-    """f for every column-parallel layer, entered once per input tensor: q, k and v read the same
-    normed x, and one f on it all-reduces the sum of their three dX in backward, not each apart
-    (the sum is the same, the traffic a third). It keeps the last tensor it entered until the
-    next one comes."""
+    """f for every column-parallel layer, entered once per input tensor: the layers that read the
+    same x share one f(x), so backward all-reduces the sum of their dX once. It keeps the last
+    tensor it entered until the next one comes."""
 
     def __init__(self, f):
         self.f = f
@@ -333,28 +324,43 @@ class OncePerInput:
         return self.output
 
 
-def stores_in_out(layer):
-    """Whether `layer` keeps its weight [in, out]: HuggingFace's Conv1D does (y = x·W + b), known
-    by its class name so that transformers need not be installed; nn.Linear keeps [out, in]."""
-    if isinstance(layer, nn.Linear):
-        return False
-    if type(layer).__name__ == "Conv1D":
-        return True
-    raise TypeError(f"{type(layer).__name__}: the plan splits nn.Linear or HuggingFace's Conv1D")
+def with_f_once_per_input(operators):
+    """`operators` whose f is entered once per input tensor (OncePerInput)."""
+
+    @functools.wraps(operators)
+    def f_once_per_input(group=None):
+        f, g = operators(group)
+        return OncePerInput(f), g
+
+    return f_once_per_input
 
 
-@contextlib.contextmanager
-def swapped(values):
-    """Each (module, name, value) of `values` set in place for the length of a `with`, the
-    module's own attribute back after."""
-    own = [(module, name, getattr(module, name)) for module, name, _ in values]
-    try:
-        for module, name, value in values:
-            setattr(module, name, value)
-        yield
-    finally:
-        for module, name, value in own:
-            setattr(module, name, value)
+operators = with_f_once_per_input(operators)
+
+
+### more: HuggingFace's Conv1D, its weight [in, out]
+# GPT-2 in transformers keeps its layers as Conv1D (y = x·W + b, W [in, out]): the transpose of
+# nn.Linear's layout. A plan names these classes for them: the same split, along the other
+# dimension of the weight, which keeps its layout (and the state_dict its shapes).
+
+
+class ColumnParallelConv1D(ColumnParallelLinear):
+    """ColumnParallelLinear for a Conv1D: rank r keeps its columns of W [in, out]."""
+
+    out_dim = 1
+
+    def forward(self, x):
+        return F.linear(self.f(x), self.weight.t(), self.bias)  # F.linear takes [out, in]
+
+
+class RowParallelConv1D(RowParallelLinear):
+    """RowParallelLinear for a Conv1D: rank r keeps its rows of W [in, out]."""
+
+    in_dim = 0
+
+    def forward(self, y):
+        z = self.g(F.linear(y, self.weight.t()))  # F.linear takes [out, in]
+        return z if self.bias is None else z + self.bias
 
 
 ### more: a language model: q, k and v fused in one layer, head counts, its own names
@@ -369,6 +375,7 @@ def swapped(values):
 # for Llama and HF's GPT-2: docs/copy.md. Under other names give the modules themselves: `blocks`
 # (nanoGPT: transformer.h, torchtitan: layers.values()), and for --sequence-parallel the module
 # that takes the last block's output, `head` (nanoGPT: transformer.ln_f, torchtitan: norm).
+# full_state_dict, wrapped at the end, takes the model's state_dict() with the whole counts.
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -378,6 +385,10 @@ class QKVParallelLinear(ColumnParallelLinear):
     output is this rank's q, k and v side by side, [B, T, 3D/W]."""
 
     parts = 3
+
+
+class QKVParallelConv1D(QKVParallelLinear, ColumnParallelConv1D):
+    """QKVParallelLinear for a Conv1D (HF GPT-2's c_attn, W [D, 3D]): its columns, as thirds."""
 
 
 class PerRank(int):
@@ -417,6 +428,22 @@ def whole_counts(model):
     return counts
 
 
+def with_whole_counts(full_state_dict):
+    """`full_state_dict` with one process's count in place of every PerRank while it runs: the
+    model's state_dict hooks may read them (Llama's splits wqkv into wq, wk and wv by n_heads and
+    n_kv_heads). Every rank swaps them; no forward runs meanwhile."""
+
+    @functools.wraps(full_state_dict)
+    def with_counts(model, group=None):
+        with swapped(whole_counts(model)):
+            return full_state_dict(model, group)
+
+    return with_counts
+
+
+full_state_dict = with_whole_counts(full_state_dict)
+
+
 ### more: sequence parallelism (Korthikanti et al. 2022)
 # https://arxiv.org/abs/2205.05198, section 4.2.2: outside the split layers (norms, residuals)
 # every rank would hold the same [B, T, D] activations; each keeps only its T/W tokens of them
@@ -454,13 +481,13 @@ class GatherToTensorParallel(torch.autograd.Function):
     Backward: reduce-scatter, the partial dX of all T summed, each rank keeping its T/W."""
 
     @staticmethod
-    def forward(ctx, shard, group):
+    def forward(ctx, group, shard):
         ctx.group = group
         return all_gather_tokens(shard, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return reduce_scatter_tokens(grad, ctx.group), None  # no gradient for the group
+        return None, reduce_scatter_tokens(grad, ctx.group)  # no gradient for the group
 
 
 class ReduceScatterFromTensorParallel(torch.autograd.Function):
@@ -469,13 +496,13 @@ class ReduceScatterFromTensorParallel(torch.autograd.Function):
     all T tokens."""
 
     @staticmethod
-    def forward(ctx, partial, group):
+    def forward(ctx, group, partial):
         ctx.group = group
         return reduce_scatter_tokens(partial, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_gather_tokens(grad, ctx.group), None  # no gradient for the group
+        return None, all_gather_tokens(grad, ctx.group)  # no gradient for the group
 
 
 def tokens_gathered(x):
@@ -500,13 +527,13 @@ class EnterSequenceParallel(torch.autograd.Function):
     Backward: all-gather the gradient, so every rank's embedding gets the same, whole one."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, group, x):
         ctx.group = group
         return shard_of(x, dim=1, group=group)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_gather_tokens(grad, ctx.group), None  # no gradient for the group
+        return None, all_gather_tokens(grad, ctx.group)  # no gradient for the group
 
 
 class LeaveSequenceParallel(torch.autograd.Function):
@@ -515,13 +542,13 @@ class LeaveSequenceParallel(torch.autograd.Function):
     is replicated, so its dX is already whole and the same on every rank."""
 
     @staticmethod
-    def forward(ctx, shard, group):
+    def forward(ctx, group, shard):
         ctx.group = group
         return all_gather_tokens(shard, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return shard_of(grad, dim=1, group=ctx.group), None  # no gradient for the group
+        return None, shard_of(grad, dim=1, group=ctx.group)  # no gradient for the group
 
 
 def on_first_argument(function, group, module, args, kwargs):
@@ -533,11 +560,11 @@ def on_first_argument(function, group, module, args, kwargs):
             "parallelism splits or gathers the tokens of the first"
         )
     tokens, *rest = args
-    return (function.apply(tokens, group), *rest), kwargs
+    return (function.apply(group, tokens), *rest), kwargs
 
 
 def hook_first_argument(module, function, group=None):
-    """function.apply(tokens, group) on the first positional argument of every call to `module`."""
+    """function.apply(group, tokens) on the first positional argument of every call to `module`."""
     hook = functools.partial(on_first_argument, function, group)
     module.register_forward_pre_hook(hook, with_kwargs=True)
 
@@ -569,11 +596,34 @@ def token_sharded_params(blocks):
     return params
 
 
+def sequence_operators(group=None):
+    """f and g under --sequence-parallel, on `group`: f nothing (the module holding the
+    column-parallel layers gathered its tokens: gather_tokens_into), g a reduce-scatter."""
+    g = functools.partial(ReduceScatterFromTensorParallel.apply, group)
+    return tokens_gathered, g
+
+
+def sequence_parallelize(model, device, plan=PLAN, blocks=None, head=None, group=None):
+    """parallelize under sequence parallelism: every block's layers split as `plan` says with
+    sequence_operators, the blocks on T/W tokens, the embedding and `head` (model.head unless
+    given: the module that takes the last block's output) on all T, and the partial gradients of
+    what the blocks hold whole summed over `group`."""
+    f, g = sequence_operators(group)
+    blocks = model.blocks if blocks is None else blocks
+    for block in blocks:
+        split_block(block, plan, f, g, group)
+    gather_tokens_into(blocks, group)
+    head = model.head if head is None else head
+    split_tokens(next(iter(blocks)), head, group)
+    sum_partial_gradients(token_sharded_params(blocks), group)
+    return model
+
+
 ### more: the gradient sum of the parameters every rank holds whole, under sequence parallelism
 # Each rank's norms and row-parallel biases see only its T/W tokens, so their gradients are
-# partial sums that the ranks must add up before the optimizer steps. parallelize asks for it in a
-# line of its own: a caller whose optimizer steps other tensors than these parameters (ZeRO's
-# flat shards) sums their gradients its own way instead.
+# partial sums that the ranks must add up before the optimizer steps. sequence_parallelize asks for
+# it in a line of its own: a caller whose optimizer steps other tensors than these parameters
+# (ZeRO's flat shards) sums their gradients its own way instead.
 
 
 def sum_partial_gradients(params, group=None):
@@ -834,13 +884,13 @@ def run(args):
         if args.load:
             model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
         psi = sum(p.numel() for p in model.parameters())
-        model = parallelize(
-            model.to(device),
-            device,
-            sequence_parallel=args.sequence_parallel,
-            checkpointing=args.checkpoint,
-            partition=args.partition_activations,
-        )
+        if args.sequence_parallel:
+            model = sequence_parallelize(model.to(device), device)
+        else:
+            model = parallelize(model.to(device), device)
+        if args.checkpoint or args.partition_activations:  # Pa checkpoints too
+            partition = args.partition_activations
+            checkpoint_blocks(model.blocks, args.sequence_parallel, partition)
         optimizer = common.make_optimizer(model.parameters(), args)
         scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
         common.log(

@@ -22,19 +22,20 @@ from causal_lm import OPTIMS, CausalLM, make_optimizer, param_groups, train
 import tensor_parallel
 import tensor_parallel_zero_r
 from tensor_parallel import (
+    ColumnParallelConv1D,
     ColumnParallelLinear,
     PerRank,
+    QKVParallelConv1D,
     QKVParallelLinear,
+    RowParallelConv1D,
     RowParallelLinear,
     full_state_dict,
-    parallelize,
 )
 
 CPU = torch.device("cpu")
 HEADS = 4  # CausalLM()'s
 
-# GPT-2's plan, in CausalLM's and nanoGPT's names (nn.Linear) and in HF's (Conv1D): q, k, v fused
-# in c_attn as thirds
+# GPT-2's plan, in CausalLM's and nanoGPT's names (nn.Linear): q, k, v fused in c_attn as thirds
 GPT2_PLAN = {
     "attn.c_attn": QKVParallelLinear,
     "attn.c_proj": RowParallelLinear,
@@ -43,7 +44,14 @@ GPT2_PLAN = {
 }
 CAUSAL_LM_PLAN = {**GPT2_PLAN, "attn.heads": PerRank}
 NANOGPT_PLAN = {**GPT2_PLAN, "attn.n_head": PerRank, "attn.n_embd": PerRank}
-HF_GPT2_PLAN = {**GPT2_PLAN, "attn.split_size": PerRank}
+# HF's GPT-2: the same layers, Conv1D ([in, out] weights)
+HF_GPT2_PLAN = {
+    "attn.c_attn": QKVParallelConv1D,
+    "attn.c_proj": RowParallelConv1D,
+    "mlp.c_fc": ColumnParallelConv1D,
+    "mlp.c_proj": RowParallelConv1D,
+    "attn.split_size": PerRank,
+}
 # torchtitan's Llama: wqkv by kv group (a rank's rows are its whole groups), SwiGLU's w1 and w3
 # by columns, w2 by rows; the head counts divided (n_kv_heads refuses a W that does not divide it)
 LLAMA_PLAN = {
@@ -55,6 +63,15 @@ LLAMA_PLAN = {
     "feed_forward.w3": ColumnParallelLinear,
     "feed_forward.w2": RowParallelLinear,
 }
+
+
+def split(section, model, sequence_parallel, plan, **where):
+    """`section`'s parallelize, or its sequence_parallelize under sequence parallelism, on
+    `model` with `plan`; `where`: blocks, head, group (head only under sequence parallelism)."""
+    if sequence_parallel:
+        return section.sequence_parallelize(model, CPU, plan, **where)
+    where.pop("head", None)  # the head stays whole and unhooked: parallelize takes none
+    return section.parallelize(model, CPU, plan, **where)
 
 
 def causal_lm_attention(attention, x):
@@ -108,7 +125,7 @@ def run_tensor_parallel(sequence_parallel, optim, batches):
     model = CausalLM()
     whole = model.blocks[0].attn.c_attn.weight.detach().clone()
     attend_by_width_of_q(model.blocks, causal_lm_attention)
-    model = parallelize(model, CPU, sequence_parallel, CAUSAL_LM_PLAN)
+    model = split(tensor_parallel, model, sequence_parallel, CAUSAL_LM_PLAN)
     c_attn = model.blocks[0].attn.c_attn.weight
     seen = {}  # the tokens block 0's first norm runs on: T/W under sequence parallelism
 
@@ -146,16 +163,18 @@ def cases(batches, rank, world, folder):
 GROUP_CASES = ["group-tp-adamw", "group-tp-sp-sgd", "group-tp-pa-sgd"]
 
 
-def run_on_group(section, optim, batches, group, **options):
-    """CausalLM split by `section` (tensor_parallel or its ZeRO-R variant) over `group`, trained
-    with every group rank feeding the whole micro-batch: (model, full state_dict on the group's
-    first rank, None on the other)."""
+def run_on_group(section, optim, batches, group, sequence_parallel=False, partition=False):
+    """CausalLM split by `section` (tensor_parallel or its ZeRO-R variant, whose Pa `partition`
+    adds) over `group`, trained with every group rank feeding the whole micro-batch: (model, full
+    state_dict on the group's first rank, None on the other)."""
     # GPT2_PLAN in the section's own classes: the variant file defines its own, which its
     # parallelize tells apart by identity.
-    plan = {name: getattr(section, split.__name__) for name, split in CAUSAL_LM_PLAN.items()}
+    plan = {name: getattr(section, style.__name__) for name, style in CAUSAL_LM_PLAN.items()}
     model = CausalLM()
     attend_by_width_of_q(model.blocks, causal_lm_attention)
-    model = section.parallelize(model, CPU, plan=plan, group=group, **options)
+    model = split(section, model, sequence_parallel, plan, group=group)
+    if partition:
+        section.checkpoint_blocks(model.blocks, sequence_parallel, partition, group)
     optimizer = make_optimizer(param_groups(model, optim), optim)
     train(model, optimizer, batches)  # rank=0, world=1: every rank feeds the whole micro-batch
     return model, section.full_state_dict(model, group)
@@ -211,14 +230,9 @@ def run_nanogpt_tensor_parallel(sequence_parallel, prefix, optim):
     gpt = nanogpt_model.model(nanogpt_model.CONFIGS[prefix])
     whole = gpt.transformer.h[0].attn.c_attn.weight.detach().clone()
     attend_by_width_of_q(gpt.transformer.h, nanogpt_attention)
-    model = tensor_parallel.parallelize(
-        gpt,
-        CPU,
-        sequence_parallel,
-        NANOGPT_PLAN,
-        blocks=gpt.transformer.h,
-        head=gpt.transformer.ln_f,
-    )
+    blocks = gpt.transformer.h
+    head = gpt.transformer.ln_f
+    model = split(tensor_parallel, gpt, sequence_parallel, NANOGPT_PLAN, blocks=blocks, head=head)
     seen = {}  # the tokens block 0's first norm runs on: T/W under sequence parallelism
 
     def note_tokens(module, inputs):
@@ -327,7 +341,7 @@ def run_family_tensor_parallel(family, sequence_parallel, optim, config):
     whole = qkv.weight.detach().clone()
     heads = head_count(family, attention)
     plan, blocks, head = llama_parts(family, model)
-    tensor_parallel.parallelize(model, CPU, sequence_parallel, plan, blocks=blocks, head=head)
+    split(tensor_parallel, model, sequence_parallel, plan, blocks=blocks, head=head)
     check_split(family, model, whole, heads)
     seen = {}
 

@@ -56,8 +56,11 @@ MAX_DIFF = {
     # issue 40: + Conv1D's [in, out] weights, one f per input tensor, PerRank head counts, the
     # save through the model's own state_dict(), SP's gather at the attention's input (- the
     # re-implemented attention)
-    "tensor_parallel.py": 705,
-    "tensor_parallel_zero_r.py": 790,  # tensor_parallel.py's 705 + ZeRO-R's checkpointed forward
+    # issue 42: + the parts plugged in from outside the core (the Conv1D subclasses in a part of
+    # their own, sequence_parallelize and sequence_operators, the wrappers of operators and
+    # full_state_dict, run() choosing sequence_parallelize under its flag), - with_group
+    "tensor_parallel.py": 754,
+    "tensor_parallel_zero_r.py": 839,  # tensor_parallel.py's 754 + ZeRO-R's checkpointed forward
     # core first: 446 + the schedules' sketch, four part headers, the tie as named functions
     # issue 34: + the pipeline's `group` (peers as group ranks, each pipe's embedding group)
     # issues 40, 41: + the blocks' arguments (Parts), the model's own buffers, each send checked
@@ -88,9 +91,7 @@ MAX_DIFF = {
     # the backward one split; issue 34: full_state_dict on the expert group
     # issue 40: the routing around the model's own experts module (two hooks; the list's slice or,
     # in a part, the stacked one), the save joined under the model's own keys
-    # issue 42: the core averages at the step in one bucket and a part plugs in the bucketed
-    # averager through `Averager` (the plug, its comment, the part's contract and assert moved)
-    "expert_parallel.py": 625,
+    "expert_parallel.py": 620,
     # pipeline.py's reshaping, its schedule sketch, the group; issues 40, 41, 42 as pipeline.py
     "pipeline_schedules.py": 735,
     # pipeline.py's reshaping, its tie refusal as a part, the group; issues 40, 41, 42 as
@@ -130,7 +131,9 @@ VARIANTS = {
     ),
     "tensor_parallel_zero_r.py": (
         "tensor_parallel.py",
-        117,  # issue 34: CheckpointedForward keeps its group
+        # issue 34: CheckpointedForward keeps its group; issue 42: checkpoint_blocks, called by
+        # run() under its flags, in place of parallelize's arguments
+        115,
         (
             "class ColumnParallelLinear",
             "class RowParallelLinear",

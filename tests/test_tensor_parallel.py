@@ -275,8 +275,8 @@ def test_each_block_input_gradient_all_reduced_once(world_of_one, monkeypatch, f
 
     recipe = copy_tensor_parallel.FAMILIES[family]
     model = recipe.model(copy_tensor_parallel.DEFAULTS[family])
-    plan, blocks, head = copy_tensor_parallel.llama_parts(family, model)
-    tensor_parallel.parallelize(model, torch.device("cpu"), False, plan, blocks=blocks, head=head)
+    plan, blocks, _ = copy_tensor_parallel.llama_parts(family, model)
+    tensor_parallel.parallelize(model, torch.device("cpu"), plan, blocks=blocks)
     reduced = []
     all_reduce = torch.distributed.all_reduce
 
@@ -308,7 +308,7 @@ def test_grouped_query_attention_refuses_w_not_dividing_kv_heads(world_of_one, m
     monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
     plan = copy_tensor_parallel.LLAMA_PLAN
     with pytest.raises(ValueError, match="W must divide n_kv_heads"):
-        tensor_parallel.parallelize(model, None, False, plan, blocks=list(model.layers.values()))
+        tensor_parallel.parallelize(model, None, plan, blocks=list(model.layers.values()))
 
 
 def test_full_state_dict_keeps_buffers(world_of_one):
