@@ -107,6 +107,7 @@ def llama_cases(rank, world, folder):
     """<family>-deepspeed<stage>-<optim>: (case, its reference, the engine, the model's
     state_dict, proof), each case an engine of its own on the world's process group."""
     deepspeed_zero.import_deepspeed("cpu")
+    assert deepspeed_zero.deepspeed is not None, "DeepSpeed is not installed (REQUIRE_DEEPSPEED)"
     for family in FAMILIES:
         for stage in STAGES:
             for optim in OPTIMS:
