@@ -45,19 +45,15 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 # parameters stacked [E, ...] (torchtitan's GroupedExperts: w1, w2, w3 run by a grouped matmul).
 # The router, the sort by expert, the weights and the sum over each token's K experts stay the
 # model's. parallelize takes the experts modules (None: every module the model names `experts`,
-# wherever it sits). Every other parameter is dense, in one of the units hook_optimizer is given
-# in forward order (model.embed, model.blocks, model.head by default) and used in that unit's
-# forward only; its `backward_passes` is how many backward passes one optimizer step sums
-# (accumulation, micro-batches).
+# wherever it sits). Every other parameter is dense: hook_optimizer averages its gradient over the
+# data-parallel ranks before each step, however many backward passes the step sums.
 # Two groups, None meaning the world for each. The expert group, the ranks the E experts are spread
 # over (its size divides E), is parallelize's, full_state_dict's and clip_grad_norm_'s `group`.
 # The data-parallel group, every rank that trains on a slice of its own and holds the same dense
 # part, is hook_optimizer's `data_group`: the expert group times `replica_group`, the ranks that
-# hold this rank's experts (None: the expert group is every data-parallel rank). hook_optimizer
-# makes a process group for the dense all-reduces: every rank of the world calls it, in the same
-# order as its other new groups. Clip with the section's clip_grad_norm_, not torch's. Your model's
-# units, the all-reduces during backward on a group of their own, and clipping: the `### more:`
-# parts after the core.
+# hold this rank's experts (None: the expert group is every data-parallel rank). The dense
+# all-reduces started during backward, on a group of their own, over your model's units, and
+# clipping: the `### more:` parts after the core.
 
 # GShard (Lepikhin et al. 2020, https://arxiv.org/abs/2006.16668) and Switch Transformers (Fedus
 # et al. 2021, https://arxiv.org/abs/2101.03961): each rank holds the dense part whole and E/W
@@ -232,19 +228,15 @@ class StepAverager:
     the ranks that hold the same experts as this one, one in each copy of the expert group (None:
     one copy, the expert group is every data-parallel rank).
 
-    The dense gradients: all-reduced and divided by W as DDP's, one flat bucket per unit, on a
-    process group of the averager's own (own_group). The expert gradients need no all-reduce within
-    the expert group: the all-to-alls already brought every token routed to an expert, from every
-    rank of the group, to its one owner; with several copies, one all-reduce over replica_group
-    adds the other copies'. Each rank's loss is the mean over its slice, so what the owner then
-    holds is the sum of W ranks' mean gradients, W times the gradient of the global batch's mean:
-    only the scale, 1/W, is missing.
+    The dense gradients: all-reduced and divided by W as DDP's, in one flat bucket. The expert
+    gradients need no all-reduce within the expert group: the all-to-alls already brought every
+    token routed to an expert, from every rank of the group, to its one owner; with several
+    copies, one all-reduce over replica_group adds the other copies'. Each rank's loss is the mean
+    over its slice, so what the owner then holds is the sum of W ranks' mean gradients, W times
+    the gradient of the global batch's mean: only the scale, 1/W, is missing."""
 
-    hook_optimizer builds its subclass GradientAverager (the first part after the core), which
-    starts each bucket during backward and runs wait() once a step, as clip_grad_norm_ needs."""
-
-    def __init__(self, model, data_group=None, replica_group=None, units=None):
-        self.group = own_group(data_group)  # `### more: the dense all-reduces' own process group`
+    def __init__(self, model, data_group=None, replica_group=None):
+        self.group = data_group
         self.replica_group = replica_group
         self.world = dist.get_world_size(data_group)
         copies = 1 if replica_group is None else dist.get_world_size(replica_group)
@@ -255,17 +247,15 @@ class StepAverager:
                 f"the expert group times {copies} copies of it: pass replica_group, the ranks "
                 "that hold this rank's experts"
             )
-        # One bucket of dense parameters per unit, in the order backward finishes them (each with
-        # its unit's place, which bucket_starts reads): `### more: the dense parameters of your
-        # model's units, a bucket each`.
-        self.buckets = [bucket for _, bucket in dense_buckets(model, units)]
         self.experts = expert_params(model)
-        self.in_flight = []  # (flat gradients, all-reduce work) per launched bucket, in order
+        is_expert = {id(p) for p in self.experts}
+        # Buckets of dense parameters, all-reduced in this order on every rank: here one bucket.
+        self.buckets = [[p for p in model.parameters() if id(p) not in is_expert]]
+        self.in_flight = []  # (flat gradients, all-reduce work) per started bucket, in order
 
-    def launch(self, index):
-        # Buckets start in backward's order on every rank: the next one is the count in flight.
-        assert index == len(self.in_flight), (index, len(self.in_flight))
-        bucket = self.buckets[index]
+    def launch(self):
+        """Start the next bucket's all-reduce."""
+        bucket = self.buckets[len(self.in_flight)]
         # A parameter that got no gradient sends zeros: the bucket has the same size everywhere.
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
         flat = torch.cat([grad.reshape(-1) for grad in grads])
@@ -273,11 +263,10 @@ class StepAverager:
         self.in_flight.append((flat, work))
 
     def wait(self, optimizer, args, kwargs):
-        """The optimizer's step pre-hook (hence its arguments, unused): start the buckets that
-        backward has not started (all of them, but for `### more: the dense all-reduces during
-        backward`), finish the all-reduces, then scale."""
-        for index in range(len(self.in_flight), len(self.buckets)):
-            self.launch(index)
+        """The optimizer's step pre-hook (hence its arguments, unused): start the buckets not
+        started yet, finish the all-reduces, then scale."""
+        while len(self.in_flight) < len(self.buckets):
+            self.launch()
         for bucket, (flat, work) in zip(self.buckets, self.in_flight, strict=True):
             work.wait()
             flat.div_(self.world)
@@ -293,22 +282,19 @@ class StepAverager:
         self.in_flight = []  # ready for the next step's backward
 
 
-def hook_optimizer(
-    model, optimizer, data_group=None, replica_group=None, units=None, backward_passes=1
-):
+# The averager hook_optimizer builds: the one place where a part plugs in, with a subclass.
+Averager = StepAverager
+
+
+def hook_optimizer(model, optimizer, data_group=None, replica_group=None, **options):
     """Before each step, every gradient averaged over the data-parallel ranks (data_group, None:
-    the world; replica_group, the ranks holding this rank's experts, None: no other; units, the
-    modules holding the dense parameters in forward order, None: model.embed, model.blocks,
-    model.head; backward_passes, the backward passes one step sums). Beside data parallelism on
-    a DeviceMesh ("dp", "ep"): parallelize's group is mesh["ep"].get_group(), replica_group
-    mesh["dp"].get_group(), data_group every rank of the mesh (None where the mesh is the world).
-    The dense all-reduces run on a new group over data_group's ranks: every rank of the world
-    calls hook_optimizer, in the same order."""
-    # A StepAverager whose buckets start during backward: `### more: the dense all-reduces
-    # started during backward`.
-    averager = GradientAverager(model, data_group, replica_group, units, backward_passes)
+    the world; replica_group, the ranks holding this rank's experts, None: no other) by an
+    Averager (options: what a subclass takes besides). Beside data parallelism on a DeviceMesh
+    ("dp", "ep"): parallelize's group is mesh["ep"].get_group(), replica_group
+    mesh["dp"].get_group(), data_group every rank of the mesh (None where the mesh is the
+    world)."""
+    averager = Averager(model, data_group, replica_group, **options)
     optimizer.register_step_pre_hook(averager.wait)
-    model.grad_averager = averager  # for clip_grad_norm_, which must average first
 
 
 def full_state_dict(model, group=None):
@@ -364,7 +350,7 @@ class StackedExperts(ExpertParallel):
         return {key: torch.cat([part[key] for part in parts]) for key in keys}
 
 
-### more: the dense all-reduces started during backward, bucket by bucket
+### more: the dense all-reduces started during backward, a bucket per unit
 # As DDP's buckets do (Li et al. 2020, https://arxiv.org/abs/2006.15704), a unit's all-reduce
 # travels while backward runs the units before it. A bucket starts where every rank starts it,
 # whatever gradients it got (NCCL wants the same order on every rank, across communicators too; a
@@ -373,15 +359,26 @@ class StackedExperts(ExpertParallel):
 # parameter with no gradient by then sends zeros. By then backward has finished the unit: autograd
 # runs the nodes made later in forward first, and accumulates gradients first of all. A gradient
 # that comes later (a parameter used outside its unit) is an error, not a wrong average.
+# Its contract: every dense parameter lives in one of the units hook_optimizer is given in forward
+# order (units=..., model.embed, model.blocks, model.head by default) and is used in that unit's
+# forward only; backward_passes=... is how many backward passes one optimizer step sums
+# (accumulation, micro-batches). It makes a process group for the dense all-reduces: every rank of
+# the world calls hook_optimizer, in the same order as its other new groups.
 
 
 class GradientAverager(StepAverager):
-    """A StepAverager whose buckets start during backward, each where backward reaches the output
-    of the nearest experts module before its unit (bucket_starts), the same point on every rank,
-    in the last of a step's `backward_passes`."""
+    """A StepAverager with a bucket per unit (units: the modules holding the dense parameters in
+    forward order, None: model.embed, model.blocks, model.head), each started during backward
+    where backward reaches the output of the nearest experts module before its unit
+    (bucket_starts), the same point on every rank, in the last of a step's `backward_passes`; on
+    a process group of its own. It waits once a step, as clip_grad_norm_ needs."""
 
     def __init__(self, model, data_group=None, replica_group=None, units=None, backward_passes=1):
-        super().__init__(model, data_group, replica_group, units)
+        super().__init__(model, data_group, replica_group)
+        self.group = own_group(data_group)  # `### more: the dense all-reduces' own process group`
+        # One bucket of dense parameters per unit, in the order backward finishes them:
+        # `### more: the dense parameters of your model's units, a bucket each`.
+        self.buckets = [bucket for _, bucket in dense_buckets(model, units)]
         layers = [module for _, module in expert_layers(model)]
         self.backward_passes = backward_passes  # per optimizer step
         self.starts = bucket_starts(model, units)
@@ -389,6 +386,7 @@ class GradientAverager(StepAverager):
         # This step's gradients are averaged already (clip_grad_norm_ waited before the step's
         # hook): the hook must not average them again.
         self.averaged = False
+        model.grad_averager = self  # found again by clip_grad_norm_, which must average first
         for m, layer in enumerate(layers):
             layer.register_forward_hook(self.output_hook(m))
         for index, bucket in enumerate(self.buckets):
@@ -409,7 +407,9 @@ class GradientAverager(StepAverager):
                 )
             if self.passes[m] == self.backward_passes:  # the step's last backward pass
                 for index in self.starts[m]:
-                    self.launch(index)
+                    # in backward's order on every rank: the next one is the count started
+                    assert index == len(self.in_flight), (index, len(self.in_flight))
+                    self.launch()
 
         def forward_hook(layer, args, output):
             if output.requires_grad:
@@ -439,6 +439,10 @@ class GradientAverager(StepAverager):
         super().wait(optimizer, args, kwargs)
         self.passes = [0] * len(self.passes)  # ready for the next step's backward
         self.averaged = True
+
+
+# Plugged in where the core offers it: hook_optimizer builds this averager, not StepAverager.
+Averager = GradientAverager
 
 
 def bucket_starts(model, units=None):
@@ -522,8 +526,9 @@ def clip_grad_norm_(model, max_norm, group=None):
     gradients, the same on every rank once averaged, count once; the squares of the experts'
     norms are summed over the expert group (group: parallelize's; None: the world), where each
     expert lives on one rank. Every rank calls it after the step's last backward, where the loop
-    would call torch's: it first waits for the dense all-reduces and scales (the optimizer's hook
-    then has nothing left to do), as the norm of unaveraged gradients would be each rank's own."""
+    would call torch's: it first waits for the dense all-reduces and scales (GradientAverager waits
+    once a step: the optimizer's hook then has nothing left to do), as the norm of unaveraged
+    gradients would be each rank's own."""
     model.grad_averager.wait(None, (), {})
     experts = expert_params(model)
     is_expert = {id(p) for p in experts}

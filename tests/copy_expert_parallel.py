@@ -242,11 +242,19 @@ def run_llama_expert_parallel(optim, rank, world):
         llama_model.model(llama_model.MOE_ARGS), CPU, style=expert_parallel.StackedExperts
     )
     held = held_experts(model, llama_model.model(llama_model.MOE_ARGS))
-    # the split, which equal parameters alone would not show: rank r holds rows 2r, 2r + 1 of every
-    # layer's stacked weights (test_copy_llama reads no proof of it: checked here, at the source)
-    per_rank = llama_model.MOE_ARGS.moe_experts // world
-    owned = list(range(rank * per_rank, (rank + 1) * per_rank))
-    assert held == [owned] * llama_model.MOE_ARGS.n_layers, f"rank {rank} holds experts {held}"
+    # per rank, per layer: the global indices of the experts whose rows it holds
+    experts_held = [None] * world
+    dist.all_gather_object(experts_held, held)
+    # The split, which equal parameters alone would not show (test_copy_llama reads no proof of
+    # it: checked here, at the source, the same on every rank): each layer's E experts spread over
+    # the ranks, E/W rows each. Which rows a rank holds, equal parameters show: the routing sends
+    # rank r the tokens of experts r·E/W .. (the mutant ep-stacked-wrong-rank ends elsewhere).
+    experts = llama_model.MOE_ARGS.moe_experts
+    for layer in range(llama_model.MOE_ARGS.n_layers):
+        rows = [rank_held[layer] for rank_held in experts_held]
+        every = sorted(index for own in rows for index in own)
+        split = all(len(own) == experts // world for own in rows)
+        assert split and every == list(range(experts)), experts_held
     optimizer = llama_model.make_optimizer(model, optim)
     expert_parallel.hook_optimizer(
         model, optimizer, units=llama_units(model), backward_passes=llama_model.ACCUMULATE
@@ -257,9 +265,6 @@ def run_llama_expert_parallel(optim, rank, world):
 
     step_batches = llama_model.batches()
     losses, norms = llama_model.train(model, optimizer, step_batches, rank, world, clip)
-    # per rank, per layer: the global indices of the experts whose rows it holds
-    experts_held = [None] * world
-    dist.all_gather_object(experts_held, held)
     proof = dict(losses=losses, norms=norms, experts_held=experts_held)
     return model, expert_parallel.full_state_dict(model), proof
 

@@ -3,11 +3,11 @@ with the parameters of one ddp.py process with the same --experts --top-k; the d
 around the model's own experts module, a list (common/moe.py's) or stacked (Llama's GroupedExperts,
 torchtitan's), equals the whole module (output and gradients, an expert that receives no token
 included) and adds one wait for the device per layer; the save is the unsplit model's state_dict()
-(the ViT's, and Llama's with its hooks and buffer); the dense gradients' all-reduces start during
-backward, on a process group of their own, placed alike among the all-to-alls on every rank even
-where a parameter gets a gradient on one rank only; the all-to-all bytes the Meter counts add up
-to the formula; --clip clips by the global norm; the scripts that take an MoE block unchanged stay
-exact.
+(the ViT's, and Llama's with its hooks and buffer); the core's averager all-reduces the dense
+gradients once, at the step; the part's start during backward, on a process group of their own,
+placed alike among the all-to-alls on every rank even where a parameter gets a gradient on one
+rank only; the all-to-all bytes the Meter counts add up to the formula; --clip clips by the global
+norm; the scripts that take an MoE block unchanged stay exact.
 
 Launches: 3 processes of ddp.py W=1 references (sgd and adamw for E=4 K=2 in one, sgd with --clip
 in one, sgd for E=8 K=1), ONE launch at W=2 running expert_parallel.py three times (--clip once)
@@ -311,7 +311,8 @@ def _dispatch_worker(rank, world, port):
     """The routing around a list of expert modules (common/moe.py's Experts) and around stacked
     experts (tests/llama_model.py's GroupedExperts, torchtitan's); the full state_dict of the ViT
     and of the Llama MoE (its wqkv saved as wq, wk, wv by its hook, its RoPE buffer). Then a whole
-    model: its dense all-reduces start before backward's last all-to-all."""
+    model: the core's averager at the step; the part's, its dense all-reduces started before
+    backward's last all-to-all."""
     import expert_parallel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -341,6 +342,7 @@ def _dispatch_worker(rank, world, port):
         _check_full_state_dict(expert_parallel, vit, expert_parallel.ExpertParallel)
         _check_full_state_dict(expert_parallel, llama, stacked)
         _check_refusals(expert_parallel)
+        _check_step_averager(expert_parallel)
         _check_overlap(expert_parallel)
         _check_same_order_everywhere(expert_parallel)
         _check_late_gradient_is_an_error(expert_parallel)
@@ -363,6 +365,36 @@ class _Collectives(TorchDispatchMode):
         if func.namespace == "c10d":
             self.order.append((func._opname, _group_name(args)))
         return func(*args, **(kwargs or {}))
+
+
+def _assert_averaged(model, local):
+    """Every gradient is the average over the ranks of `local` (each rank's own, by name): a dense
+    one all-reduced / W, an expert's its owner's / W (the all-to-alls brought it every token)."""
+    for n, p in model.named_parameters():
+        want = local[n] / dist.get_world_size()
+        if ".experts." not in n:
+            dist.all_reduce(want)
+        assert torch.allclose(p.grad, want, atol=1e-7), n
+
+
+def _check_step_averager(expert_parallel):
+    """The core's own averager, the one the core-alone script runs (a part replaces it): nothing
+    during backward, then at the step one all-reduce of every dense gradient on the data-parallel
+    group, after which every gradient is the average over ranks."""
+    args = common.parse_args(common.get_parser("t"), CFG)
+    model = expert_parallel.parallelize(common.build_model(args), torch.device("cpu"))
+    averager = expert_parallel.StepAverager(model)
+    torch.manual_seed(2 + dist.get_rank())
+    x, y = torch.randn(4, 1, 28, 28), torch.randint(0, 10, (4,))
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    with _Collectives() as in_backward:
+        loss.backward()
+    local = {n: p.grad.clone() for n, p in model.named_parameters()}
+    with _Collectives() as at_step:
+        averager.wait(None, (), {})
+    assert all(op.startswith("alltoall") for op, _ in in_backward.order), in_backward.order
+    assert at_step.order == [("allreduce_", dist.group.WORLD.group_name)], at_step.order
+    _assert_averaged(model, local)
 
 
 def _check_overlap(expert_parallel):
@@ -391,11 +423,7 @@ def _check_overlap(expert_parallel):
     assert reduce_groups == {averager.group.group_name}, seen.order
     assert all_to_all_groups == {dist.group.WORLD.group_name}, seen.order
     assert reduce_groups.isdisjoint(all_to_all_groups), seen.order  # not one communicator
-    for n, p in model.named_parameters():
-        want = local[n] / dist.get_world_size()
-        if ".experts." not in n:
-            dist.all_reduce(want)
-        assert torch.allclose(p.grad, want, atol=1e-7), n
+    _assert_averaged(model, local)
 
 
 def _check_same_order_everywhere(expert_parallel):

@@ -573,7 +573,7 @@ if os.environ.get("MUTANT"):
                     while len(self.in_flight) < len(self.buckets) and all(
                         id(p) in self.arrived for p in self.buckets[len(self.in_flight)]
                     ):
-                        self.launch(len(self.in_flight))
+                        self.launch()
 
                 return grad_ready
 
