@@ -44,18 +44,15 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 ### begin: Context parallel
 # Model contract: the model's attention calls F.scaled_dot_product_attention on [B, H, T, d]
 # q, k, v, as the ViT, nanoGPT, HF's "sdpa" attention and torchtitan's SDPA path do. During the
-# model's forward that call runs as ring attention (or Ulysses) on this rank's T/W tokens,
-# attending to all T: causal when the call says is_causal=True, grouped-query with enable_gqa.
-# Everything else is the model's own: embeddings, positions, norms, losses. (torch's checkpoint
-# recomputes in backward, after the forward, where SDPA is not swapped: checkpoint no attention.)
+# model's forward that call runs as ring attention on this rank's T/W tokens, attending to all T.
+# Everything else is the model's own: embeddings, positions, norms, losses. Checkpoint no
+# attention: torch's checkpoint recomputes it in backward, outside the swap (use_reentrant=False
+# then raises CheckpointError; use_reentrant=True would attend to this rank's tokens, silently).
 # The model is fed this rank's tokens: the ViT through split_sequence (its embedding's output
-# cut, its pooled mean summed over the ranks); a language model splits its own (x, y) batches
-# and gives its forward each rank's positions (split_batch and causal_lm_loss, below). The same
-# weights on every rank; every rank feeds the same batch.
-# Two groups, None meaning the world for each. The context group, the ranks that split each
-# sample's tokens and feed the same batch, is parallelize's `group` and that of split_tokens,
-# split_batch and causal_lm_loss. DDP's, parallelize's `data_group`, is every rank that holds a
-# copy of the model: the context group times its data-parallel copies.
+# cut, its pooled mean summed over the ranks). The same weights on every rank; every rank feeds
+# the same batch. Two groups, None meaning the world for each: the context group, the ranks that
+# split each sample's tokens (parallelize's and split_sequence's `group`), and DDP's, every rank
+# that holds a copy of the model (parallelize's `data_group`), which holds the context group.
 
 
 class RingPass:
@@ -91,24 +88,13 @@ class RingPass:
         return self.received
 
 
-# The merge needs each block's log-sum-exp next to its output. F.scaled_dot_product_attention
-# would not materialise the block's scores, but its public API returns only the normalised output:
-# its fused kernels compute the log-sum-exp, yet only private aten ops return it (and
-# flex_attention's return_lse is fused only under torch.compile). So each block is attended in
-# eager ops: each step holds the [B, H, T/W, T/W] scores of every sample and head at once. They,
-# the running O, m and l and the gradients are kept in fp32 whatever q's dtype (a bf16 model or
-# autocast, whose bf16 matmuls are turned off here): a sum rounded to bf16 at each of W steps
-# loses what fp32 keeps. The K/V blocks travel in their own dtype, the partial dK/dV sums in fp32.
-# Ulysses, which needs no merge, calls SDPA.
-
-
 def merge_block(q_scaled, kv_block, out, row_max, row_sum, mask=None):
     """Online softmax: fold one K/V block into this rank's running O, m and l, in place. O is the
     unnormalised output sum_j exp(S_j - m) V_j, m each query row's running max score, l its
-    running sum_j exp(S_j - m); the attention output is O / l once every block is in."""
-    key, value = kv_block.float()
-    with torch.autocast(q_scaled.device.type, enabled=False):  # fp32 scores, as O, m and l
-        scores = q_scaled @ key.mT  # S_j
+    running sum_j exp(S_j - m); the attention output is O / l once every block is in. The block's
+    scores are never kept beyond this call: [B, H, T/W, T/W], never T x T."""
+    key, value = kv_block.float()  # the sums in fp32, whatever q's dtype
+    scores = q_scaled @ key.mT  # S_j
     if mask is not None:
         scores.masked_fill_(mask, -float("inf"))
     new_max = torch.maximum(row_max, scores.amax(-1, keepdim=True))  # m'
@@ -118,25 +104,52 @@ def merge_block(q_scaled, kv_block, out, row_max, row_sum, mask=None):
     # e^(S_j - m'), computed in place: the scores are not needed again.
     exp_scores = scores.sub_(new_max).exp_()
     row_sum.mul_(correction).add_(exp_scores.sum(-1, keepdim=True))
-    with torch.autocast(q_scaled.device.type, enabled=False):
-        out.mul_(correction).add_(exp_scores @ value)
+    out.mul_(correction).add_(exp_scores @ value)
     row_max.copy_(new_max)
+
+
+def block_backward(q_scaled, kv_block, grad_out, log_sum_exp, grad_dot_out, mask=None):
+    """Flash attention's backward for one K/V block: this rank's queries' share of the gradient
+    of q_scaled = q·scale and the block's [dK, dV] from this rank's queries. The block's softmax
+    P = e^(S - lse), S = q_scaled·Kᵀ, as in forward (0 where `mask` hides a key);
+    dS = P ∘ (dO·Vᵀ - rowsum(dO ∘ O)); d(q_scaled) = dS·K, dK = dSᵀ·q_scaled, dV = Pᵀ·dO."""
+    key, value = kv_block.float()
+    scores = q_scaled @ key.mT
+    if mask is not None:
+        scores.masked_fill_(mask, -float("inf"))
+    probs = scores.sub_(log_sum_exp).exp_()
+    grad_scores = (grad_out @ value.mT).sub_(grad_dot_out).mul_(probs)
+    grad_q_scaled = grad_scores @ key
+    grad_kv = torch.stack([grad_scores.mT @ q_scaled, probs.mT @ grad_out])
+    return grad_q_scaled, grad_kv
+
+
+class WholeBlocks:
+    """What this rank's queries attend to in the K/V block of rank `owner`, forward and backward:
+    all of it. The ring takes this as an argument: a causal mask, which sees a part of some
+    blocks and none of others, is a subclass."""
+
+    def merge(self, q_scaled, kv_block, out, row_max, row_sum, owner):
+        merge_block(q_scaled, kv_block, out, row_max, row_sum)
+
+    def backward(self, q_scaled, kv_block, grad_out, log_sum_exp, grad_dot_out, owner):
+        return block_backward(q_scaled, kv_block, grad_out, log_sum_exp, grad_dot_out)
 
 
 class RingAttention(torch.autograd.Function):
     """Ring attention (Liu et al. 2023, https://arxiv.org/abs/2310.01889): softmax(q·kᵀ·scale)·v
     over the whole sequence for this rank's queries (scale: 1/√d unless given); q, k, v and the
-    output: [B, H, T/W, d], this rank's tokens (in the order token_positions gives). Forward
-    merges the K/V blocks with the online softmax as they come round the ring, each step's block
-    attended to while the next one travels; backward is flash attention's, one K/V block at a
-    time, recomputing each block's softmax from the saved log-sum-exp."""
+    output: [B, H, T/W, d], this rank's tokens. Forward merges the K/V blocks with the online
+    softmax as they come round the ring, each step's block attended to while the next one
+    travels; backward is flash attention's, one K/V block at a time, recomputing each block's
+    softmax from the saved log-sum-exp. `blocks` says what the queries see of each block."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal=False, zigzag=False, scale=None):
+    def forward(ctx, q, k, v, group, scale, blocks):
         rank = dist.get_rank(group)
         world = dist.get_world_size(group)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        q_scaled = q.float() * scale  # fp32 from here on (why: above merge_block)
+        q_scaled = q.float() * scale  # fp32 from here on, as merge_block's sums
         kv_block = torch.stack([k, v])  # the K/V block in hand: one message per step
         out = torch.zeros_like(q_scaled)  # O; q's layout: the model's next reshape reads it as is
         row_max = q_scaled.new_full((*q.shape[:-1], 1), -float("inf"))  # m
@@ -146,19 +159,15 @@ class RingAttention(torch.autograd.Function):
             passing_on = step < world - 1  # the last block goes no further
             if passing_on:
                 transfer = RingPass({"kv": kv_block}, group)  # the next block travels meanwhile
-            if causal:
-                merge_causal_block(q_scaled, kv_block, out, row_max, row_sum, rank, owner, zigzag)
-            else:
-                merge_block(q_scaled, kv_block, out, row_max, row_sum)
+            blocks.merge(q_scaled, kv_block, out, row_max, row_sum, owner)
             if passing_on:
                 kv_block = transfer.wait()["kv"]
         out = (out / row_sum).to(q.dtype)  # the one cast: a no-op in fp32
         log_sum_exp = row_max + row_sum.log()
         ctx.save_for_backward(q, k, v, out, log_sum_exp)
         ctx.group = group
-        ctx.causal = causal
-        ctx.zigzag = zigzag
         ctx.scale = scale
+        ctx.blocks = blocks
         return out
 
     @staticmethod
@@ -192,14 +201,9 @@ class RingAttention(torch.autograd.Function):
             if step >= 2:  # step 1 started the first sum; the next rank now holds its block
                 sending["grad_kv"] = grad_kv_sum
             transfer = RingPass(sending, group)
-            if ctx.causal:
-                grad_q_share, grad_kv_share = causal_block_backward(
-                    q_scaled, kv_block, grad_out, log_sum_exp, grad_dot_out, rank, owner, ctx.zigzag
-                )
-            else:
-                grad_q_share, grad_kv_share = block_backward(
-                    q_scaled, kv_block, grad_out, log_sum_exp, grad_dot_out
-                )
+            grad_q_share, grad_kv_share = ctx.blocks.backward(
+                q_scaled, kv_block, grad_out, log_sum_exp, grad_dot_out, owner
+            )
             grad_q_scaled += grad_q_share
             received = transfer.wait()
             if step == 0:
@@ -214,59 +218,32 @@ class RingAttention(torch.autograd.Function):
             grad_kv_own = grad_kv_own + RingPass({"grad_kv": grad_kv_sum}, group).wait()["grad_kv"]
         grad_k, grad_v = grad_kv_own.to(k.dtype)
         grad_q = (grad_q_scaled * ctx.scale).to(q.dtype)  # q_scaled = q·scale
-        return grad_q, grad_k, grad_v, None, None, None, None
-
-
-def block_backward(q_scaled, kv_block, grad_out, log_sum_exp, grad_dot_out, mask=None):
-    """Flash attention's backward for one K/V block: this rank's queries' share of the gradient
-    of q_scaled = q·scale and the block's [dK, dV] from this rank's queries. The block's softmax
-    P = e^(S - lse), S = q_scaled·Kᵀ, as in forward (0 where `mask` hides a key);
-    dS = P ∘ (dO·Vᵀ - rowsum(dO ∘ O)); d(q_scaled) = dS·K, dK = dSᵀ·q_scaled, dV = Pᵀ·dO."""
-    key, value = kv_block.float()
-    with torch.autocast(q_scaled.device.type, enabled=False):  # fp32, as forward's merge_block
-        scores = q_scaled @ key.mT
-        if mask is not None:
-            scores.masked_fill_(mask, -float("inf"))
-        probs = scores.sub_(log_sum_exp).exp_()
-        grad_scores = (grad_out @ value.mT).sub_(grad_dot_out).mul_(probs)
-        grad_q_scaled = grad_scores @ key
-        grad_kv = torch.stack([grad_scores.mT @ q_scaled, probs.mT @ grad_out])
-    return grad_q_scaled, grad_kv
+        return grad_q, grad_k, grad_v, None, None, None
 
 
 class ContextParallel(TorchFunctionMode):
     """While it is on, F.scaled_dot_product_attention on this rank's tokens ([B, H, T/W, d]) attends
-    to all T tokens of the group: ring attention, or Ulysses. Every other function runs as it is,
-    after one Python call here. (torch's experimental context_parallel swaps the same call by
-    replacing the attribute F.scaled_dot_product_attention; a mode, public API, also catches a
-    model that imported the function under a name of its own.)"""
+    to all T tokens of the group, by ring attention. Every other function runs as it is, after
+    one Python call here. (torch's experimental context_parallel swaps the same call by replacing
+    the attribute F.scaled_dot_product_attention; a mode, public API, also catches a model that
+    imported the function under a name of its own.)"""
 
-    def __init__(self, group, method="ring", zigzag=False):
+    def __init__(self, group, method="ring"):
         super().__init__()
+        if method != "ring":
+            raise ValueError(f"method {method!r}: this mode attends by the ring alone")
         self.group = group
-        self.method = method
-        self.zigzag = zigzag
-        self.calls = 0  # the SDPA calls it ran since the forward began
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         # torch turns the mode off while this runs: what it calls is the plain function.
         if func is not F.scaled_dot_product_attention:
             return func(*args, **(kwargs or {}))
-        self.calls += 1
         return self.attend(*args, **(kwargs or {}))
 
-    def attend(
-        self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
-    ):
-        """SDPA's own arguments, as the model passed them."""
-        refuse_mask_and_dropout(attn_mask, dropout_p)
-        if enable_gqa:  # grouped-query attention: each K/V head serves H / H_kv query heads
-            k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
-            v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
-        if self.method == "ring":
-            # Positional: torch 2.11's Function.apply takes no keyword arguments.
-            return RingAttention.apply(q, k, v, self.group, is_causal, self.zigzag, scale)
-        return ulysses_attention(q, k, v, self.group, is_causal, self.zigzag, scale)
+    def attend(self, q, k, v, scale=None):
+        """SDPA's call as the ViT makes it: q, k, v, a scale at most."""
+        # Positional: torch 2.11's Function.apply takes no keyword arguments.
+        return RingAttention.apply(q, k, v, self.group, scale, WholeBlocks())
 
 
 def swap_attention(model, mode):
@@ -274,30 +251,29 @@ def swap_attention(model, mode):
     turns it off, even when the forward raises."""
 
     def turn_on(module, inputs):
-        mode.calls = 0
         mode.__enter__()
 
     def turn_off(module, inputs, output):
         mode.__exit__(None, None, None)
-        refuse_forward_without_sdpa(module, mode.calls)
 
     model.register_forward_pre_hook(turn_on)
     model.register_forward_hook(turn_off, always_call=True)
 
 
-def parallelize(model, device, method="ring", group=None, data_group=None, zigzag=False):
+def parallelize(model, device, method="ring", group=None, data_group=None, **options):
     """Every rank keeps the whole model and runs it on its T/W tokens of every sample (which ones:
-    token_positions), each SDPA call in its forward attending to all T (ContextParallel). The
-    model is fed this rank's tokens: the ViT's by split_sequence, a language model's by
-    split_batch. group: the context group, the W ranks that split the tokens (None: the world).
-    data_group: DDP's, every rank that holds a copy of the model (None: the world); it holds the
-    context group. Beside data parallelism on a DeviceMesh ("dp", "cp") that is the world:
-    group=mesh["cp"].get_group(), data_group=None. Every rank of the world calls parallelize, in
-    the same order as its other new groups: it makes attention's own process group (own_group)."""
+    token_positions), each SDPA call in its forward attending to all T (ContextParallel, which
+    takes `method` and `options`). The model is fed this rank's tokens (the ViT's by
+    split_sequence). group: the context group, the W ranks that split the tokens (None: the
+    world). data_group: DDP's, every rank that holds a copy of the model (None: the world); it
+    holds the context group. Beside data parallelism on a DeviceMesh ("dp", "cp") that is the
+    world: group=mesh["cp"].get_group(), data_group=None."""
     group = group or dist.group.WORLD
-    check_data_group(group, data_group)
-    swap_attention(model, ContextParallel(own_group(group), method, zigzag))
-    # DDP's average of the ranks' gradients is the whole gradient: SumOverRanks, below, says why.
+    swap_attention(model, ContextParallel(group, method, **options))
+    # Why DDP's average is the whole gradient: every rank computes the same loss from the same
+    # all-reduced sum (SumOverRanks), so each rank's weight gradients are its own tokens' share
+    # of the whole. SumOverRanks' backward multiplies by W, which turns DDP's average of the W
+    # shares into their sum: the whole gradient, on every rank.
     return DDP(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
@@ -312,14 +288,9 @@ def full_state_dict(model):
     return {k: v.detach().cpu() for k, v in model.module.state_dict().items()}
 
 
-### more: the ViT's tokens: this rank's part of the embedded sequence, every rank's mean pooled
-
-
-def token_positions(tokens, rank, world, zigzag=False):
+def token_positions(tokens, rank, world):
     """The positions, in a sequence of `tokens`, of the T/W tokens `rank` holds: its contiguous
-    run, or with zigzag the two chunks that balance a causal mask (zigzag_positions, below)."""
-    if zigzag:
-        return zigzag_positions(tokens, rank, world)
+    run."""
     if tokens % world:
         raise ValueError(f"{tokens} tokens do not split into {world} equal chunks")
     size = tokens // world
@@ -327,10 +298,10 @@ def token_positions(tokens, rank, world, zigzag=False):
 
 
 @functools.lru_cache
-def positions_on(device, tokens, rank, world, zigzag=False):
-    """token_positions on `device`, made once per sequence length, rank and split: a CPU index
-    moved to a GPU at every call would wait for the copy (a host sync)."""
-    return token_positions(tokens, rank, world, zigzag).to(device)
+def positions_on(device, tokens, rank, world):
+    """token_positions on `device`, made once per sequence length and rank: a CPU index moved to
+    a GPU at every call would wait for the copy (a host sync)."""
+    return token_positions(tokens, rank, world).to(device)
 
 
 class SumOverRanks(torch.autograd.Function):
@@ -353,7 +324,7 @@ class SumOverRanks(torch.autograd.Function):
         return grad * ctx.world, None
 
 
-def split_sequence(embedding, pooled, group=None, zigzag=False):
+def split_sequence(embedding, pooled, group=None):
     """The ViT on this rank's tokens, before parallelize: `embedding`'s output, the [B, T, D]
     sequence, is cut to this rank's T/W tokens (token_positions), and `pooled`'s input, the mean
     over this rank's tokens, becomes the mean over all T, summed over the ranks (SumOverRanks).
@@ -364,8 +335,7 @@ def split_sequence(embedding, pooled, group=None, zigzag=False):
 
     def keep_this_ranks_tokens(module, inputs, output):
         # A forward hook that returns a tensor replaces the module's output with it.
-        positions = positions_on(output.device, output.shape[1], rank, world, zigzag)
-        return output[:, positions]
+        return output[:, positions_on(output.device, output.shape[1], rank, world)]
 
     def mean_over_all_tokens(module, inputs):
         # A forward pre-hook gets the module's inputs as a tuple and returns what it takes
@@ -376,7 +346,47 @@ def split_sequence(embedding, pooled, group=None, zigzag=False):
     pooled.register_forward_pre_hook(mean_over_all_tokens)
 
 
-### more: what the swap cannot run, refused alike on every rank: a mask, dropout, no SDPA at all
+### more: a language model's SDPA call: causal, grouped-query, Ulysses; what the swap refuses
+# A subclass under the core's name, so that parallelize and a user's `with ContextParallel(...)`
+# get it. What the ring and Ulysses cannot run raises alike on every rank: a mask, dropout, and a
+# forward that called no SDPA at all.
+
+
+class ContextParallel(ContextParallel):
+    """The core's ContextParallel, for a language model's attention too: ring attention or
+    Ulysses (`method`), causal when the call says is_causal=True on tokens split contiguously or
+    zig-zag (`zigzag`: as split_batch cut them), grouped-query with enable_gqa."""
+
+    def __init__(self, group, method="ring", zigzag=False):
+        super().__init__(group)
+        self.method = method
+        self.zigzag = zigzag
+        self.calls = 0  # the SDPA calls it ran since it was last turned on
+
+    def __enter__(self):
+        self.calls = 0
+        return super().__enter__()
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        super().__exit__(exc_type, exc_value, traceback)
+        if exc_type is None:
+            refuse_forward_without_sdpa(self.calls)
+
+    def attend(
+        self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+    ):
+        """SDPA's own arguments, as the model passed them."""
+        self.calls += 1
+        refuse_mask_and_dropout(attn_mask, dropout_p)
+        if enable_gqa:  # grouped-query attention: each K/V head serves H / H_kv query heads
+            k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+            v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+        if self.method == "ulysses":
+            return ulysses_attention(q, k, v, self.group, is_causal, self.zigzag, scale)
+        if is_causal:
+            blocks = CausalBlocks(dist.get_rank(self.group), self.zigzag)
+            return RingAttention.apply(q, k, v, self.group, scale, blocks)
+        return super().attend(q, k, v, scale)
 
 
 def refuse_mask_and_dropout(attn_mask, dropout_p):
@@ -389,13 +399,13 @@ def refuse_mask_and_dropout(attn_mask, dropout_p):
         )
 
 
-def refuse_forward_without_sdpa(model, calls):
+def refuse_forward_without_sdpa(calls):
     """A forward that called no SDPA attended, if at all, to this rank's tokens alone."""
     if calls == 0:
         raise ValueError(
-            f"{type(model).__name__}'s forward called no F.scaled_dot_product_attention: "
-            "context parallelism runs that call over the ranks (HF: attn_implementation='sdpa'; "
-            "an attention written out in matmuls would see this rank's tokens only)"
+            "the model's forward called no F.scaled_dot_product_attention: context parallelism "
+            "runs that call over the ranks (HF: attn_implementation='sdpa'; an attention written "
+            "out in matmuls would see this rank's tokens only)"
         )
 
 
@@ -478,6 +488,12 @@ def zigzag_positions(tokens, rank, world):
     return torch.cat([early, late])
 
 
+@functools.lru_cache
+def zigzag_positions_on(device, tokens, rank, world):
+    """zigzag_positions on `device`, made once per sequence length and rank, as positions_on's."""
+    return zigzag_positions(tokens, rank, world).to(device)
+
+
 def causal_part(rank, owner, local_tokens, zigzag, device):
     """What this rank's queries see of the K/V block of rank `owner`: (query rows, key columns, a
     mask of the scores to hide or None), or None when it lies wholly in their future. A rank's
@@ -510,44 +526,49 @@ def future_mask(device, queries, keys):
     return torch.ones(queries, keys, dtype=torch.bool, device=device).triu_(1)
 
 
-def merge_causal_block(q_scaled, kv_block, out, row_max, row_sum, rank, owner, zigzag):
-    """merge_block on the part of the block that this rank's queries see (causal_part)."""
-    part = causal_part(rank, owner, q_scaled.shape[-2], zigzag, q_scaled.device)
-    if part is None:
-        return
-    rows, cols, mask = part
-    merge_block(
-        q_scaled[..., rows, :],
-        kv_block[..., cols, :],
-        out[..., rows, :],
-        row_max[..., rows, :],
-        row_sum[..., rows, :],
-        mask,
-    )
+class CausalBlocks(WholeBlocks):
+    """What this rank's queries see of each K/V block under a causal mask (causal_part): a part of
+    the block, or none of it. A block wholly in this rank's future gets a zero dK/dV share in
+    backward, yet its sum still travels: every rank passes the same messages at every step."""
 
+    def __init__(self, rank, zigzag):
+        self.rank = rank
+        self.zigzag = zigzag
 
-def causal_block_backward(
-    q_scaled, kv_block, grad_out, log_sum_exp, grad_dot_out, rank, owner, zigzag
-):
-    """block_backward on the part of the block that this rank's queries see (causal_part), its
-    shares zero elsewhere. A block wholly in this rank's future gets a zero dK/dV share, yet its
-    sum still travels: every rank passes the same messages at every step."""
-    grad_q_share = torch.zeros_like(q_scaled)
-    grad_kv_share = torch.zeros_like(kv_block, dtype=torch.float32)
-    part = causal_part(rank, owner, q_scaled.shape[-2], zigzag, q_scaled.device)
-    if part is not None:
+    def merge(self, q_scaled, kv_block, out, row_max, row_sum, owner):
+        """merge_block on the part of the block that this rank's queries see."""
+        part = causal_part(self.rank, owner, q_scaled.shape[-2], self.zigzag, q_scaled.device)
+        if part is None:
+            return
         rows, cols, mask = part
-        grad_q_part, grad_kv_part = block_backward(
+        merge_block(
             q_scaled[..., rows, :],
             kv_block[..., cols, :],
-            grad_out[..., rows, :],
-            log_sum_exp[..., rows, :],
-            grad_dot_out[..., rows, :],
+            out[..., rows, :],
+            row_max[..., rows, :],
+            row_sum[..., rows, :],
             mask,
         )
-        grad_q_share[..., rows, :] = grad_q_part
-        grad_kv_share[..., cols, :] = grad_kv_part
-    return grad_q_share, grad_kv_share
+
+    def backward(self, q_scaled, kv_block, grad_out, log_sum_exp, grad_dot_out, owner):
+        """block_backward on the part of the block that this rank's queries see, the shares zero
+        elsewhere."""
+        grad_q_share = torch.zeros_like(q_scaled)
+        grad_kv_share = torch.zeros_like(kv_block, dtype=torch.float32)
+        part = causal_part(self.rank, owner, q_scaled.shape[-2], self.zigzag, q_scaled.device)
+        if part is not None:
+            rows, cols, mask = part
+            grad_q_part, grad_kv_part = block_backward(
+                q_scaled[..., rows, :],
+                kv_block[..., cols, :],
+                grad_out[..., rows, :],
+                log_sum_exp[..., rows, :],
+                grad_dot_out[..., rows, :],
+                mask,
+            )
+            grad_q_share[..., rows, :] = grad_q_part
+            grad_kv_share[..., cols, :] = grad_kv_part
+        return grad_q_share, grad_kv_share
 
 
 def zigzag_causal_sdpa(q, k, v, world, scale=None):
@@ -587,7 +608,10 @@ def split_tokens(batch, group=None, zigzag=False):
     group = group or dist.group.WORLD
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
-    positions = positions_on(batch.device, batch.shape[1], rank, world, zigzag)
+    if zigzag:
+        positions = zigzag_positions_on(batch.device, batch.shape[1], rank, world)
+    else:
+        positions = positions_on(batch.device, batch.shape[1], rank, world)
     return batch[:, positions], positions
 
 
@@ -685,6 +709,18 @@ def check_data_group(group, data_group):
         )
 
 
+def checking_data_group(parallelize):
+    """parallelize, first refusing a data_group that does not hold the context group."""
+
+    @functools.wraps(parallelize)
+    def checked(model, device, method="ring", group=None, data_group=None, **options):
+        check_data_group(group or dist.group.WORLD, data_group)
+        return parallelize(model, device, method, group, data_group, **options)
+
+    return checked
+
+
+parallelize = checking_data_group(parallelize)
 ### more: attention on a process group of its own, apart from DDP's (for NCCL)
 
 
@@ -705,6 +741,49 @@ def own_group(group):
         if list(ranks) == mine:
             made = new
     return made
+
+
+def on_own_group(parallelize):
+    """parallelize with attention on a process group of its own over the context group's ranks.
+    Every rank of the world calls parallelize, in the same order as its other new groups."""
+
+    @functools.wraps(parallelize)
+    def on_its_group(model, device, method="ring", group=None, data_group=None, **options):
+        attention_group = own_group(group or dist.group.WORLD)
+        return parallelize(model, device, method, attention_group, data_group, **options)
+
+    return on_its_group
+
+
+parallelize = on_own_group(parallelize)
+
+
+### more: a bf16 model or autocast: the ring's blocks in fp32 eager ops, autocast off
+# The merge needs each block's log-sum-exp next to its output. F.scaled_dot_product_attention
+# would not materialise the block's scores, but its public API returns only the normalised output:
+# its fused kernels compute the log-sum-exp, yet only private aten ops return it (and
+# flex_attention's return_lse is fused only under torch.compile). So each block is attended in
+# eager ops: each step holds the [B, H, T/W, T/W] scores of every sample and head at once. They,
+# the running O, m and l and the gradients are kept in fp32 whatever q's dtype (a bf16 model, or
+# autocast, whose bf16 matmuls are turned off here): a sum rounded to bf16 at each of W steps
+# loses what fp32 keeps. The K/V blocks travel in their own dtype, the partial dK/dV sums in fp32.
+# Ulysses, which needs no merge, calls SDPA.
+
+
+def without_autocast(block_function):
+    """block_function (merge_block, block_backward) with autocast off: its matmuls in fp32, as
+    the running sums they add to."""
+
+    @functools.wraps(block_function)
+    def in_fp32(q_scaled, *args, **kwargs):
+        with torch.autocast(q_scaled.device.type, enabled=False):
+            return block_function(q_scaled, *args, **kwargs)
+
+    return in_fp32
+
+
+merge_block = without_autocast(merge_block)
+block_backward = without_autocast(block_backward)
 
 
 ### end: Context parallel

@@ -63,6 +63,13 @@ VARIANTS = [
 ]
 
 
+def positions(rank, world, zigzag):
+    """The positions of this rank's T/W tokens: its contiguous run, or its zig-zag chunks."""
+    if zigzag:
+        return cp.zigzag_positions(T, rank, world)
+    return cp.token_positions(T, rank, world)
+
+
 def sdpa_arguments(causal, gqa):
     """The keyword arguments a model passes to F.scaled_dot_product_attention in a variant."""
     if gqa:
@@ -93,7 +100,7 @@ def case(world, head_dim, group, rank):
         arguments = sdpa_arguments(causal, gqa)
         ref = F.scaled_dot_product_attention(*full, **arguments)
         ref.backward(dout)
-        mine = cp.token_positions(T, rank, world, zigzag)
+        mine = positions(rank, world, zigzag)
         local = [x.detach()[:, :, mine].clone().requires_grad_() for x in full]
         recorder = BatchRecorder()
         dist.batch_isend_irecv = recorder
@@ -139,7 +146,7 @@ def bf16_case(world, group, rank, causal, zigzag):
     torch.manual_seed(7 + world)
     q, k, v = (3 * torch.randn(B, H, T, 16).bfloat16() for _ in range(3))
     dout = torch.randn(B, H, T, 16).bfloat16()
-    mine = cp.token_positions(T, rank, world, zigzag)
+    mine = positions(rank, world, zigzag)
 
     def run(attend, dtype, whole=False, autocast=False):
         inputs = [x.to(dtype) if whole else x[:, :, mine].to(dtype) for x in (q, k, v)]
@@ -233,7 +240,7 @@ def index_tensors(group, rank, world):
         common.get_parser("t"), ["--dim", "32", "--depth", "1", "--heads", "4", "--patch", "7"]
     )
     vit = common.build_model(args).to("meta")
-    cp.split_sequence(vit.embed, vit.head.fc, group, zigzag=True)
+    cp.split_sequence(vit.embed, vit.head.fc, group)
     torch.manual_seed(3)
     q, k, v = (torch.randn(B, H, tokens // world, 8, requires_grad=True) for _ in range(3))
     calls = []

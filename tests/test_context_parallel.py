@@ -328,7 +328,7 @@ def test_errors_are_said_on_every_rank(errors_launch):
         "zigzag": "10 tokens do not split into 4 equal chunks",
         "mask": "with an attn_mask or dropout_p: context parallelism attends over the ranks",
         "ulysses": "Ulysses: 3 heads do not split over 2 ranks",
-        "no_sdpa": "GPT2LMHeadModel's forward called no F.scaled_dot_product_attention",
+        "no_sdpa": "the model's forward called no F.scaled_dot_product_attention",
     }
     for kind, text in expected.items():
         first, second = (errors[kind] for errors in by_rank)

@@ -659,7 +659,7 @@ if os.environ.get("MUTANT"):
             return call
 
         def _uncached(context_parallel):
-            for name in ("positions_on", "future_mask", "gathered_order"):
+            for name in ("positions_on", "zigzag_positions_on", "future_mask", "gathered_order"):
                 cached = getattr(context_parallel, name)
                 setattr(context_parallel, name, _emptied_before_each_call(cached))
 
