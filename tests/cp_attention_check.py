@@ -13,8 +13,9 @@ that build index tensors or move tensors between devices in two calls of split_t
 ring, Ulysses and the patch embedding (the second call should make none).
 With --errors (its own launch, at W=2): the inputs that go wrong on one rank only and the calls
 the swap refuses, each rank printing an `ERRORS {json}` line of the ValueErrors it raised
-(anything else ends the launch); then `LOSS {json}`: causal_lm_loss on bf16 logits of 4,096
-tokens with 4,095 valid targets, next to one process's loss on the same logits in fp32."""
+(anything else ends the launch) and of the CheckpointError a checkpointed SDPA raises; then
+`LOSS {json}`: causal_lm_loss on bf16 logits of 4,096 tokens with 4,095 valid targets, next to
+one process's loss on the same logits in fp32."""
 
 import gc
 import json
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointError, checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402  (the repository root is on the path only now)
@@ -306,8 +308,19 @@ def errors(rank):
             del model  # DDP's reducer, freed while the group is up (see context_parallel.run)
             gc.collect()
 
+    def checkpointed_attention():  # torch's checkpoint recomputes SDPA in backward, unswapped
+        q = torch.zeros(2, 4, 8, 8, requires_grad=True)
+        with cp.ContextParallel(dist.group.WORLD):
+            out = checkpoint(F.scaled_dot_product_attention, q, q, q, use_reentrant=False)
+        try:
+            out.sum().backward()
+        except CheckpointError as error:
+            return str(error).splitlines()[0]
+        return None
+
     return dict(
         rank=rank,
+        checkpoint=checkpointed_attention(),
         targets=raised(targets_out_of_range),
         shapes=raised(shapes_differ),
         zigzag=raised(zigzag_chunks),

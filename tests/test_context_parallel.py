@@ -314,7 +314,10 @@ def test_errors_are_said_on_every_rank(errors_launch):
     sequences' ends), rank 1 feeding shorter sequences, and 10 tokens that the zig-zag split
     cannot cut into 2W = 4 chunks. And the calls the kernel swap cannot run: SDPA with a mask,
     Ulysses on 3 heads at W = 2, and a forward that calls no SDPA (HF's GPT-2 with "eager"
-    attention, written out in matmuls), which would attend to this rank's tokens alone."""
+    attention, written out in matmuls), which would attend to this rank's tokens alone. And SDPA
+    under torch's checkpoint (use_reentrant=False), which recomputes it in backward outside the
+    swap: torch raises its CheckpointError on both ranks (the recompute saves other tensors than
+    the ring did), as the section's contract says, rather than attending locally."""
     run = errors_launch
     assert run.returncode == 0, run.output
     lines = [line for line in run.stdout.splitlines() if line.startswith("ERRORS ")]
@@ -329,6 +332,7 @@ def test_errors_are_said_on_every_rank(errors_launch):
         "mask": "with an attn_mask or dropout_p: context parallelism attends over the ranks",
         "ulysses": "Ulysses: 3 heads do not split over 2 ranks",
         "no_sdpa": "the model's forward called no F.scaled_dot_product_attention",
+        "checkpoint": "torch.utils.checkpoint:",
     }
     for kind, text in expected.items():
         first, second = (errors[kind] for errors in by_rank)
