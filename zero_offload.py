@@ -42,16 +42,16 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 ### begin: ZeRO
 # Model contract: `units`, parallelize's argument, are the modules ZeRO flattens, in the order
 # forward runs them (the ViT: [embed, *blocks, head]); together they hold every parameter of the
-# model, each in one unit. Forward calls each unit's forward once, which returns a tensor or a tuple
-# of them (stage 3 gathers the unit around it and around its backward); every parameter gets a
-# gradient in every backward; the same weights on every rank's device. ZeRO talks on `group`,
-# parallelize's argument: the data-parallel ranks, the world when None. Every collective runs on it,
-# W is its size and a rank's shard is cut by its rank in it. After parallelize, model.parameters()
-# are this rank's shards (count Ψ before it, for MFU): build the optimizer over
-# model.zero.param_groups, drop the old one (see parallelize), call hook_optimizer; save with
-# full_state_dict, clip with this section's clip_grad_norm_. What a language model needs besides
-# (tied weights, optimizer groups, gradient accumulation) follows the core, each in a `### more:`
-# part.
+# model, each in one unit. Forward calls each unit's forward once, which returns a tensor (stage 3
+# gathers the unit around it and around its backward); every parameter gets a gradient in every
+# backward; the same weights on every rank's device. ZeRO talks on `group`, parallelize's argument:
+# the data-parallel ranks, the world when None. Every collective runs on it, W is its size and a
+# rank's shard is cut by its rank in it. After parallelize, model.parameters() are this rank's
+# shards (count Ψ before it, for MFU): build the optimizer over model.zero.param_groups, drop the
+# old one (see parallelize), call hook_optimizer; save with full_state_dict. What a language model
+# needs besides (blocks returning tuples, tied weights, optimizer groups, gradient accumulation,
+# clipping) and what a GPU wants (stage 3's prefetch, stage 1's average in place) follow the
+# core, each in a `### more:` part that subclasses the engine parallelize builds, `Engine`.
 
 
 class Unit:
@@ -61,41 +61,38 @@ class Unit:
     flat    N = W·S elements: the parameters one after another, then zeros up to a multiple of W
     shard   flat[r·S:(r+1)·S]: what this rank's optimizer steps. At stage 3 it is a copy, so that
             `flat` can be freed whenever the unit is not in use.
-    pieces  (group, its slice of the shard, nn.Parameter): the module's only parameters now; for
-            one optimizer group, one piece: the whole shard
+    pieces  (optimizer group, its slice of the shard, nn.Parameter): what the optimizer steps,
+            here one piece: the whole shard, in the one group
     """
 
     @torch.no_grad()  # copying the parameters in must not make `flat` part of autograd's graph
-    def __init__(self, name, module, rank, world, stage, placed, group_of):
-        """name: the module's name in the model, its parameters' state_dict keys. placed and
-        group_of: the tied weights and the optimizer groups of the user's units (their `### more:`
-        part below)."""
-        # the module's parameters except those an earlier unit already flattened (a tied weight),
-        # in flat's order
-        named_params = own_parameters(self, name, module, placed, group_of)
+    def __init__(self, model, named_params, rank, world, stage):
+        """named_params: the module's (state_dict key, Parameter) pairs in flat's order, as
+        module.named_parameters(prefix=its name in `model`) yields them."""
+        named_params = list(named_params)  # read all before the loop replaces them in the model
         numel = sum(param.numel() for _, param in named_params)
         self.shard_numel = (numel + world - 1) // world  # S: numel / W, rounded up
-        # a unit holding only tied parameters (nanoGPT's lm_head) has none to take dtype and device
-        # from: it has no elements, and is never gathered or reduced
-        like = named_params[0][1] if named_params else torch.empty(0)
-        self.flat = like.new_zeros(world * self.shard_numel)
+        self.flat = named_params[0][1].new_zeros(world * self.shard_numel)
         self.params = []  # (state_dict key, the tensor in the parameter's place, offset in flat)
         offset = 0
-        for param_name, param in named_params:
+        for key, param in named_params:
             view = self.flat[offset : offset + param.numel()].view_as(param)
             view.copy_(param)
-            tensor = replace_with_view(module, param_name, view)
-            self.params.append((state_key(name, param_name), tensor, offset))
+            tensor = replace_with_view(model, key, view)
+            self.params.append((key, tensor, offset))
             offset += param.numel()
         self.shard = self.flat[rank * self.shard_numel : (rank + 1) * self.shard_numel]
         if stage == 3:
             self.shard = self.shard.clone()
-        self.pieces = cut_into_pieces(self, named_params, group_of, rank)
-        # an attribute of the module, so that model.parameters() yields the pieces from now on
-        module.shards = nn.ParameterList([piece for _, _, piece in self.pieces])
+        self.pieces = self.cut_into_pieces(rank)
         self.flat_grad = None  # the unit's whole gradient, while it exists (always, at stage 1)
         self.grad_shard = None  # this rank's shard of the averaged gradient, until the step
         self.grads_arrived = 0  # how many of its parameters' gradients this backward has produced
+
+    def cut_into_pieces(self, rank):
+        """The shard as the optimizer's parameters: one piece, all of it. nn.Parameter(shard)
+        shares the shard's memory: stepping the piece steps the shard."""
+        return [(0, slice(0, self.shard_numel), nn.Parameter(self.shard))]
 
     def is_whole(self):
         """Stage 3: whether `flat` has its memory (gathered, or being gathered into)."""
@@ -114,6 +111,28 @@ class Unit:
         self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
 
 
+def replace_with_view(model, key, view):
+    """Put a new leaf tensor whose .data is `view` where the parameter `key` was, and return it.
+
+    Why not the view itself: a view shares its version counter with `flat`, so it would count every
+    write into `flat`, and stage 3 writes into `flat` again before the backward (the all-gather).
+    Autograd would then refuse the tensors it saved in the forward as modified in place. Setting
+    .data keeps the new tensor's own version counter, which no write into `flat` moves."""
+    tensor = torch.empty(0, dtype=view.dtype, device=view.device, requires_grad=True)
+    tensor.data = view
+    put_tensor(model, key, tensor)
+    return tensor
+
+
+def put_tensor(model, key, tensor):
+    """`tensor`, a plain attribute (not an nn.Parameter), where the model's parameter `key` was:
+    the model's Parameters are now only the units' shard pieces."""
+    owner_name, _, attribute = key.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    delattr(owner, attribute)
+    setattr(owner, attribute, tensor)
+
+
 class ZeRO:
     """The engine, kept at model.zero. Its hooks reduce-scatter each unit's gradient as soon as the
     unit's backward is done and, at stage 3, gather each unit's parameters just before forward or
@@ -121,24 +140,19 @@ class ZeRO:
     collectives run on `group`, the data-parallel ranks (the world when None); rank and world are
     this rank's place in it and its size."""
 
-    def __init__(self, model, device, stage, modules, param_groups, group=None):
-        self.device = device  # where clip_grad_norm_ adds up the squares
+    def __init__(self, model, device, stage, modules, group=None):
+        self.device = device  # where a part's clip_grad_norm_ adds up the squares
         self.stage = stage
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
-        check_units(model, modules)
-        # the model's own Parameters, about to be replaced: hook_optimizer checks that none stays
-        self.originals = [(name, weakref.ref(param)) for name, param in model.named_parameters()]
-        self.reducing = None  # (unit, output, work): the reduce-scatter in flight, at most one
-        self.gathering = {}  # unit index -> work: stage 3's all-gathers in flight
         name_of = {module: name for name, module in model.named_modules()}
-        group_of = optimizer_group_of(model, param_groups)
-        placed = {}  # each Parameter -> (unit, key): where it was flattened, for a later tie
         self.units = []
         for index, module in enumerate(modules):
-            unit = Unit(name_of[module], module, self.rank, self.world, stage, placed, group_of)
+            unit = self.make_unit(model, module, name_of[module])
             self.units.append(unit)
+            # an attribute of the module, so that model.parameters() yields the pieces from now on
+            module.shards = nn.ParameterList([piece for _, _, piece in unit.pieces])
             for _, tensor, offset in unit.params:
                 hook = functools.partial(self.gradient_arrived, unit, offset)
                 tensor.register_post_accumulate_grad_hook(hook)
@@ -146,34 +160,32 @@ class ZeRO:
                 unit.free()
                 module.register_forward_pre_hook(functools.partial(self.before_forward, index))
                 module.register_forward_hook(functools.partial(self.after_forward, index))
-                hook_borrowed(self, index, module)
-        # the optimizer's groups, their hyperparameters kept, their parameters the shards' pieces
-        self.param_groups = groups_over_pieces(param_groups, self.units)
+        # the optimizer's parameters: every unit's pieces, in one group
+        pieces = [piece for unit in self.units for _, _, piece in unit.pieces]
+        self.param_groups = [{"params": pieces}]
+
+    def make_unit(self, model, module, name):
+        """The unit of `module`, named `name` in the model: every parameter it holds."""
+        return Unit(model, module.named_parameters(prefix=name), self.rank, self.world, self.stage)
 
     # stage 3 (the paper's P_p): a unit is whole only around its forward and its backward
 
     def before_forward(self, index, module, args):
         self.gather(index)
-        prefetch(self, index + 1)
 
     def after_forward(self, index, module, args, output):
         self.units[index].free()
-        for tensor in output_tensors(output):
-            if tensor.requires_grad:  # training: the gradient reaching it starts its backward
-                tensor.register_hook(functools.partial(self.before_backward, index))
+        if output.requires_grad:  # training: the gradient reaching it starts its backward
+            output.register_hook(functools.partial(self.before_backward, index))
 
     def before_backward(self, index, grad):
         self.gather(index)
-        prefetch(self, index - 1)  # backward runs the units in reverse
 
     @torch.no_grad()  # writes the parameters' values beneath autograd, as an optimizer step does
     def gather(self, index):
-        """Unit `index` whole: all-gathered from the W ranks' shards, unless it is whole already,
-        or its all-gather is on its way (prefetched): then that is waited for."""
+        """Unit `index` whole: all-gathered from the W ranks' shards, unless it is whole already."""
         unit = self.units[index]
-        if index in self.gathering:
-            self.gathering.pop(index).wait()
-        elif not unit.is_whole() and unit.params:
+        if not unit.is_whole():
             unit.allocate()
             dist.all_gather_into_tensor(unit.flat, unit.shard, group=self.group)
 
@@ -183,7 +195,7 @@ class ZeRO:
     def gradient_arrived(self, unit, offset, tensor):
         """Autograd has put `tensor`'s gradient in .grad: move it into the unit's flat gradient. The
         model contract gives every parameter a gradient in every backward, so the unit's gradient
-        is complete when all of its parameters' have arrived (a tied one's once, summed)."""
+        is complete when all of its parameters' have arrived."""
         if unit.grads_arrived == 0:
             self.start_flat_grad(unit)
         unit.flat_grad[offset : offset + tensor.numel()].copy_(tensor.grad.flatten())
@@ -195,48 +207,43 @@ class ZeRO:
 
     def start_flat_grad(self, unit):
         """The unit's first gradient of this backward: a flat gradient to collect them in."""
-        keep_earlier_backward(self, unit)
         if unit.flat_grad is None:
             unit.flat_grad = unit.flat.new_zeros(unit.flat.numel())  # the padding stays zero
 
     def reduce_scatter(self, unit):
-        """Start reduce-scattering the unit's gradient: rank r gets shard r of the average."""
-        self.finish_reduce_scatter()  # one at a time: at most two whole gradients exist at once
+        """Reduce-scatter the unit's gradient: rank r gets shard r of the average."""
         unit.flat_grad.div_(self.world)  # Σ_ranks grad/W: the global batch's mean gradient, as DDP
-        output = average_buffer(self, unit)  # S elements, for this rank's shard of the average
-        work = dist.reduce_scatter_tensor(output, unit.flat_grad, group=self.group, async_op=True)
-        self.reducing = (unit, output, work)
+        output = self.average_buffer(unit)
+        dist.reduce_scatter_tensor(output, unit.flat_grad, group=self.group)
+        self.keep_average(unit, output)
+        if self.stage >= 2:
+            unit.flat_grad = None  # only this rank's shard of the gradient stays
         if self.stage == 3:
             unit.free()  # all its gradients are in: backward reads its parameters no more
 
-    def finish_reduce_scatter(self):
-        """Wait for the reduce-scatter in flight, if any, and add its average to the unit's gradient
-        shard (the sum over this step's backward passes, as .grad sums them without ZeRO); from
-        stage 2 on, drop the whole gradient it read."""
-        if self.reducing is None:
-            return
-        unit, output, work = self.reducing
-        work.wait()
-        self.reducing = None
-        if unit.grad_shard is None:
-            unit.grad_shard = output
-        else:
-            unit.grad_shard += output  # gradient accumulation: a later backward of the same step
-        if self.stage >= 2:
-            unit.flat_grad = None  # only this rank's shard of the gradient stays
+    def average_buffer(self, unit):
+        """Where the reduce-scatter puts this rank's shard of the unit's average: S elements."""
+        return unit.flat_grad.new_empty(unit.shard_numel)
+
+    def keep_average(self, unit, average):
+        """This rank's shard of the unit's averaged gradient, until the step."""
+        unit.grad_shard = average
 
     # the step (P_os, every stage): each rank steps its own shards
 
+    def hook(self, optimizer):
+        """The engine's work around each optimizer.step() (hook_optimizer's)."""
+        # torch calls a step hook as hook(optimizer, args, kwargs), with step()'s own arguments
+        optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: self.before_step())
+        optimizer.register_step_post_hook(lambda optimizer, args, kwargs: self.after_step())
+
     def before_step(self):
-        # the last reduce-scatter: the first unit's (backward runs from the last unit to the first)
-        self.finish_reduce_scatter()
         for unit in self.units:
-            # none: handed already (clip_grad_norm_ ran), or a unit with nothing flattened
-            if unit.grad_shard is not None:
+            if unit.grad_shard is not None:  # None: handed to the pieces already this step
                 for _, own, piece in unit.pieces:
                     piece.grad = unit.grad_shard[own]
                 # the optimizer's now: stages 2-3 free it in zero_grad(set_to_none=True); at stage
-                # 1 it is a view of flat_grad, which stays
+                # 1 it stays until the next backward's average replaces it
                 unit.grad_shard = None
 
     @torch.no_grad()
@@ -244,51 +251,174 @@ class ZeRO:
         """Stages 1-2: the next forward needs every unit whole and updated everywhere. The shard is
         flat's own slice r, so the all-gather fills the rest of flat around it. (Stage 3 gathers
         each unit when it is needed.)"""
-        for unit in self.units:
-            if self.stage < 3 and unit.params:
+        if self.stage < 3:
+            for unit in self.units:
                 dist.all_gather_into_tensor(unit.flat, unit.shard, group=self.group)
 
+    # the save: the whole parameters on the group's rank 0
 
-def parallelize(
-    model, device, stage, param_groups=None, offload="none", directory=None, *, units, group=None
-):
+    @torch.no_grad()
+    def gather_parameters(self):
+        """{state_dict key: the parameter, whole, on the CPU} on the group's rank 0 ({} elsewhere).
+        Every rank sends its shard of each unit; rank 0 receives the W shards into a new buffer of
+        flat's shape (at stage 3 flat has no memory now), in the group's rank order, and cuts it
+        back into the parameters."""
+        state = {}
+        for unit in self.units:
+            if self.rank != 0:
+                dist.gather(unit.shard, group=self.group, group_dst=0)
+                continue
+            flat = torch.empty_like(unit.flat)
+            dist.gather(unit.shard, list(flat.chunk(self.world)), group=self.group, group_dst=0)
+            for key, tensor, offset in unit.params:
+                view = flat[offset : offset + tensor.numel()].view_as(tensor)
+                state[key] = view.to("cpu", copy=True)
+        return state
+
+    def full_state_dict(self, model):
+        """full_state_dict's: the ViT's state_dict() is its parameters (it has no buffers)."""
+        return self.gather_parameters()
+
+
+# The engine parallelize builds: a `### more:` part plugs in here, with a subclass of it.
+Engine = ZeRO
+
+
+def parallelize(model, device, stage, *, units, group=None, **options):
     """ZeRO at `stage`, in place: the engine goes to model.zero and model.parameters() become the
-    shards (the CPU master shards with offload "cpu"); make the optimizer over them, then
-    hook_optimizer(model, optimizer). The model is already on `device` (on a GPU the CPU
-    buffers are pinned). `param_groups`: the optimizer's groups over the model's
-    parameters (dicts with "params" and hyperparameters, such as weight_decay); then make the
-    optimizer over model.zero.param_groups, the same groups over the shards. Offload "cpu", or
-    "disk" into `directory`. `units`: the modules to flatten, in forward order (the contract).
-    `group`: the data-parallel process group ZeRO shards over and talks on, the world when None.
+    shards; make the optimizer over model.zero.param_groups, then hook_optimizer(model,
+    optimizer). The model is already on `device`. `units`: the modules to flatten, in forward
+    order (the contract). `group`: the data-parallel process group ZeRO shards over and talks on,
+    the world when None. `options`: what the parts' engines take besides (param_groups: the
+    optimizer's groups over the model's parameters, whose hyperparameters model.zero.param_groups
+    keeps over the shards).
 
     The optimizer, rebuilt with the user's class, the old one dropped (else it keeps the model's
     original parameters alive):
-        model = parallelize(model, device, 3, optimizer.param_groups, units=units)
+        model = parallelize(model, device, 3, param_groups=optimizer.param_groups, units=units)
         optimizer = type(optimizer)(model.zero.param_groups)
         hook_optimizer(model, optimizer)"""
-    model.zero = ZeROOffload(model, device, stage, units, param_groups, offload, directory, group)
-    model.zero.refusal = model.register_state_dict_pre_hook(refuse_state_dict)
+    model.zero = Engine(model, device, stage, units, group, **options)
     return model
 
 
 def hook_optimizer(model, optimizer):
     """The engine's work around each optimizer.step(): the gradient shards handed to the optimizer
-    before it, the updated shards all-gathered after it. The offload's hooks come first: the
-    stepped masters reach the device shards before the all-gathers read them."""
-    check_originals_dropped(model)
-    model.zero.hook_offload(optimizer)
-    # torch calls a step hook as hook(optimizer, args, kwargs), with step()'s own arguments
-    optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: model.zero.before_step())
-    optimizer.register_step_post_hook(lambda optimizer, args, kwargs: model.zero.after_step())
+    before it, the updated shards all-gathered after it."""
+    model.zero.hook(optimizer)
+
+
+def full_state_dict(model):
+    """The model's own state_dict(), whole, on the CPU of the group's rank 0 ({} on the others),
+    so that a strict load_state_dict into the unsplit model accepts it. Every rank of ZeRO's group
+    takes part."""
+    return model.zero.full_state_dict(model)
+
+
+### more: a unit whose forward returns a tuple (HuggingFace's blocks)
+
+
+def output_tensors(output):
+    """The tensors a unit's forward returned: the tensor, or those of a tuple (HuggingFace's blocks
+    return (hidden_states, ...)), whose gradients start the unit's backward."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [item for item in output if isinstance(item, torch.Tensor)]
+    return []
+
+
+class TupleOutputs(Engine):
+    """Stage 3: the unit's backward starts where the gradient reaches any tensor it returned."""
+
+    def after_forward(self, index, module, args, output):
+        self.units[index].free()
+        for tensor in output_tensors(output):
+            if tensor.requires_grad:  # training: the gradient reaching it starts its backward
+                tensor.register_hook(functools.partial(self.before_backward, index))
+
+
+Engine = TupleOutputs
 
 
 ### more: the user's units: each parameter in one, tied weights, optimizer groups
 # A language model's units: every module holding parameters, in forward order, one holding only
 # tied parameters too (nanoGPT: [wte, wpe, *h, ln_f, lm_head]). A parameter two units share
-# (GPT-2's lm_head.weight is wte.weight) is flattened once, in the first unit; autograd sums its
-# two gradients, and at stage 3 that unit is gathered for the other's forward and backward too.
-# The optimizer's groups (parallelize's param_groups): each unit lays its parameters out group by
-# group and cuts its shard where the groups meet, a piece per group.
+# (GPT-2's lm_head.weight is wte.weight) is flattened once, in the first unit; the other gets that
+# unit's tensor in its place, so autograd sums its two gradients, and at stage 3 that unit is
+# gathered for the other's forward and backward too. A module holding only tied parameters is no
+# unit of its own. The optimizer's groups (parallelize's param_groups): each unit lays its
+# parameters out group by group and cuts its shard where the groups meet, a piece per group.
+
+
+class UserUnits(Engine):
+    """ZeRO over the user's units: checked to hold every parameter once, a tied weight flattened
+    once, the shards cut where the optimizer's groups meet (param_groups: the optimizer's groups
+    over the model's parameters, dicts with "params" and hyperparameters, such as weight_decay;
+    None: one group)."""
+
+    def __init__(self, model, device, stage, modules, group=None, param_groups=None, **options):
+        check_units(model, modules)
+        # These three hold the model's original Parameters: dropped below, so that their memory
+        # is freed once the units hold their values.
+        self.group_of = optimizer_group_of(model, param_groups)  # Parameter -> group index
+        self.owner = first_holders(modules)  # Parameter -> the module whose unit flattens it
+        self.placed = {}  # Parameter -> (its unit, its state_dict key, the tensor in its place)
+        owning = [module for module in modules if self.holds_first(module)]
+        super().__init__(model, device, stage, owning, group, **options)
+        self.tied = []  # (state_dict key, key of the same parameter in the unit holding it)
+        self.tie_later_uses(model, modules)
+        self.param_groups = groups_over_pieces(param_groups, self.units)
+        del self.group_of, self.owner, self.placed
+
+    def holds_first(self, module):
+        """Whether `module` holds a parameter no earlier unit holds: it is a unit."""
+        return any(self.owner[param] is module for param in module.parameters())
+
+    def make_unit(self, model, module, name):
+        """The unit of the parameters `module` holds first, group by group (a stable sort keeps the
+        module's order within a group), so that each group is one range of flat and meets this
+        rank's shard in one range."""
+        own = [
+            (key, param)
+            for key, param in module.named_parameters(prefix=name)
+            if self.owner[param] is module
+        ]
+        own.sort(key=lambda named: self.group_of[named[1]])
+        groups = [self.group_of[param] for _, param in own]
+        unit = GroupedUnit(model, own, self.rank, self.world, self.stage, groups)
+        for (key, param), (_, tensor, _) in zip(own, unit.params, strict=True):
+            self.placed[param] = (unit, key, tensor)
+        return unit
+
+    def tie_later_uses(self, model, modules):
+        """Each parameter a later module holds too (still the original Parameter there, found in
+        `placed`): the tensor its unit put in the first module's place goes in the later one's.
+        At stage 3 the units holding them are whole around the later module's forward and
+        backward too."""
+        name_of = {module: name for name, module in model.named_modules()}
+        for module in modules:
+            borrowed = []  # the indices of the units holding a parameter this module uses too
+            for key, param in list(module.named_parameters(prefix=name_of[module])):
+                if param not in self.placed:
+                    continue  # one of the module's shard pieces
+                unit, owner_key, tensor = self.placed[param]
+                put_tensor(model, key, tensor)
+                self.tied.append((key, owner_key))
+                borrowed.append(self.units.index(unit))
+            if self.stage == 3 and borrowed:
+                hook_borrowed(self, borrowed, module)
+
+    def gather_parameters(self):
+        """A tied parameter one tensor under both its keys, as the model's own."""
+        state = super().gather_parameters()
+        if state:  # the group's rank 0
+            for key, owner_key in self.tied:
+                state[key] = state[owner_key]
+        return state
+
+
+Engine = UserUnits
 
 
 def state_key(module_name, name):
@@ -323,52 +453,41 @@ def check_units(model, modules):
         )
 
 
-def own_parameters(unit, name, module, placed, group_of):
-    """The module's parameters that `unit` flattens, in flat's order: those no earlier unit
-    flattened, group by group (a stable sort keeps the module's order within a group), so that
-    each group is one range of flat and meets this rank's shard in one range. A tied parameter, one
-    an earlier unit flattened (placed: Parameter -> (unit, state_dict key)), gets that unit's
-    tensor here too: autograd sums its two gradients into one."""
-    unit.tied = []  # (state_dict key, key of the same parameter in the earlier unit holding it)
-    unit.borrowed = []  # the earlier units holding a parameter this module uses too
-    own = []
-    for param_name, param in list(module.named_parameters()):  # the loop edits module
-        if param in placed:
-            owner, owner_key = placed[param]
-            tensor = next(tensor for key, tensor, _ in owner.params if key == owner_key)
-            put_tensor(module, param_name, tensor)
-            unit.tied.append((state_key(name, param_name), owner_key))
-            unit.borrowed.append(owner)
-        else:
-            own.append((param_name, param))
-            placed[param] = (unit, state_key(name, param_name))
-    own.sort(key=lambda named: group_of[named[1]])
-    return own
+def first_holders(modules):
+    """Parameter -> the first of `modules` that holds it: the module whose unit flattens it."""
+    owner = {}
+    for module in modules:
+        for param in module.parameters():
+            owner.setdefault(param, module)
+    return owner
 
 
-def cut_into_pieces(unit, named_params, group_of, rank):
-    """The unit's shard cut where the optimizer's groups meet (`named_params` lie in flat in this
-    order, group by group): a piece per group whose range of flat overlaps the shard."""
-    group_end = {}  # group -> where its range of flat ends
-    offset = 0
-    for _, param in named_params:
-        offset += param.numel()
-        group_end[group_of[param]] = offset
-    if named_params:
-        _, last_param = named_params[-1]
-        group_end[group_of[last_param]] = unit.flat.numel()  # the padding: the last group's
-    pieces = []
-    shard_start = rank * unit.shard_numel
-    group_start = 0
-    for group, end in group_end.items():
-        low = max(group_start, shard_start) - shard_start
-        high = min(end, shard_start + unit.shard_numel) - shard_start
-        if low < high:
-            own = slice(low, high)
-            # nn.Parameter(view) shares the view's memory: stepping the piece steps flat
-            pieces.append((group, own, nn.Parameter(unit.shard[own])))
-        group_start = end
-    return pieces
+class GroupedUnit(Unit):
+    """A unit whose parameters lie in flat group by group (`groups`: each one's optimizer group, in
+    flat's order), its shard cut where the groups meet."""
+
+    def __init__(self, model, named_params, rank, world, stage, groups):
+        self.groups = groups
+        super().__init__(model, named_params, rank, world, stage)
+
+    def cut_into_pieces(self, rank):
+        """A piece per group whose range of flat overlaps the shard."""
+        group_end = {}  # group -> where its range of flat ends
+        for group, (_, tensor, offset) in zip(self.groups, self.params, strict=True):
+            group_end[group] = offset + tensor.numel()
+        group_end[self.groups[-1]] = self.flat.numel()  # the padding: the last group's
+        pieces = []
+        shard_start = rank * self.shard_numel
+        group_start = 0
+        for group, end in group_end.items():
+            low = max(group_start, shard_start) - shard_start
+            high = min(end, shard_start + self.shard_numel) - shard_start
+            if low < high:
+                own = slice(low, high)
+                # nn.Parameter(view) shares the view's memory: stepping the piece steps flat
+                pieces.append((group, own, nn.Parameter(self.shard[own])))
+            group_start = end
+        return pieces
 
 
 def optimizer_group_of(model, param_groups):
@@ -388,14 +507,11 @@ def groups_over_pieces(param_groups, units):
     return groups
 
 
-def hook_borrowed(engine, index, module):
-    """Stage 3, tied weights: the earlier units holding a parameter this module uses (GPT-2's head
-    uses the embedding's wte.weight) whole around its forward and its backward too, gathered right
-    after its own unit. In backward they stay whole until their own gradients are in: the
-    embedding, the largest unit, for the whole backward."""
-    owners = [engine.units.index(owner) for owner in engine.units[index].borrowed]
-    if not owners:
-        return
+def hook_borrowed(engine, owners, module):
+    """Stage 3, tied weights: the units `owners` (their indices), holding a parameter `module`
+    uses too (GPT-2's head uses the embedding's wte.weight), whole around its forward and its
+    backward too, gathered right after its own unit if it is one. In backward they stay whole
+    until their own gradients are in: the embedding, the largest unit, for the whole backward."""
 
     def gather_owners(*_):
         for owner in owners:
@@ -413,94 +529,172 @@ def hook_borrowed(engine, index, module):
     module.register_forward_hook(free_owners)
 
 
-### more: a unit whose forward returns a tuple (HuggingFace's blocks)
-
-
-def output_tensors(output):
-    """The tensors a unit's forward returned: the tensor, or those of a tuple (HuggingFace's blocks
-    return (hidden_states, ...)), whose gradients start the unit's backward."""
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, (tuple, list)):
-        return [item for item in output if isinstance(item, torch.Tensor)]
-    return []
-
-
-### more: a tensor in the parameter's place, under autograd
-
-
-def replace_with_view(module, name, view):
-    """Put a new leaf tensor whose .data is `view` where the parameter `name` was, and return it.
-
-    Why not the view itself: a view shares its version counter with `flat`, so it would count every
-    write into `flat`, and stage 3 writes into `flat` again before the backward (the all-gather).
-    Autograd would then refuse the tensors it saved in the forward as modified in place. Setting
-    .data keeps the new tensor's own version counter, which no write into `flat` moves."""
-    tensor = torch.empty(0, dtype=view.dtype, device=view.device, requires_grad=True)
-    tensor.data = view
-    put_tensor(module, name, tensor)
-    return tensor
-
-
-def put_tensor(module, name, tensor):
-    """`tensor`, a plain attribute (not an nn.Parameter), where the parameter `name` was: the
-    module's Parameters are now only the unit's shard pieces."""
-    owner_name, _, attribute = name.rpartition(".")
-    owner = module.get_submodule(owner_name)
-    delattr(owner, attribute)
-    setattr(owner, attribute, tensor)
-
-
 ### more: stage 3's prefetch: the next unit's all-gather while this one computes
 
 
-@torch.no_grad()  # writes the parameters' values beneath autograd, as an optimizer step does
-def prefetch(engine, index):
-    """Start unit `index`'s all-gather without waiting for it, as FSDP2 does: the network moves
-    the next unit's parameters while this unit computes, off the critical path. The engine's
-    gather() waits for it when the unit is needed."""
-    if not 0 <= index < len(engine.units):
-        return  # no unit there: before the embedding, or past the head
-    unit = engine.units[index]
-    if index in engine.gathering or unit.is_whole() or not unit.params:
-        return  # already on its way, or here (a unit a tied weight keeps whole), or nothing
-    unit.allocate()
-    engine.gathering[index] = dist.all_gather_into_tensor(
-        unit.flat, unit.shard, group=engine.group, async_op=True
-    )
+class Prefetch(Engine):
+    """Stage 3: each unit's all-gather started one unit ahead, as FSDP2 does: the network moves
+    the next unit's parameters while this unit computes, off the critical path. gather() waits for
+    it when the unit is needed."""
+
+    def __init__(self, *args, **options):
+        self.gathering = {}  # unit index -> work: the all-gathers in flight
+        super().__init__(*args, **options)
+
+    def before_forward(self, index, module, args):
+        super().before_forward(index, module, args)
+        self.prefetch(index + 1)
+
+    def before_backward(self, index, grad):
+        super().before_backward(index, grad)
+        self.prefetch(index - 1)  # backward runs the units in reverse
+
+    def gather(self, index):
+        if index in self.gathering:
+            self.gathering.pop(index).wait()  # prefetched: on its way
+        else:
+            super().gather(index)
+
+    @torch.no_grad()  # writes the parameters' values beneath autograd, as an optimizer step does
+    def prefetch(self, index):
+        """Start unit `index`'s all-gather without waiting for it."""
+        if not 0 <= index < len(self.units):
+            return  # no unit there: before the embedding, or past the head
+        unit = self.units[index]
+        if index in self.gathering or unit.is_whole():
+            return  # already on its way, or here (a unit a tied weight keeps whole)
+        unit.allocate()
+        self.gathering[index] = dist.all_gather_into_tensor(
+            unit.flat, unit.shard, group=self.group, async_op=True
+        )
+
+
+Engine = Prefetch
 
 
 ### more: gradient accumulation (several backward passes a step)
+# Each backward's average is added to the unit's gradient shard, as .grad sums the backward passes
+# of a step without ZeRO.
 
 
-def keep_earlier_backward(engine, unit):
-    """A later backward of the same step starts the unit's flat gradient: the earlier backward's
-    averaged shard must be complete, and safe from the writes this backward makes (each backward's
-    average is added to it, as .grad sums them without ZeRO)."""
-    if engine.reducing is not None and engine.reducing[0] is unit:
-        engine.finish_reduce_scatter()  # the last backward's is still reading it
-    if unit.flat_grad is not None and unit.grad_shard is not None:
-        # stage 1: the last backward's average may sit in flat_grad's own slice, which this
-        # backward overwrites
-        unit.grad_shard = unit.grad_shard.clone()
+class Accumulation(Engine):
+    def start_flat_grad(self, unit):
+        """A later backward of the same step starts the unit's flat gradient: the earlier
+        backward's averaged shard must be safe from the writes this backward makes."""
+        if unit.flat_grad is not None and unit.grad_shard is not None:
+            # stage 1: the last backward's average may sit in flat_grad's own slice, which this
+            # backward overwrites
+            unit.grad_shard = unit.grad_shard.clone()
+        super().start_flat_grad(unit)
+
+    def keep_average(self, unit, average):
+        if unit.grad_shard is None:
+            super().keep_average(unit, average)
+        else:
+            unit.grad_shard += average  # a later backward of the same step
+
+
+Engine = Accumulation
+
+
+### more: the reduce-scatter in flight while backward computes the units before it
+
+
+class Overlap(Engine):
+    """Each unit's reduce-scatter started, not waited for: the network moves the gradient while
+    backward computes the units before it, off the critical path. One at a time, so that at most
+    two whole gradients exist at once (the one being reduced, the next one filled)."""
+
+    def __init__(self, *args, **options):
+        self.reducing = None  # (unit, output, work): the reduce-scatter in flight, at most one
+        super().__init__(*args, **options)
+
+    def reduce_scatter(self, unit):
+        """Start reduce-scattering the unit's gradient: rank r gets shard r of the average."""
+        self.finish_reduce_scatter()
+        unit.flat_grad.div_(self.world)  # Σ_ranks grad/W: the global batch's mean gradient, as DDP
+        output = self.average_buffer(unit)
+        work = dist.reduce_scatter_tensor(output, unit.flat_grad, group=self.group, async_op=True)
+        self.reducing = (unit, output, work)
+        if self.stage == 3:
+            unit.free()  # all its gradients are in: backward reads its parameters no more
+
+    def start_flat_grad(self, unit):
+        """A later backward of the same step (gradient accumulation) starts the unit whose
+        reduce-scatter is still reading its flat gradient: that one finishes first."""
+        if self.reducing is not None and self.reducing[0] is unit:
+            self.finish_reduce_scatter()
+        super().start_flat_grad(unit)
+
+    def finish_reduce_scatter(self):
+        """Wait for the reduce-scatter in flight, if any, and keep its average as the unit's
+        gradient shard; from stage 2 on, drop the whole gradient it read."""
+        if self.reducing is None:
+            return
+        unit, output, work = self.reducing
+        work.wait()
+        self.reducing = None
+        self.keep_average(unit, output)
+        if self.stage >= 2:
+            unit.flat_grad = None  # only this rank's shard of the gradient stays
+
+    def before_step(self):
+        # the last reduce-scatter: the first unit's (backward runs from the last unit to the first)
+        self.finish_reduce_scatter()
+        super().before_step()
+
+
+Engine = Overlap
 
 
 ### more: stage 1's average in place, in its own slice of the whole gradient
 
 
-def average_buffer(engine, unit):
-    """Where the reduce-scatter puts this rank's shard of the unit's average: S new elements, or,
-    at stage 1, its own slice of the whole gradient, with no second buffer. Stage 1 keeps the
-    whole gradient anyway (it shards only the optimizer state), and output = input[r·S:(r+1)·S]
-    is the layout NCCL's in-place reduce-scatter expects. Not for a later backward of the step
-    (gradient accumulation): the earlier backward's average sits there."""
-    if engine.stage == 1 and unit.grad_shard is None:
-        own_slice = slice(engine.rank * unit.shard_numel, (engine.rank + 1) * unit.shard_numel)
-        return unit.flat_grad[own_slice]
-    return unit.flat_grad.new_empty(unit.shard_numel)
+class AverageInPlace(Engine):
+    def average_buffer(self, unit):
+        """At stage 1, this rank's own slice of the whole gradient, with no second buffer. Stage 1
+        keeps the whole gradient anyway (it shards only the optimizer state), and output =
+        input[r·S:(r+1)·S] is the layout NCCL's in-place reduce-scatter expects. Not for a later
+        backward of the step (gradient accumulation): the earlier backward's average sits there."""
+        if self.stage == 1 and unit.grad_shard is None:
+            own_slice = slice(self.rank * unit.shard_numel, (self.rank + 1) * unit.shard_numel)
+            return unit.flat_grad[own_slice]
+        return super().average_buffer(unit)
 
 
-### more: the checkpoint, and what ZeRO refuses or warns of
+Engine = AverageInPlace
+
+
+### more: the checkpoint through the model's own state_dict(), and what ZeRO refuses or warns of
+
+
+class Checkpoint(Engine):
+    """The save through the model's own state_dict() (its persistent buffers, its state_dict hooks:
+    Llama's fused wqkv saved as wq, wk, wv); model.state_dict() refused; a warning when the
+    model's original parameters outlive parallelize."""
+
+    def __init__(self, model, *args, **options):
+        # the model's own Parameters, about to be replaced: hook() checks that none stays
+        self.originals = [(name, weakref.ref(param)) for name, param in model.named_parameters()]
+        super().__init__(model, *args, **options)
+        self.refusal = model.register_state_dict_pre_hook(refuse_state_dict)
+
+    def hook(self, optimizer):
+        check_originals_dropped(self)
+        super().hook(optimizer)
+
+    @torch.no_grad()
+    def full_state_dict(self, model):
+        """The model's own state_dict() on the group's rank 0, with the whole parameters in their
+        places, on the CPU."""
+        whole = self.gather_parameters()
+        if self.rank != 0:
+            return {}
+        state = state_dict_with(model, whole)
+        return {key: tensor.cpu() for key, tensor in state.items()}
+
+
+Engine = Checkpoint
 
 
 def refuse_state_dict(module, prefix, keep_vars):
@@ -511,11 +705,11 @@ def refuse_state_dict(module, prefix, keep_vars):
     )
 
 
-def check_originals_dropped(model):
+def check_originals_dropped(engine):
     """ZeRO's memory promise: the model's original parameters, whole, are freed once parallelize
     has replaced them. Whatever still holds one (the user's old optimizer, its param_groups kept in
     a variable) keeps the whole model alive beside the shards: stage 3 would then save nothing."""
-    alive = [name for name, original in model.zero.originals if original() is not None]
+    alive = [name for name, original in engine.originals if original() is not None]
     if alive:
         warnings.warn(
             f"ZeRO: {len(alive)} of the model's original parameters (e.g. {alive[0]}) are still "
@@ -525,45 +719,6 @@ def check_originals_dropped(model):
             "reference to the old optimizer or its groups.",
             stacklevel=2,
         )
-
-
-@torch.no_grad()
-def full_state_dict(model):
-    """The model's own state_dict(), whole, on the CPU of the group's rank 0 ({} on the others):
-    its keys, its persistent buffers, and whatever its state_dict hooks make of them (Llama's
-    fused wqkv saved as wq, wk, wv), so that a strict load_state_dict into the unsplit model
-    accepts it. Every rank of ZeRO's group sends its shard of each unit to the group's rank 0,
-    which cuts the whole unit back into the parameters and calls the model's state_dict() with
-    them in their places."""
-    engine = model.zero
-    whole = gather_parameters(engine)
-    if engine.rank != 0:
-        return {}
-    state = state_dict_with(model, whole)
-    return {key: tensor.cpu() for key, tensor in state.items()}
-
-
-def gather_parameters(engine):
-    """{state_dict key: the parameter, whole, on the CPU} on the group's rank 0 ({} elsewhere): a
-    tied parameter one tensor under both its keys."""
-    state = {}
-    for unit in engine.units:
-        if engine.rank != 0:
-            if unit.params:  # a unit holding only tied parameters has no shard: its keys only
-                dist.gather(unit.shard, group=engine.group, group_dst=0)
-            continue
-        # a new buffer of flat's shape (at stage 3 flat has no memory now); the gathered shards
-        # land in its W slices, in the group's rank order
-        flat = torch.empty_like(unit.flat)
-        if unit.params:
-            shards = list(flat.chunk(engine.world))
-            dist.gather(unit.shard, shards, group=engine.group, group_dst=0)
-        for key, tensor, offset in unit.params:
-            view = flat[offset : offset + tensor.numel()].view_as(tensor)
-            state[key] = view.to("cpu", copy=True)
-        for key, owner_key in unit.tied:
-            state[key] = state[owner_key]  # one tensor under both names, as the model's own
-    return state
 
 
 def state_dict_with(model, whole):
@@ -580,7 +735,7 @@ def state_dict_with(model, whole):
         in_place.append((owner, attribute, getattr(owner, attribute)))
         delattr(owner, attribute)
         owner.register_parameter(attribute, parameters[id(tensor)])
-    # the modules ZeRO gave its shards to (parallelize named the list `shards` in each unit)
+    # the modules ZeRO gave its shards to (the engine named the list `shards` in each unit)
     shard_lists = [
         (module, module.shards)
         for module in model.modules()
@@ -641,22 +796,20 @@ def gradient_shards(engine):
 # hyperparameters; the device shard stays the copy that forward and the all-gathers read.
 
 
-class ZeROOffload(ZeRO):
+class ZeROOffload(Engine):
     """ZeRO's engine, with the optimizer's step moved off the device: ZeRO-Offload (Ren et al.
     2021, https://arxiv.org/abs/2101.06840) steps CPU masters, ZeRO-Infinity (Rajbhandari et al.
     2021, https://arxiv.org/abs/2104.07857) steps each unit from its file on disk. Each method
     does ZeRO's work and the offload's around it; offload "none" is ZeRO as it is."""
 
-    def __init__(self, model, device, stage, modules, param_groups, offload, directory, group=None):
-        super().__init__(model, device, stage, modules, param_groups, group)
-        self.offload = offload
+    def __init__(
+        self, model, device, stage, modules, group=None, offload="none", directory=None, **options
+    ):
+        self.offload = offload  # make_unit reads it
         self.on_cpu = set()  # --offload cpu: the units whose master_grad holds this step's gradient
+        super().__init__(model, device, stage, modules, group, **options)
         if offload == "cpu":
             self.copies = CopyStream(device)
-            for unit, module in zip(self.units, modules, strict=True):
-                move_master_to_cpu(unit, module, pin_memory=device.type == "cuda")
-            # the optimizer steps the CPU masters' pieces
-            self.param_groups = groups_over_pieces(self.param_groups, self.units)
         if offload == "disk":
             self.reader = ThreadPoolExecutor(1)  # reads the next unit's file while one steps
             # each process its own files, named by its rank in the world, not in the group: two
@@ -665,16 +818,25 @@ class ZeROOffload(ZeRO):
             for index, unit in enumerate(self.units):
                 unit.path = os.path.join(directory, f"zero-rank{world_rank}-unit{index}.pt")
 
-    def hook_offload(self, optimizer):
+    def make_unit(self, model, module, name):
+        """--offload cpu: the unit's master moved to the CPU, its pieces the optimizer's (and the
+        module's, as ZeRO then lists them)."""
+        unit = super().make_unit(model, module, name)
+        if self.offload == "cpu":
+            move_master_to_cpu(unit, pin_memory=self.device.type == "cuda")
+        return unit
+
+    def hook(self, optimizer):
         """hook_optimizer's first hook: after each step, the stepped masters back to the device
-        shards. --offload disk writes the units' first files here, where the optimizer's class is
-        known."""
+        shards, before ZeRO's own hooks (stages 1-2's all-gathers read the shards). --offload disk
+        writes the units' first files here, where the optimizer's class is known."""
         if self.offload == "disk":
             self.write_unit_files(optimizer)
         # torch calls a step hook as hook(optimizer, args, kwargs), with step()'s own arguments
         optimizer.register_step_post_hook(
             lambda optimizer, args, kwargs: self.masters_to_device(optimizer)
         )
+        super().hook(optimizer)
 
     def start_flat_grad(self, unit):
         super().start_flat_grad(unit)
@@ -811,8 +973,11 @@ class ZeROOffload(ZeRO):
         unit.shard.copy_(master)
 
 
+Engine = ZeROOffload
+
+
 @torch.no_grad()
-def move_master_to_cpu(unit, module, pin_memory):
+def move_master_to_cpu(unit, pin_memory):
     """ZeRO-Offload: the optimizer steps an fp32 master copy of the shard in CPU memory, next to its
     gradient, both allocated once. Pinned memory lets copies between it and the GPU run without the
     host waiting. The shard on the device stays, as the working copy. The master is cut into the
@@ -823,8 +988,6 @@ def move_master_to_cpu(unit, module, pin_memory):
     unit.pieces = [(group, own, nn.Parameter(unit.master[own])) for group, own, _ in unit.pieces]
     unit.to_cpu = None  # on a GPU: the event of the gradient shard's copy into master_grad
     unit.to_device = None  # on a GPU: the event of the stepped master's copy into the shard
-    # the module's parameters now: model.parameters() are the masters' pieces
-    module.shards = nn.ParameterList([piece for _, _, piece in unit.pieces])
 
 
 def save_atomically(obj, path):

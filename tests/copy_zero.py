@@ -34,7 +34,7 @@ def run_zero(stage, optim, batches, rank, world, group=None, norms=None):
     model = CausalLM()
     units = [model.embed, *model.blocks, model.head]
     model = zero.parallelize(
-        model, CPU, stage, param_groups(model, optim), units=units, group=group
+        model, CPU, stage, param_groups=param_groups(model, optim), units=units, group=group
     )
     optimizer = make_optimizer(model.zero.param_groups, optim)
     zero.hook_optimizer(model, optimizer)
@@ -56,7 +56,14 @@ def run_zero_offload(offload, stage, optim, batches, rank, world, folder, group=
     # the groups made in the call, not kept in a variable: that would keep the model's original
     # parameters alive, and hook_optimizer warn of it
     model = zero_offload.parallelize(
-        model, CPU, stage, param_groups(model, optim), offload, directory, units=units, group=group
+        model,
+        CPU,
+        stage,
+        param_groups=param_groups(model, optim),
+        offload=offload,
+        directory=directory,
+        units=units,
+        group=group,
     )
     optimizer = make_optimizer(model.zero.param_groups, optim)
     zero_offload.hook_optimizer(model, optimizer)

@@ -47,9 +47,12 @@ MAX_DIFF = {
     # issue 34: + the data-parallel `group` in every collective, the contract and docstrings
     # issue 40: + the save through the model's own state_dict() (its hooks, its buffers: the
     # parameters put back for the call), units returning tuples (HF's blocks)
-    "zero.py": 713,
-    # zero.py's 713 + the offload as one subclass (ZeROOffload) in a part of its own
-    "zero_offload.py": 1007,
+    # issue 42: + each part a subclass of the engine (its class line, its `Engine =` line, its
+    # super() calls), the tie found after the units are built, the reduce-scatter in flight a
+    # part overriding the core's blocking one
+    "zero.py": 869,
+    # zero.py's 869 + the offload as one subclass (ZeROOffload) in a part of its own
+    "zero_offload.py": 1166,
     # core first: 574 + the paper's sketch of the MLP split, the part headers, the dropout refusal
     # issue 34: + the tensor-parallel `group` (Functions taking it, operators() binding it,
     # split_tokens alone)
@@ -184,10 +187,13 @@ def technique(text):
 # begins. The issue's guides, as a guard against drift, not a target: a variant file is its
 # parent plus one part, so its core is its parent's.
 CORE_LINES = {
-    "zero.py": 130,
-    # issue 34: its parallelize takes `group`, wrapped by the formatter; issue 40: as zero.py, a
-    # unit's output may be a tuple (one line more in after_forward)
-    "zero_offload.py": 133,
+    # issue 42: the core runs alone, over the guide of 130: it holds what the ViT needs that parts
+    # held before (the tensor in the parameter's place, which stage 3's re-gather before backward
+    # needs, +8; the save's gather, +12) and the plugs its parts override (make_unit,
+    # cut_into_pieces, average_buffer, keep_average, hook, Engine, +10); the parts' calls left it,
+    # and so did the reduce-scatter in flight (a part: the core's waits)
+    "zero.py": 141,
+    "zero_offload.py": 141,  # zero.py's core
     "tensor_parallel.py": 140,
     "tensor_parallel_zero_r.py": 140,
     # the ring with its backward, the SDPA swap (a TorchFunctionMode), parallelize and, since the

@@ -291,7 +291,11 @@ def test_stage3_memory_needs_the_old_optimizer_dropped(one_process):
     psi = sum(param.numel() for param in model.parameters())
     optimizer = nanogpt_model.make_optimizer(model, "adamw")
     model = zero.parallelize(
-        model, torch.device("cpu"), 3, optimizer.param_groups, units=nanogpt_units(model)
+        model,
+        torch.device("cpu"),
+        3,
+        param_groups=optimizer.param_groups,
+        units=nanogpt_units(model),
     )
     kept = optimizer
     optimizer = type(optimizer)(model.zero.param_groups)
@@ -301,7 +305,11 @@ def test_stage3_memory_needs_the_old_optimizer_dropped(one_process):
     model = nanogpt_model.model()
     optimizer = nanogpt_model.make_optimizer(model, "adamw")
     model = zero.parallelize(
-        model, torch.device("cpu"), 3, optimizer.param_groups, units=nanogpt_units(model)
+        model,
+        torch.device("cpu"),
+        3,
+        param_groups=optimizer.param_groups,
+        units=nanogpt_units(model),
     )
     optimizer = type(optimizer)(model.zero.param_groups)  # the recipe: the old one dropped
     with warnings.catch_warnings():

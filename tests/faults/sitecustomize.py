@@ -366,17 +366,12 @@ if os.environ.get("MUTANT"):
             return _TimesWorldOnWait(work, t)
 
         dist.all_reduce = _summed
-    elif _mutant == "zero-untied":  # ZeRO flattens a tied parameter in every unit that uses it
+    elif _mutant == "zero-untied":  # ZeRO leaves a tied parameter's later use untied
 
         def _untie(zero):
-            unit_init = zero.Unit.__init__
-
-            def init_forgetting_placed(self, name, module, rank, world, stage, placed, group_of):
-                # each unit starts with no record of what earlier units flattened: the head flattens
-                # its own copy of wte.weight, as before the fix
-                unit_init(self, name, module, rank, world, stage, {}, group_of)
-
-            zero.Unit.__init__ = init_forgetting_placed
+            # the later module keeps its own Parameter where the first one's tensor belongs: the
+            # head's wte.weight neither gets the embedding's updates nor gives it its gradient
+            zero.UserUnits.tie_later_uses = lambda self, model, modules: None
 
         _after_import["zero"] = _untie
     elif _mutant == "zero-last-backward":  # ZeRO keeps only a step's last backward's gradient
@@ -432,7 +427,7 @@ if os.environ.get("MUTANT"):
         def _parameters_only(zero):
             # the whole parameters under their names, as before issue 40: no state_dict hook runs
             # (Llama's wqkv is saved fused) and no buffer is saved (freqs_cis)
-            zero.full_state_dict = lambda model: zero.gather_parameters(model.zero)
+            zero.full_state_dict = lambda model: model.zero.gather_parameters()
 
         _after_import["zero"] = _parameters_only
     elif _mutant == "pipeline-tied-unsummed":  # pipeline: each tied copy steps on its stage's part
@@ -501,12 +496,12 @@ if os.environ.get("MUTANT"):
         def _one_group(script):
             parallelize = script.parallelize
 
-            def parallelize_one_group(model, device, stage, param_groups=None, *where, **kw):
+            def parallelize_one_group(model, device, stage, *, param_groups=None, **kw):
                 # every parameter in the first group, with the first group's settings
                 if param_groups:
                     params = [param for group in param_groups for param in group["params"]]
                     param_groups = [{**param_groups[0], "params": params}]
-                return parallelize(model, device, stage, param_groups, *where, **kw)
+                return parallelize(model, device, stage, param_groups=param_groups, **kw)
 
             script.parallelize = parallelize_one_group
 
