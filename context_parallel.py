@@ -721,6 +721,8 @@ def checking_data_group(parallelize):
 
 
 parallelize = checking_data_group(parallelize)
+
+
 ### more: attention on a process group of its own, apart from DDP's (for NCCL)
 
 
