@@ -266,7 +266,7 @@ class ZeRO:
             if self.rank != 0:
                 dist.gather(unit.shard, group=self.group, group_dst=0)
                 continue
-            flat = torch.empty_like(unit.flat)
+            flat = unit.shard.new_empty(unit.flat.numel())
             dist.gather(unit.shard, list(flat.chunk(self.world)), group=self.group, group_dst=0)
             for key, tensor, offset in unit.params:
                 view = flat[offset : offset + tensor.numel()].view_as(tensor)
@@ -753,6 +753,98 @@ def state_dict_with(model, whole):
             setattr(owner, attribute, tensor)
 
 
+### more: mixed precision: bf16 working parameters, fp32 master weights in the shard
+# The ZeRO paper's setting (section 3.1): forward and backward in bf16 (the parameters they read,
+# what stage 3 all-gathers: 2 bytes an element), each rank's shard of the fp32 master weights and
+# of the optimizer state; gradients reduce-scattered in fp32 into the fp32 shard (FSDP2's
+# reduce_dtype, torchtitan's default), the step on the fp32 master, then the bf16 copy refreshed
+# from it. Each unit's inputs are cast to bf16 and the model's output back to fp32, so the loss is
+# computed in fp32, as FSDP2's MixedPrecisionPolicy with output_dtype=float32 on the root does.
+
+
+class MixedPrecision(Engine):
+    """mixed_precision=True: `flat` and the shard the all-gathers read in bf16, `master` the fp32
+    shard the optimizer's pieces step; the flat gradient fp32."""
+
+    def __init__(self, model, device, stage, modules, group=None, mixed_precision=False, **options):
+        self.mixed_precision = mixed_precision  # make_unit reads it
+        super().__init__(model, device, stage, modules, group, **options)
+        if mixed_precision:
+            for module in modules:
+                module.register_forward_pre_hook(to_bf16)
+            model.register_forward_hook(output_to_fp32)
+
+    def make_unit(self, model, module, name):
+        unit = super().make_unit(model, module, name)
+        if self.mixed_precision:
+            keep_master_in_fp32(unit, self.rank, self.stage)
+        return unit
+
+    def start_flat_grad(self, unit):
+        """The bf16 gradients autograd hands are collected, and reduce-scattered, in fp32."""
+        if self.mixed_precision and unit.flat_grad is None:
+            unit.flat_grad = unit.master.new_zeros(unit.flat.numel())
+        super().start_flat_grad(unit)
+
+    @torch.no_grad()
+    def after_step(self):
+        """The stepped fp32 master rounded into the bf16 shard, which the all-gathers read."""
+        if self.mixed_precision:
+            for unit in self.units:
+                unit.shard.copy_(unit.master)
+        super().after_step()
+
+    def gather_parameters(self):
+        """The fp32 master weights, whole, as one process holds them (not their bf16 copy)."""
+        if not self.mixed_precision:
+            return super().gather_parameters()
+        working = [unit.shard for unit in self.units]
+        for unit in self.units:
+            unit.shard = unit.master
+        try:
+            return super().gather_parameters()
+        finally:
+            for unit, shard in zip(self.units, working, strict=True):
+                unit.shard = shard
+
+
+Engine = MixedPrecision
+
+
+@torch.no_grad()
+def keep_master_in_fp32(unit, rank, stage):
+    """The unit's fp32 shard becomes `master`, the optimizer's (its pieces cut again over it);
+    `flat` and its views, the parameters forward reads, become bf16, and `shard` the bf16 slice
+    (stages 1-2) or copy (stage 3) of it that the all-gathers read."""
+    unit.master = unit.shard.clone()
+    unit.pieces = [(group, own, nn.Parameter(unit.master[own])) for group, own, _ in unit.pieces]
+    unit.flat = unit.flat.to(torch.bfloat16)
+    for _, tensor, offset in unit.params:
+        tensor.data = unit.flat[offset : offset + tensor.numel()].view_as(tensor)
+    unit.shard = unit.flat[rank * unit.shard_numel : (rank + 1) * unit.shard_numel]
+    if stage == 3:
+        unit.shard = unit.shard.clone()
+
+
+def to_bf16(module, args):
+    """A unit's floating-point inputs in bf16, its parameters' dtype (FSDP2's
+    cast_forward_inputs)."""
+    return tuple(
+        arg.to(torch.bfloat16) if torch.is_tensor(arg) and arg.is_floating_point() else arg
+        for arg in args
+    )
+
+
+def output_to_fp32(module, args, output):
+    """The model's floating-point outputs (the logits) in fp32, for the loss; a tuple's too. (A
+    model that computes its loss inside its forward casts its logits there itself.)"""
+    if isinstance(output, tuple):
+        return tuple(output_to_fp32(module, args, item) for item in output)
+    if torch.is_tensor(output) and output.is_floating_point():
+        return output.float()
+    return output
+
+
 ### more: gradient clipping over the shards
 
 
@@ -791,6 +883,8 @@ def gradient_shards(engine):
 def formula(psi, world, args):
     """ZeRO's per-rank bytes for Ψ' = psi (each unit padded to a multiple of W), which the report
     sets next to what the Meter measured."""
+    if args.mixed_precision:
+        return mixed_precision_formula(psi, world, args)
     k = 8 if args.optim == "adamw" else 4  # the ZeRO paper's K: optimizer bytes per parameter
     params_sharded = args.stage == 3
     grads_sharded = args.stage >= 2
@@ -818,6 +912,38 @@ def formula(psi, world, args):
                 if args.stage == 3
                 else "Ψ' updated parameters"
             ),
+        ),
+    )
+
+
+def mixed_precision_formula(psi, world, args):
+    """--mixed-precision: the optimizer's parameters are the fp32 master shards (4Ψ'/W at every
+    stage), the gradients fp32 (whole at stage 1, where the average stays in place, else the
+    shard), the state K'Ψ'/W (AdamW's m and v: the paper's K = 12 is the master's 4 and these 8).
+    The bf16 working copy that forward reads is not a Parameter, so the Meter does not read it:
+    `working_bytes`, 2Ψ' whole at stages 1-2, 2Ψ'/W (the bf16 shard) at stage 3. The all-gathers
+    move bf16, the reduce-scatters fp32. docs/techniques.md sets it next to the paper's Table 1."""
+    k = 8 if args.optim == "adamw" else 4  # optimizer state bytes a parameter, the master apart
+    stage3 = args.stage == 3
+    gathers = 2 if stage3 else 1  # all-gathers of every unit a step
+    return dict(
+        param_bytes=4 * psi // world,
+        grad_bytes=4 * psi // world if args.stage >= 2 else 4 * psi,
+        optim_bytes=k * psi // world,
+        working_bytes=2 * psi // world if stage3 else 2 * psi,
+        comm=dict(reduce_scatter=4 * psi, all_gather=2 * gathers * psi),
+        notes=dict(
+            param_bytes="4Ψ'/W fp32 master shards; besides, the bf16 working copy forward reads, "
+            + ("2Ψ'/W (and about two units whole)" if stage3 else "2Ψ' whole")
+            + ", not a Parameter: not measured",
+            grad_bytes=(
+                "4Ψ'/W fp32 shard; in backward up to two units' whole fp32 flat gradients"
+                if args.stage >= 2
+                else "4Ψ' fp32: the whole flat gradient, the average in its own slice"
+            ),
+            optim_bytes=f"{k}Ψ'/W sharded " + ("AdamW m, v" if k == 8 else "SGD momentum"),
+            reduce_scatter="Ψ' fp32 gradients",
+            all_gather=("2Ψ'" if stage3 else "Ψ'") + " bf16 parameters",
         ),
     )
 
@@ -930,7 +1056,9 @@ def run(args):
             model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
         psi = sum(p.numel() for p in model.parameters())
         units = [model.embed, *model.blocks, model.head]  # ZeRO's units, in forward order
-        model = parallelize(model.to(device), device, args.stage, units=units)
+        # --mixed-precision is a `### more:` part's option: the core alone takes none
+        options = dict(mixed_precision=True) if args.mixed_precision else {}
+        model = parallelize(model.to(device), device, args.stage, units=units, **options)
         # Ψ': every unit padded to a multiple of W (model.parameters() are the shards now)
         padded = world * sum(p.numel() for p in model.parameters())
         optimizer = common.make_optimizer(model.parameters(), args)
@@ -979,6 +1107,11 @@ def main():
         choices=[1, 2, 3],
         default=1,
         help="1: shard the optimizer state, 2: + the gradients, 3: + the parameters",
+    )
+    parser.add_argument(
+        "--mixed-precision",
+        action="store_true",
+        help="bf16 parameters and compute, fp32 master weights and gradients in the shard",
     )
     args = common.parse_args(parser)
     check_args(args, common.world_size(args))

@@ -268,7 +268,7 @@ class ZeRO:
             if self.rank != 0:
                 dist.gather(unit.shard, group=self.group, group_dst=0)
                 continue
-            flat = torch.empty_like(unit.flat)
+            flat = unit.shard.new_empty(unit.flat.numel())
             dist.gather(unit.shard, list(flat.chunk(self.world)), group=self.group, group_dst=0)
             for key, tensor, offset in unit.params:
                 view = flat[offset : offset + tensor.numel()].view_as(tensor)
@@ -755,6 +755,98 @@ def state_dict_with(model, whole):
             setattr(owner, attribute, tensor)
 
 
+### more: mixed precision: bf16 working parameters, fp32 master weights in the shard
+# The ZeRO paper's setting (section 3.1): forward and backward in bf16 (the parameters they read,
+# what stage 3 all-gathers: 2 bytes an element), each rank's shard of the fp32 master weights and
+# of the optimizer state; gradients reduce-scattered in fp32 into the fp32 shard (FSDP2's
+# reduce_dtype, torchtitan's default), the step on the fp32 master, then the bf16 copy refreshed
+# from it. Each unit's inputs are cast to bf16 and the model's output back to fp32, so the loss is
+# computed in fp32, as FSDP2's MixedPrecisionPolicy with output_dtype=float32 on the root does.
+
+
+class MixedPrecision(Engine):
+    """mixed_precision=True: `flat` and the shard the all-gathers read in bf16, `master` the fp32
+    shard the optimizer's pieces step; the flat gradient fp32."""
+
+    def __init__(self, model, device, stage, modules, group=None, mixed_precision=False, **options):
+        self.mixed_precision = mixed_precision  # make_unit reads it
+        super().__init__(model, device, stage, modules, group, **options)
+        if mixed_precision:
+            for module in modules:
+                module.register_forward_pre_hook(to_bf16)
+            model.register_forward_hook(output_to_fp32)
+
+    def make_unit(self, model, module, name):
+        unit = super().make_unit(model, module, name)
+        if self.mixed_precision:
+            keep_master_in_fp32(unit, self.rank, self.stage)
+        return unit
+
+    def start_flat_grad(self, unit):
+        """The bf16 gradients autograd hands are collected, and reduce-scattered, in fp32."""
+        if self.mixed_precision and unit.flat_grad is None:
+            unit.flat_grad = unit.master.new_zeros(unit.flat.numel())
+        super().start_flat_grad(unit)
+
+    @torch.no_grad()
+    def after_step(self):
+        """The stepped fp32 master rounded into the bf16 shard, which the all-gathers read."""
+        if self.mixed_precision:
+            for unit in self.units:
+                unit.shard.copy_(unit.master)
+        super().after_step()
+
+    def gather_parameters(self):
+        """The fp32 master weights, whole, as one process holds them (not their bf16 copy)."""
+        if not self.mixed_precision:
+            return super().gather_parameters()
+        working = [unit.shard for unit in self.units]
+        for unit in self.units:
+            unit.shard = unit.master
+        try:
+            return super().gather_parameters()
+        finally:
+            for unit, shard in zip(self.units, working, strict=True):
+                unit.shard = shard
+
+
+Engine = MixedPrecision
+
+
+@torch.no_grad()
+def keep_master_in_fp32(unit, rank, stage):
+    """The unit's fp32 shard becomes `master`, the optimizer's (its pieces cut again over it);
+    `flat` and its views, the parameters forward reads, become bf16, and `shard` the bf16 slice
+    (stages 1-2) or copy (stage 3) of it that the all-gathers read."""
+    unit.master = unit.shard.clone()
+    unit.pieces = [(group, own, nn.Parameter(unit.master[own])) for group, own, _ in unit.pieces]
+    unit.flat = unit.flat.to(torch.bfloat16)
+    for _, tensor, offset in unit.params:
+        tensor.data = unit.flat[offset : offset + tensor.numel()].view_as(tensor)
+    unit.shard = unit.flat[rank * unit.shard_numel : (rank + 1) * unit.shard_numel]
+    if stage == 3:
+        unit.shard = unit.shard.clone()
+
+
+def to_bf16(module, args):
+    """A unit's floating-point inputs in bf16, its parameters' dtype (FSDP2's
+    cast_forward_inputs)."""
+    return tuple(
+        arg.to(torch.bfloat16) if torch.is_tensor(arg) and arg.is_floating_point() else arg
+        for arg in args
+    )
+
+
+def output_to_fp32(module, args, output):
+    """The model's floating-point outputs (the logits) in fp32, for the loss; a tuple's too. (A
+    model that computes its loss inside its forward casts its logits there itself.)"""
+    if isinstance(output, tuple):
+        return tuple(output_to_fp32(module, args, item) for item in output)
+    if torch.is_tensor(output) and output.is_floating_point():
+        return output.float()
+    return output
+
+
 ### more: gradient clipping over the shards
 
 
@@ -805,6 +897,11 @@ class ZeROOffload(Engine):
     def __init__(
         self, model, device, stage, modules, group=None, offload="none", directory=None, **options
     ):
+        if offload != "none" and options.get("mixed_precision"):
+            raise ValueError(
+                "offload with mixed_precision is not written yet: the master would be the bf16 "
+                "shard (zero.py's --mixed-precision keeps its fp32 master on the device)"
+            )
         self.offload = offload  # make_unit reads it
         self.on_cpu = set()  # --offload cpu: the units whose master_grad holds this step's gradient
         super().__init__(model, device, stage, modules, group, **options)

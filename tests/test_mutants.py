@@ -186,6 +186,18 @@ MUTANTS = {
         "CP sends the ring's blocks on DDP's process group",
         "test_context_parallel.py::test_attention_on_its_own_process_group",
     ),
+    "zero-bf16-master": (
+        "ZeRO --mixed-precision keeps its master weights in bf16",
+        "test_zero.py::test_mixed_precision_dtypes[1]",
+    ),
+    "zero-bf16-not-refreshed": (
+        "ZeRO --mixed-precision never refreshes its bf16 copy from the stepped master",
+        "test_zero.py::test_mixed_precision_dtypes[3]",
+    ),
+    "zero-bf16-reduce": (
+        "ZeRO --mixed-precision reduce-scatters its gradients in bf16",
+        "test_zero.py::test_mixed_precision_dtypes[1]",
+    ),
     "zero-world-group": (
         "ZeRO reduce-scatters over the world, not its data-parallel group",
         "test_groups.py::test_section_on_a_group_equals_one_process[group-zero1-sgd]",

@@ -659,6 +659,49 @@ if os.environ.get("MUTANT"):
                 setattr(context_parallel, name, _emptied_before_each_call(cached))
 
         _after_import["context_parallel"] = _uncached
+    elif _mutant == "zero-bf16-master":  # ZeRO --mixed-precision keeps its master weights in bf16
+
+        def _bf16_master(zero):
+            import torch
+            import torch.nn as nn
+
+            keep = zero.keep_master_in_fp32
+
+            def keep_in_bf16(unit, rank, stage):
+                keep(unit, rank, stage)
+                unit.master = unit.master.to(torch.bfloat16)
+                pieces = [
+                    (group, own, nn.Parameter(unit.master[own])) for group, own, _ in unit.pieces
+                ]
+                unit.pieces = pieces
+
+            zero.keep_master_in_fp32 = keep_in_bf16
+
+        _after_import["zero"] = _bf16_master
+    elif _mutant == "zero-bf16-not-refreshed":  # the bf16 copy never takes the stepped master
+
+        def _not_refreshed(zero):
+            engine = zero.MixedPrecision
+            engine.after_step = lambda self: super(engine, self).after_step()
+
+        _after_import["zero"] = _not_refreshed
+    elif _mutant == "zero-bf16-reduce":  # ZeRO --mixed-precision reduce-scatters bf16 gradients
+
+        def _bf16_reduce(zero):
+            engine = zero.MixedPrecision
+
+            def start_in_bf16(self, unit):
+                if self.mixed_precision and unit.flat_grad is None:
+                    unit.flat_grad = unit.flat.new_zeros(unit.flat.numel())  # bf16, as flat
+                super(engine, self).start_flat_grad(unit)
+
+            def keep_in_fp32(self, unit, average):
+                super(engine, self).keep_average(unit, average.float())  # the step reads fp32
+
+            engine.start_flat_grad = start_in_bf16
+            engine.keep_average = keep_in_fp32
+
+        _after_import["zero"] = _bf16_reduce
     elif _mutant == "zero-world-group":  # ZeRO's reduce-scatter forgets its group: the world's
         _rs_on_group = dist.reduce_scatter_tensor
 
