@@ -783,7 +783,7 @@ class MixedPrecision(Engine):
     def start_flat_grad(self, unit):
         """The bf16 gradients autograd hands are collected, and reduce-scattered, in fp32."""
         if self.mixed_precision and unit.flat_grad is None:
-            unit.flat_grad = unit.master.new_zeros(unit.flat.numel())
+            unit.flat_grad = unit.flat.new_zeros(unit.flat.numel(), dtype=torch.float32)
         super().start_flat_grad(unit)
 
     @torch.no_grad()
