@@ -897,11 +897,8 @@ class ZeROOffload(Engine):
     def __init__(
         self, model, device, stage, modules, group=None, offload="none", directory=None, **options
     ):
-        if offload != "none" and options.get("mixed_precision"):
-            raise ValueError(
-                "offload with mixed_precision is not written yet: the master would be the bf16 "
-                "shard (zero.py's --mixed-precision keeps its fp32 master on the device)"
-            )
+        if offload == "disk" and options.get("mixed_precision"):
+            raise ValueError("offload disk with mixed_precision is not written yet")
         self.offload = offload  # make_unit reads it
         self.on_cpu = set()  # --offload cpu: the units whose master_grad holds this step's gradient
         super().__init__(model, device, stage, modules, group, **options)
@@ -920,7 +917,9 @@ class ZeROOffload(Engine):
         module's, as ZeRO then lists them)."""
         unit = super().make_unit(model, module, name)
         if self.offload == "cpu":
-            move_master_to_cpu(unit, pin_memory=self.device.type == "cuda")
+            # mixed precision: the fp32 master moves, the bf16 shard stays the working copy
+            source = unit.master if self.mixed_precision else unit.shard
+            move_master_to_cpu(unit, source, pin_memory=self.device.type == "cuda")
         return unit
 
     def hook(self, optimizer):
@@ -1074,13 +1073,14 @@ Engine = ZeROOffload
 
 
 @torch.no_grad()
-def move_master_to_cpu(unit, pin_memory):
+def move_master_to_cpu(unit, source, pin_memory):
     """ZeRO-Offload: the optimizer steps an fp32 master copy of the shard in CPU memory, next to its
     gradient, both allocated once. Pinned memory lets copies between it and the GPU run without the
     host waiting. The shard on the device stays, as the working copy. The master is cut into the
-    shard's pieces (one per optimizer group), which become the unit's pieces."""
-    unit.master = torch.empty_like(unit.shard, device="cpu", pin_memory=pin_memory)
-    unit.master.copy_(unit.shard)
+    shard's pieces (one per optimizer group), which become the unit's pieces. `source`: the shard,
+    or under mixed precision its fp32 master (the device keeps the bf16 shard only)."""
+    unit.master = torch.empty_like(source, device="cpu", pin_memory=pin_memory)
+    unit.master.copy_(source)
     unit.master_grad = torch.empty_like(unit.master, pin_memory=pin_memory)
     unit.pieces = [(group, own, nn.Parameter(unit.master[own])) for group, own, _ in unit.pieces]
     unit.to_cpu = None  # on a GPU: the event of the gradient shard's copy into master_grad
@@ -1139,7 +1139,11 @@ def formula(psi, world, args, largest_shard=0):
     sets next to what the Meter measured. --offload cpu: the parameters the optimizer steps are the
     CPU master shards, with their gradients. --offload disk: the optimizer holds one unit's state
     at a time, at most the largest shard's (S = largest_shard); the gradient shards wait in the
-    engine, which the Meter (reading .grad) does not see."""
+    engine, which the Meter (reading .grad) does not see. --mixed-precision: zero.py's formula
+    without offload; with --offload cpu the all-gathers move bf16."""
+    if args.mixed_precision and args.offload == "none":
+        return mixed_precision_formula(psi, world, args)
+    gathered = 2 if args.mixed_precision else 4  # bytes an all-gathered element
     k = 8 if args.optim == "adamw" else 4  # the ZeRO paper's K: optimizer bytes per parameter
     cpu = args.offload == "cpu"
     disk = args.offload == "disk"
@@ -1154,7 +1158,7 @@ def formula(psi, world, args, largest_shard=0):
         grad_bytes=None if disk else (4 * psi // world if grads_sharded else 4 * psi),
         optim_bytes=0 if disk else k * psi // world,
         optim_peak_bytes=k * largest_shard if disk else None,
-        comm=dict(reduce_scatter=4 * psi, all_gather=(8 if args.stage == 3 else 4) * psi),
+        comm=dict(reduce_scatter=4 * psi, all_gather=gathered * (2 if stage3 else 1) * psi),
         notes=dict(
             param_bytes=("4Ψ'/W sharded" if params_sharded else "4Ψ' replicated")
             + cpu_note
@@ -1182,7 +1186,43 @@ def formula(psi, world, args, largest_shard=0):
     )
 
 
+def mixed_precision_formula(psi, world, args):
+    """--mixed-precision: the optimizer's parameters are the fp32 master shards (4Ψ'/W at every
+    stage), the gradients fp32 (whole at stage 1, where the average stays in place, else the
+    shard), the state K'Ψ'/W (AdamW's m and v: the paper's K = 12 is the master's 4 and these 8).
+    The bf16 working copy that forward reads is not a Parameter, so the Meter does not read it:
+    `working_bytes`, 2Ψ' whole at stages 1-2, 2Ψ'/W (the bf16 shard) at stage 3. The all-gathers
+    move bf16, the reduce-scatters fp32. docs/techniques.md sets it next to the paper's Table 1."""
+    k = 8 if args.optim == "adamw" else 4  # optimizer state bytes a parameter, the master apart
+    stage3 = args.stage == 3
+    gathers = 2 if stage3 else 1  # all-gathers of every unit a step
+    return dict(
+        param_bytes=4 * psi // world,
+        grad_bytes=4 * psi // world if args.stage >= 2 else 4 * psi,
+        optim_bytes=k * psi // world,
+        working_bytes=2 * psi // world if stage3 else 2 * psi,
+        comm=dict(reduce_scatter=4 * psi, all_gather=2 * gathers * psi),
+        notes=dict(
+            param_bytes="4Ψ'/W fp32 master shards; besides, the bf16 working copy forward reads, "
+            + ("2Ψ'/W (and about two units whole)" if stage3 else "2Ψ' whole")
+            + ", not a Parameter: not measured",
+            grad_bytes=(
+                "4Ψ'/W fp32 shard; in backward up to two units' whole fp32 flat gradients"
+                if args.stage >= 2
+                else "4Ψ' fp32: the whole flat gradient, the average in its own slice"
+            ),
+            optim_bytes=f"{k}Ψ'/W sharded " + ("AdamW m, v" if k == 8 else "SGD momentum"),
+            reduce_scatter="Ψ' fp32 gradients",
+            all_gather=("2Ψ'" if stage3 else "Ψ'") + " bf16 parameters",
+        ),
+    )
+
+
 def check_args(args, world):
+    common.check(
+        not (args.mixed_precision and args.offload == "disk"),
+        "--mixed-precision with --offload disk is not written yet (--offload cpu or none)",
+    )
     if args.offload == "disk":
         directory = args.offload_dir
         writable = (
@@ -1300,6 +1340,8 @@ def run(args):
             model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
         psi = sum(p.numel() for p in model.parameters())
         units = [model.embed, *model.blocks, model.head]  # ZeRO's units, in forward order
+        # --mixed-precision is a `### more:` part's option: the core alone takes none
+        options = dict(mixed_precision=True) if args.mixed_precision else {}
         model = parallelize(
             model.to(device),
             device,
@@ -1307,6 +1349,7 @@ def run(args):
             offload=args.offload,
             directory=args.offload_dir,
             units=units,
+            **options,
         )
         # Ψ': every unit padded to a multiple of W (model.parameters() are the shards now)
         padded = world * sum(p.numel() for p in model.parameters())
@@ -1367,6 +1410,11 @@ def main():
     )
     parser.add_argument(
         "--offload-dir", default=None, help="--offload disk: where each rank's unit files go"
+    )
+    parser.add_argument(
+        "--mixed-precision",
+        action="store_true",
+        help="bf16 parameters and compute, fp32 master weights and gradients in the shard",
     )
     args = common.parse_args(parser)
     check_args(args, common.world_size(args))
