@@ -381,3 +381,26 @@ def test_killed_mid_write_leaves_every_state_file_whole(tmp_path):
             file = torch.load(tmp_path / f"zero-rank{rank}-unit{i}.pt", weights_only=True)
             steps.append(file["optimizer"]["state"][0]["step"].item())
         assert steps == expected if expected else set(steps) <= {2.0, 3.0}, (rank, steps)
+
+
+def test_offload_cpu_mixed_precision_equals_zero_mixed_precision(sizes, tmp_path):
+    """--offload cpu --mixed-precision (the seeds' ZeRO-Offload: the fp32 master and the optimizer
+    state on the CPU, bf16 on the device) ends where zero.py --mixed-precision ends, stages 2 and 3
+    at W=2 with SGD, in ONE launch; the master and its gradient are the CPU's 4Ψ'/W each, the
+    all-gathers bf16 (2Ψ' a gather of every unit)."""
+    pad = padded(sizes, WORLD)
+    flags = [*CFG, "--optim", "sgd", "--mixed-precision"]
+    argv = []
+    for stage in (2, 3):
+        offload = ["--stage", stage, "--offload", "cpu", "--save", tmp_path / f"offload{stage}.pt"]
+        argv.append(["zero_offload", [*flags, *offload]])
+        argv.append(["zero", [*flags, "--stage", stage, "--save", tmp_path / f"zero{stage}.pt"]])
+    results = launch_cases(WORLD, argv, timeout=600)
+    for index, stage in enumerate((2, 3)):
+        res, _ = results[2 * index]
+        diff = max_diff(tmp_path / f"offload{stage}.pt", tmp_path / f"zero{stage}.pt")
+        print(f"--offload cpu --mixed-precision stage {stage}: vs zero.py {diff:.2e}")
+        assert diff <= 1e-5
+        assert res["param_bytes"] == res["grad_bytes"] == 4 * pad // WORLD
+        assert res["comm"]["all_gather"] == (4 if stage == 3 else 2) * pad
+        assert res["comm"] == res["formula"]["comm"]
