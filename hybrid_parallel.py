@@ -15,9 +15,9 @@ Memory per rank (fp32, AdamW; Ψ_s the stage's parameters after the tp split, ea
 padded to a multiple of N): ZeRO-1 (8 + 8/N)Ψ_s, ZeRO-2 (4 + 12/N)Ψ_s, ZeRO-3 16Ψ_s/N. Per step
 (act: B/N samples x L tokens x D fp32, m micro-batches): tp all-reduces 4·act a block; dp
 reduce-scatters 4Ψ_s·m and all-gathers 4Ψ_s (ZeRO-3: 2m times); pp sends and receives act (act/T
-under sequence parallelism). Paper: Narayanan et al. 2021, "Efficient Large-Scale Language Model
-Training on GPU Clusters Using Megatron-LM", https://arxiv.org/abs/2104.04473. Layouts, traffic
-and several nodes: docs/hybrid_parallel.md
+under sequence parallelism); --mixed-precision: zero.py's bf16 recipe over dp, act bf16. Paper:
+Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
+Megatron-LM", https://arxiv.org/abs/2104.04473. Layouts, traffic, nodes: docs/hybrid_parallel.md
 
     torchrun --standalone --nproc_per_node=8 hybrid_parallel.py --dp 2 --pp 2 --tp 2 --zero-stage 3
     torchrun --standalone --nproc_per_node=4 hybrid_parallel.py --dp 2 --tp 2 --sequence-parallel
@@ -517,6 +517,50 @@ def sum_tied_copies(stage):
         dist.all_reduce(unit.grad_shard, group=stage.tied_group)
 
 
+### more: mixed precision: zero.py's recipe over dp, bf16 across the tp and pp boundaries
+# ZeRO over dp runs zero.py's own mixed-precision part (its engine takes mixed_precision=True):
+# bf16 working parameters, which forward and backward read and ZeRO-3 all-gathers; each rank's
+# shard of the fp32 master weights and of the optimizer state; gradients reduce-scattered in fp32.
+# Its hooks cast each unit's inputs to bf16, so the blocks compute in bf16 and tensor parallelism's
+# f and g all-reduce bf16 activations and their gradients, with nothing of the hybrid's own. The
+# pipeline sends bf16 activations forward and their bf16 gradients back: half the bytes. zero.py
+# casts its model's output to fp32 for the loss; its model is a stage here, and only the last
+# stage's output is the logits. The stages before it cast theirs back to bf16 before the send,
+# which is exact: bf16 to fp32 to bf16 is the identity, and so is its backward.
+
+
+class MixedPrecision(Composition):
+    """parallelize(..., mixed_precision=True): ZeRO in zero.py's mixed-precision recipe, the
+    activations bf16 across the tp and pp boundaries, the logits fp32 for the loss."""
+
+    def __init__(self, mesh, *args, mixed_precision=False, **options):
+        super().__init__(mesh, *args, **options)
+        self.mixed_precision = mixed_precision
+
+    def split_stages(self, model, device):
+        stage = super().split_stages(model, device)
+        if self.mixed_precision:
+            # the receive buffers in the dtype the peer sends: its blocks' bf16 output
+            stage.activation_dtype = torch.bfloat16
+        return stage
+
+    def shard(self, stage, units, device, **options):
+        if self.mixed_precision:
+            options["mixed_precision"] = True  # zero.py's part's option
+        super().shard(stage, units, device, **options)
+        if self.mixed_precision and not stage.is_last:
+            stage.register_forward_hook(to_activation_dtype)  # after zero.py's cast to fp32
+
+
+Composition = MixedPrecision
+
+
+def to_activation_dtype(stage, args, output):
+    """A stage's output, which zero.py's part cast to fp32 as if it were the logits, back in the
+    dtype the next stage receives."""
+    return output.to(stage.activation_dtype)
+
+
 ### more: the layouts data x context and data x expert
 # Two more layouts on the same mesh, each another section beside data parallelism: a model of
 # either keeps its layout at model.layout, and each function of the core (and the checkpoint's and
@@ -607,6 +651,8 @@ def with_other_layouts(parallelize_3d):
             return parallelize_3d(model, mesh, device, *args, **options)
         if options.get("contract") is not None:
             raise ValueError("a Contract is for the pp x dp x tp layout; cp and ep take the ViT")
+        if options.get("mixed_precision"):
+            raise ValueError("mixed precision is the pp x dp x tp layout's ZeRO; cp and ep: fp32")
         layout = DataContext(mesh) if mesh["cp"].size() > 1 else DataExpert(mesh)
         return layout.parallelize(model, device)
 
@@ -686,7 +732,9 @@ def formula(psi, world, args):
             offset += numel
     m = args.microbatches if args.pp > 1 else 1
     tokens = (common.IMAGE // args.patch) ** 2
-    act = 4 * (args.batch_size // args.dp) * tokens * args.dim  # bytes of [B/N, L, D] in fp32
+    # --mixed-precision: the activations and the all-gathered parameters bf16, the gradients fp32
+    element = 2 if args.mixed_precision else 4
+    act = element * (args.batch_size // args.dp) * tokens * args.dim  # bytes of [B/N, L, D]
     boundary = act // args.tp if args.sequence_parallel else act  # what crosses a stage boundary
     blocks = args.depth // args.pp  # rank 0's stage, the first
     dims = dict(tp={}, dp={}, pp={})  # {dimension: {kind: bytes a step}}
@@ -699,7 +747,7 @@ def formula(psi, world, args):
     if args.dp > 1:
         dims["dp"]["reduce_scatter"] = m * 4 * psi_stage
         gathers = 2 * m if args.zero_stage == 3 else 1
-        dims["dp"]["all_gather"] = gathers * 4 * psi_stage
+        dims["dp"]["all_gather"] = gathers * element * psi_stage
     if args.pp > 1:
         dims["pp"]["send"] = boundary
         dims["pp"]["recv"] = boundary
@@ -711,7 +759,7 @@ def formula(psi, world, args):
     # ZeRO-1 with micro-batches hands the optimizer a shard of the summed gradient (zero.py's
     # accumulation part); its whole flat gradient stays in the engine besides, unmeasured.
     grads_sharded = args.zero_stage >= 2 or m > 1
-    return dict(
+    rows = dict(
         param_bytes=4 * psi_stage // args.dp if params_sharded else 4 * psi_stage,
         grad_bytes=4 * psi_stage // args.dp if grads_sharded else 4 * psi_stage,
         optim_bytes=k * psi_stage // args.dp,
@@ -731,6 +779,26 @@ def formula(psi, world, args):
             send="pp: m activations, act in all",
             recv="pp: m gradients",
         ),
+    )
+    if args.mixed_precision:
+        mixed_precision_rows(rows, psi_stage, args)
+    return rows
+
+
+def mixed_precision_rows(rows, psi_stage, args):
+    """--mixed-precision: zero.py's mixed_precision_formula on the stage's Ψ_s over N = dp. The
+    optimizer's parameters are the fp32 master shards (4Ψ_s/N at every stage); the gradients stay
+    fp32 (whole at ZeRO-1 without micro-batches), the state KΨ_s/N. The bf16 working copy that
+    forward reads is no Parameter, so the Meter does not read it: `working_bytes`, 2Ψ_s/N at
+    ZeRO-3, else 2Ψ_s."""
+    stage3 = args.zero_stage == 3
+    rows["param_bytes"] = 4 * psi_stage // args.dp
+    rows["working_bytes"] = 2 * psi_stage // args.dp if stage3 else 2 * psi_stage
+    working = "2Ψ_s/N" if stage3 else "2Ψ_s whole"
+    rows["notes"]["param_bytes"] = f"4Ψ_s/N fp32 master shards; the bf16 working copy, {working}"
+    rows["notes"]["all_gather"] = (
+        "dp: the updated bf16 shards (stage 3: each unit before each micro-batch's forward and "
+        "backward); tp under SP: f's tokens, the head's, gradients, bf16"
     )
 
 
@@ -809,6 +877,11 @@ def check_args(args, world):
     common.check(
         not args.experts or args.experts % args.ep == 0,
         f"--experts {args.experts} is not divisible by --ep {args.ep}: each rank holds E/ep",
+    )
+    common.check(
+        not args.mixed_precision or args.cp == args.ep == 1,
+        "--mixed-precision is ZeRO's (zero.py's recipe) in the pp x dp x tp layout: data x "
+        "context and data x expert train in fp32",
     )
     common.check(
         args.tp > 1 or not args.sequence_parallel,
@@ -969,6 +1042,7 @@ def run(args):
             args.schedule,
             micro_batches,
             sequence_parallel=args.sequence_parallel,
+            mixed_precision=args.mixed_precision,
         )
         optimizer = common.make_optimizer(model.parameters(), args)
         hook_optimizer(model, optimizer)
@@ -1029,6 +1103,12 @@ def main():
         "--sequence-parallel",
         action="store_true",
         help="with --tp > 1: the norms and residuals on T/tp tokens (Korthikanti et al. 2022)",
+    )
+    parser.add_argument(
+        "--mixed-precision",
+        action="store_true",
+        help="ZeRO's bf16 parameters and compute, fp32 master weights and gradients in the shard; "
+        "bf16 activations across the tp and pp boundaries",
     )
     parser.add_argument(
         "--microbatches", type=int, default=4, help="micro-batches per batch with --pp > 1 (m)"

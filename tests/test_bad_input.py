@@ -247,6 +247,12 @@ CASES = [
     ),
     (
         "hybrid_parallel.py",
+        ["--ep", "2", "--dp", "1", "--experts", "4", "--mixed-precision"],
+        as_rank0_of(2),
+        "--mixed-precision is ZeRO's (zero.py's recipe) in the pp x dp x tp layout",
+    ),
+    (
+        "hybrid_parallel.py",
         ["--cp", "3", "--dp", "1"],
         as_rank0_of(3),
         "the 16 tokens (--patch 7) are not divisible by the 3 ranks that split them",
