@@ -9,6 +9,8 @@ clips, steps the schedule and zeroes the gradients). The flags become a ds_confi
 
 Memory per rank (fp32, AdamW, Ψ parameters), the paper's: stage 1: 4Ψ + 4Ψ + 8Ψ/W; stage 2:
 4Ψ + 12Ψ/W; stage 3: 16Ψ/W; DeepSpeed adds its buckets and an fp32 copy of each partition.
+--mixed-precision (ds_config's bf16): bf16 parameters and compute, each partition's fp32 master
+weights and optimizer state, gradients reduced in fp32; the save holds the fp32 master.
 Communication per step: Ψ gradients reduced (on Gloo, one all-reduce at stages 1-2) and Ψ
 parameters all-gathered; stage 3 all-gathers them in forward and again in backward. Paper:
 Rajbhandari et al. 2019, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
@@ -17,6 +19,7 @@ Needs DeepSpeed: pip install -r requirements-deepspeed.txt.
 
     torchrun --standalone --nproc_per_node=4 deepspeed_zero.py --stage 3
     python deepspeed_zero.py --nproc 2 --stage 2 --offload cpu --grad-accum 2
+    python deepspeed_zero.py --nproc 2 --stage 3 --mixed-precision
     python deepspeed_zero.py --nproc 2 --stage 3 --offload disk --offload-dir /nvme/ds
     python deepspeed_zero.py --nproc 2 --ds-config ds_config.json   # your own config
 """
@@ -62,7 +65,7 @@ def ds_config(args, world):
         zero["offload_optimizer"] = target
         if args.stage == 3:  # DeepSpeed offloads parameters at stage 3 only
             zero["offload_param"] = dict(target)
-    return {
+    config = {
         "train_batch_size": args.batch_size,
         "train_micro_batch_size_per_gpu": args.batch_size // world // args.grad_accum,
         "gradient_accumulation_steps": args.grad_accum,
@@ -74,6 +77,13 @@ def ds_config(args, world):
         "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 2**31 - 1,  # the loop logs the loss; DeepSpeed need not
     }
+    if args.mixed_precision:
+        # bf16 parameters, forward and backward; the fp32 master weights and the optimizer state
+        # in each rank's partition. DeepSpeed reduces bf16 gradients in bf16 unless told: fp32,
+        # as zero.py --mixed-precision and FSDP2's reduce_dtype do.
+        config["bf16"] = {"enabled": True}
+        config["communication_data_type"] = "fp32"
+    return config
 
 
 def cpu_adam(model, args):
@@ -122,6 +132,49 @@ def full_state_dict(engine):
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, enabled=stage_3):
         return {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}
+
+
+### more: mixed precision: bf16 working parameters, fp32 master weights in the partition
+# ds_config's "bf16" makes the engine cast the parameters to bf16 and keep each rank's partition
+# of them in fp32 in its ZeRO optimizer, which steps it and copies it back into the bf16 ones.
+# It casts neither the model's inputs nor its outputs: the model's are cast here, so that forward
+# reads bf16 and the loss is computed from fp32 logits, as zero.py --mixed-precision does.
+
+
+def bf16_inputs_fp32_logits(model):
+    """The model's floating-point inputs cast to bf16, its parameters' dtype, and its logits to
+    fp32, for the loss (before deepspeed.initialize, which keeps the model's hooks)."""
+    model.register_forward_pre_hook(inputs_to_bf16)
+    model.register_forward_hook(output_to_fp32)
+
+
+def inputs_to_bf16(module, args):
+    return tuple(
+        arg.to(torch.bfloat16) if torch.is_tensor(arg) and arg.is_floating_point() else arg
+        for arg in args
+    )
+
+
+def output_to_fp32(module, args, output):
+    if torch.is_tensor(output) and output.is_floating_point():
+        return output.float()
+    return output
+
+
+def full_master_state_dict(engine):
+    """full_state_dict with each parameter's fp32 master weights, whole, where the bf16 working
+    copy was: what one process training in fp32 would save (a collective: every rank assembles
+    every master from the partitions; at stage 3 the working parameters stay partitioned)."""
+    params = list(engine.module.parameters())
+    masters = [deepspeed.utils.safe_get_full_fp32_param(param) for param in params]
+    working = [param.data for param in params]
+    for param, master in zip(params, masters, strict=True):
+        param.data = master
+    try:
+        return {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}
+    finally:
+        for param, data in zip(params, working, strict=True):
+            param.data = data
 
 
 ### more: a GPU of its own per process (srun --gpus-per-task=1)
@@ -398,6 +451,8 @@ def run(args):
         if args.cpu_adam:
             optimizer = cpu_adam(model, args)
         scheduler = common.make_scheduler(optimizer, args, common.total_steps(args, len(loader)))
+        if args.mixed_precision:
+            bf16_inputs_fp32_logits(model)
         config = ds_config_from(args, dp_world)
         give_deepspeed_the_device(device)
         with saying_what_deepspeed_waits_for(device):
@@ -414,7 +469,11 @@ def run(args):
             test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"
         )
         acc = evaluate(model, test_loader, device)
-        state = full_state_dict(model)  # every rank takes part and holds the whole; rank 0 saves
+        # every rank takes part and holds the whole; rank 0 saves
+        if args.mixed_precision:
+            state = full_master_state_dict(model)
+        else:
+            state = full_state_dict(model)
         if rank == 0 and args.save:
             common.save_checkpoint(state, args.save)
             common.log(f"saved {args.save}")
@@ -458,6 +517,11 @@ def main():
         "--cpu-adam",
         action="store_true",
         help="with --offload cpu and --optim adamw: DeepSpeed's C++ CPU Adam for torch's AdamW",
+    )
+    parser.add_argument(
+        "--mixed-precision",
+        action="store_true",
+        help="ds_config's bf16: bf16 parameters and compute, fp32 master weights in the partition",
     )
     parser.add_argument(
         "--grad-accum",

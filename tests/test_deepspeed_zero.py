@@ -161,6 +161,31 @@ def test_clip_load_offload_and_config(refs, tmp_path, tmp_path_factory):
 
 
 @needs_deepspeed
+def test_mixed_precision_ends_where_zero_mixed_precision_ends(initial, tmp_path):
+    """--mixed-precision is ds_config's bf16 with fp32 gradient reduction: at stage 3, W=2, SGD,
+    DeepSpeed ends within the bf16 tolerance measured here of zero.py --mixed-precision --stage 3
+    (9.4e-5 apart; fp32 vs bf16 compute is 1.1e-4 on the same run: the bytes below are what tell
+    bf16 from fp32). DeepSpeed builds its fp32 master from the bf16 copy of the weights (lr 0
+    saved them back 2.4e-4 off the fp32 ones, exactly their bf16 rounding), zero.py from the fp32
+    weights: both start here from weights that bf16 holds exactly. The all-gathers move bf16
+    (at most 2 bytes a parameter, twice a step: fp32 moved more than 4Ψ), the reduce-scatters
+    fp32 (4Ψ: DeepSpeed's default for bf16 would move 2Ψ), and the save is the fp32 master."""
+    weights = torch.load(initial, weights_only=True)
+    start = tmp_path / "bf16_exact.pt"
+    torch.save({k: v.to(torch.bfloat16).float() for k, v in weights.items()}, start)
+    saved = {script: tmp_path / f"{script}.pt" for script in ("deepspeed_zero", "zero")}
+    flags = [*CFG, "--optim", "sgd", "--stage", 3, "--mixed-precision", "--load", start]
+    [(res, _)] = launch_each(2, [["deepspeed_zero", [*flags, "--save", saved["deepspeed_zero"]]]])
+    launch_cases(2, [["zero", [*flags, "--save", saved["zero"]]]])
+    assert max_diff(saved["deepspeed_zero"], saved["zero"]) <= 2e-4
+    saved_tensors = torch.load(saved["deepspeed_zero"], weights_only=True).values()
+    assert {tensor.dtype for tensor in saved_tensors} == {torch.float32}
+    psi = res["params"]
+    assert 2 * psi < res["comm"]["all_gather"] <= 1.01 * 4 * psi
+    assert padded(res["comm"]["reduce_scatter"], 4 * psi)
+
+
+@needs_deepspeed
 @pytest.mark.parametrize(
     "user_config, disagreement",
     [
