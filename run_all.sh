@@ -86,6 +86,7 @@ RUNS=(
   "quick|zero stage 3|ranks|zero.py --stage 3|"
   "all|zero stage 1|ranks|zero.py --stage 1|"
   "all|zero stage 2|ranks|zero.py --stage 2|"
+  "all|zero stage 3 bf16|ranks|zero.py --stage 3 --mixed-precision|bf16 compute: not fp32's loss"
   # DeepSpeed is optional (requirements-deepspeed.txt): the row runs where it is installed
   "quick|deepspeed_zero stage 3|ranks|deepspeed_zero.py --stage 3|"
   "quick|zero_offload stage 3 disk|ranks|zero_offload.py --stage 3 $DISK|"

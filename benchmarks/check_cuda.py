@@ -1,10 +1,11 @@
 """Every training script once on one CUDA GPU (W = 1, NCCL), on run_all.sh's setting: the scripts
 that are exact in fp32 must end with ddp.py's parameters on the same GPU; the mixed-precision
 ones (AMP fp16 and bf16, FSDP's MixedPrecisionPolicy) and asynchronous PipeDream show their loss,
-accuracy and distance from ddp.py beside it. Also ddp.py on the CPU (Gloo): how far the GPU's
-round-off alone moves the parameters. Then benchmarks/bench_main_loop.py: ddp.py at its defaults
-as a share of a tight loop of its model on the GPU. Not a test: CI has no GPU; the commands
-run on the CPU in tests/test_benchmarks.py.
+accuracy and distance from ddp.py beside it; ZeRO's --mixed-precision must end with fsdp.py
+--mixed-precision's parameters (the same math), and DeepSpeed's bf16 shows its distance from
+them. Also ddp.py on the CPU (Gloo): how far the GPU's round-off alone moves the parameters. Then
+benchmarks/bench_main_loop.py: ddp.py at its defaults as a share of a tight loop of its model on
+the GPU. Not a test: CI has no GPU; the commands run on the CPU in tests/test_benchmarks.py.
 
     python benchmarks/check_cuda.py                        # MNIST in --data-dir, else synthetic
     python benchmarks/check_cuda.py --data-dir ../data --logs /tmp/check_cuda
@@ -67,6 +68,16 @@ CASES = [
     ("zero_offload.py --stage 3 --offload disk", "ddp.py", None),
     ("fsdp.py", "ddp.py", None),
     ("fsdp.py --mixed-precision", "ddp.py", "bf16 compute"),
+    # the ZeRO paper's setting (issue 43): the same math as fsdp.py --mixed-precision (bf16 compute
+    # from fp32 master shards, fp32 reduction, fp32 step), so they must end where it ends
+    ("zero.py --stage 1 --mixed-precision", "fsdp.py --mixed-precision", None),
+    ("zero.py --stage 2 --mixed-precision", "fsdp.py --mixed-precision", None),
+    ("zero.py --stage 3 --mixed-precision", "fsdp.py --mixed-precision", None),
+    (
+        "zero_offload.py --stage 3 --offload cpu --mixed-precision",
+        "fsdp.py --mixed-precision",
+        None,
+    ),
     ("fsdp_resume.py", "ddp.py", None),
     ("tensor_parallel.py", "ddp.py", None),
     ("tensor_parallel.py --sequence-parallel", "ddp.py", None),
@@ -84,6 +95,11 @@ CASES = [
     ("deepspeed_zero.py --stage 1", "ddp.py", None),
     ("deepspeed_zero.py --stage 2", "ddp.py", None),
     ("deepspeed_zero.py --stage 3", "ddp.py", None),
+    (
+        "deepspeed_zero.py --stage 3 --mixed-precision",
+        "fsdp.py --mixed-precision",
+        "DeepSpeed's fp32 master starts from the bf16 weights",
+    ),
 ]
 REFERENCES = {reference for _, reference, _ in CASES if reference}
 # DeepSpeed is optional (requirements-deepspeed.txt): without it its rows say so and are not run.
