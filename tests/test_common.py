@@ -919,7 +919,11 @@ def test_srun_and_mpirun_ranks_get_their_local_rank(monkeypatch):
     """adopt_launcher_environment sets LOCAL_RANK and LOCAL_WORLD_SIZE from the launcher's
     variables, which pick_backend then reads: under mpirun inside SLURM, Open MPI's."""
     for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
+        # Set, then deleted: monkeypatch records only a variable it changes, and only a recorded
+        # one is restored; the two that adopt_launcher_environment exports must not outlive this
+        # test (LOCAL_RANK=1 in every later launch silences its rank-0 messages).
+        monkeypatch.setenv(name, "0")
+        monkeypatch.delenv(name)
     variables = dict(RANK="5", WORLD_SIZE="8", MASTER_ADDR="127.0.0.1", MASTER_PORT="29999")
     # mpirun's daemons, one a node, were started by `srun --ntasks-per-node=1`: task 0 of 1
     variables.update(SLURM_LOCALID="0", SLURM_NODEID="1", SLURM_NTASKS_PER_NODE="1")
