@@ -71,6 +71,9 @@ def ds_config(args, world):
         "gradient_accumulation_steps": args.grad_accum,
         "gradient_clipping": args.clip,
         "zero_optimization": zero,
+        # --mixed-precision's bf16 (below), never a config's alone: the model's inputs and
+        # logits are cast by that flag's part
+        "bf16": {"enabled": args.mixed_precision},
         # the torch optimizer every script builds (SGD or AdamW), also with offload: DeepSpeed
         # would otherwise ask for its own CPU Adam, a C++ extension
         "zero_allow_untested_optimizer": True,
@@ -81,7 +84,6 @@ def ds_config(args, world):
         # bf16 parameters, forward and backward; the fp32 master weights and the optimizer state
         # in each rank's partition. DeepSpeed reduces bf16 gradients in bf16 unless told: fp32,
         # as zero.py --mixed-precision and FSDP2's reduce_dtype do.
-        config["bf16"] = {"enabled": True}
         config["communication_data_type"] = "fp32"
     return config
 
@@ -197,6 +199,8 @@ def give_deepspeed_the_device(device):
 def formula(psi, world, args):
     """The ZeRO paper's per-rank bytes, which the report sets next to what the Meter measured of
     DeepSpeed's engine (its collectives go through torch.distributed, which the Meter sees)."""
+    if args.mixed_precision:
+        return mixed_precision_formula(psi, world, args)
     k = 8 if args.optim == "adamw" else 4  # the ZeRO paper's K: optimizer bytes per parameter
     params_sharded = args.stage == 3
     grads_sharded = args.stage >= 2
@@ -211,6 +215,30 @@ def formula(psi, world, args):
             optim_bytes=f"{k}Ψ/W sharded " + ("AdamW m, v" if k == 8 else "SGD momentum"),
             reduce_scatter="the paper's Ψ gradients; DeepSpeed's own collectives beside",
             all_gather="2Ψ: forward and backward" if args.stage == 3 else "Ψ updated parameters",
+        ),
+    )
+
+
+def mixed_precision_formula(psi, world, args):
+    """--mixed-precision, as the Meter reads DeepSpeed's storages after a step: the parameters are
+    the fp32 master partition (4Ψ/W, its ZeRO optimizer's) and the bf16 working copy, 2Ψ whole at
+    stages 1-2 (at stage 3 its bf16 partition is DeepSpeed's own tensor, not a parameter's
+    storage: not measured); the gradients the fp32 partition (4Ψ/W: the step freed the bf16 ones);
+    the optimizer state kΨ/W (with the master, the paper's K = 12 for AdamW). The gradients travel
+    in fp32 (4Ψ), the parameters in bf16 (2Ψ a gather)."""
+    k = 8 if args.optim == "adamw" else 4  # optimizer state bytes a parameter, the master apart
+    stage_3 = args.stage == 3
+    return dict(
+        param_bytes=4 * psi // world + (0 if stage_3 else 2 * psi),
+        grad_bytes=4 * psi // world,
+        optim_bytes=k * psi // world,
+        comm=dict(reduce_scatter=4 * psi, all_gather=(4 if stage_3 else 2) * psi),
+        notes=dict(
+            param_bytes="4Ψ/W fp32 master" + ("" if stage_3 else " + 2Ψ bf16 whole"),
+            grad_bytes="4Ψ/W fp32 partition",
+            optim_bytes=f"{k}Ψ/W sharded " + ("AdamW m, v" if k == 8 else "SGD momentum"),
+            reduce_scatter="Ψ fp32 gradients; DeepSpeed's own collectives beside",
+            all_gather="2Ψ bf16: forward and backward" if stage_3 else "Ψ bf16 parameters",
         ),
     )
 

@@ -47,6 +47,7 @@ def config(recipe, stage, world):
         batch_size=recipe.MICRO_BATCH * recipe.ACCUMULATE,
         grad_accum=recipe.ACCUMULATE,
         clip=recipe.CLIP,
+        mixed_precision=False,  # fp32: the tolerance is one process's round-off
     )
     return deepspeed_zero.ds_config(flags, world)
 

@@ -169,7 +169,9 @@ def test_mixed_precision_ends_where_zero_mixed_precision_ends(initial, tmp_path)
     saved them back 2.4e-4 off the fp32 ones, exactly their bf16 rounding), zero.py from the fp32
     weights: both start here from weights that bf16 holds exactly. The all-gathers move bf16
     (at most 2 bytes a parameter, twice a step: fp32 moved more than 4Ψ), the reduce-scatters
-    fp32 (4Ψ: DeepSpeed's default for bf16 would move 2Ψ), and the save is the fp32 master."""
+    fp32 (4Ψ: DeepSpeed's default for bf16 would move 2Ψ), and the save is the fp32 master.
+    (Stages 1-2 at W=3, AdamW, measured by hand: parameters 2Ψ + 4Ψ/W, gradients 4Ψ/W, state
+    8Ψ/W, all-gathers 2Ψ, all-reduces 4Ψ: mixed_precision_formula's.)"""
     weights = torch.load(initial, weights_only=True)
     start = tmp_path / "bf16_exact.pt"
     torch.save({k: v.to(torch.bfloat16).float() for k, v in weights.items()}, start)
@@ -183,6 +185,9 @@ def test_mixed_precision_ends_where_zero_mixed_precision_ends(initial, tmp_path)
     psi = res["params"]
     assert 2 * psi < res["comm"]["all_gather"] <= 1.01 * 4 * psi
     assert padded(res["comm"]["reduce_scatter"], 4 * psi)
+    # the report's formula, measured: the fp32 master and its gradient, 4Ψ/W each
+    assert padded(res["param_bytes"], 4 * psi / 2) and padded(res["grad_bytes"], 4 * psi / 2)
+    assert res["formula"]["comm"]["all_gather"] == 4 * psi
 
 
 @needs_deepspeed
@@ -191,11 +196,14 @@ def test_mixed_precision_ends_where_zero_mixed_precision_ends(initial, tmp_path)
     [
         ({"train_batch_size": 64}, "train_batch_size is 64, but the flags mean 24"),
         ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage is 3, but the flags mean 1"),
+        # bf16 without --mixed-precision, whose part casts the model's inputs: a dtype error
+        ({"bf16": {"enabled": True}}, "bf16.enabled is True, but the flags mean False"),
     ],
 )
 def test_ds_config_that_disagrees_with_the_flags_is_one_error(user_config, disagreement, tmp_path):
-    """A user's config whose batch size is not --batch-size, or whose nested ZeRO stage is not
-    --stage: one line from rank 0 naming the key, exit 2, before any process group."""
+    """A user's config whose batch size is not --batch-size, whose nested ZeRO stage is not
+    --stage, or that enables bf16 without --mixed-precision: one line from rank 0 naming the key,
+    exit 2, before any process group."""
     config = tmp_path / "ds_config.json"
     config.write_text(json.dumps(user_config))
     r = fork_launch("deepspeed_zero.py", 2, *CFG, "--ds-config", config)
