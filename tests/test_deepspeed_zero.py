@@ -272,6 +272,8 @@ def test_gloo_on_a_gpu_host_gives_deepspeed_the_cpu():
         "torch.cuda.is_available = lambda: True\n"
         "torch.cuda.device_count = lambda: 1\n"
         "torch.accelerator.current_accelerator = lambda check_available=False: None\n"
+        # torch 2.11's optimizers ask a visible CUDA whether it is capturing a graph at each step
+        "torch.cuda.is_current_stream_capturing = lambda: False\n"
         f"sys.argv = [{str(script)!r}, *sys.argv[1:]]\n"
         f"runpy.run_path({str(script)!r}, run_name='__main__')\n"
     )
