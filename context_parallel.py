@@ -112,7 +112,8 @@ def block_backward(q_scaled, kv_block, grad_out, log_sum_exp, grad_dot_out, mask
     """Flash attention's backward for one K/V block: this rank's queries' share of the gradient
     of q_scaled = q·scale and the block's [dK, dV] from this rank's queries. The block's softmax
     P = e^(S - lse), S = q_scaled·Kᵀ, as in forward (0 where `mask` hides a key);
-    dS = P ∘ (dO·Vᵀ - rowsum(dO ∘ O)); d(q_scaled) = dS·K, dK = dSᵀ·q_scaled, dV = Pᵀ·dO."""
+    dS = P ∘ (dO·Vᵀ - rowsum(dO ∘ O)); d(q_scaled) = dS·K, dK = dSᵀ·q_scaled,
+    dV = Pᵀ·dO."""
     key, value = kv_block.float()
     scores = q_scaled @ key.mT
     if mask is not None:
@@ -137,7 +138,7 @@ class WholeBlocks:
 
 
 class RingAttention(torch.autograd.Function):
-    """Ring attention (Liu et al. 2023, https://arxiv.org/abs/2310.01889): softmax(q·kᵀ·scale)·v
+    """Ring attention (Liu et al. 2023, https://arxiv.org/abs/2310.01889): softmax(q kᵀ scale) v
     over the whole sequence for this rank's queries (scale: 1/√d unless given); q, k, v and the
     output: [B, H, T/W, d], this rank's tokens. Forward merges the K/V blocks with the online
     softmax as they come round the ring, each step's block attended to while the next one

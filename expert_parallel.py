@@ -41,7 +41,7 @@ SCRIPT = os.path.splitext(os.path.basename(__file__))[0]
 # counts[0] rows of expert 0 first, then expert 1's, ...) and the outputs in the same order; its
 # forward runs whatever experts the module holds on as many counts. The module is a list of E
 # expert modules (an nn.ModuleList whose forward runs each on its rows, as common/moe.py's
-# Experts), or, with parallelize's style=StackedExperts (a part below), one module holding only
+# Experts), or, with the `style` of the part `### more: stacked experts`, one module holding only
 # parameters stacked [E, ...] (torchtitan's GroupedExperts: w1, w2, w3 run by a grouped matmul).
 # The router, the sort by expert, the weights and the sum over each token's K experts stay the
 # model's. parallelize takes the experts modules (None: every module the model names `experts`,
@@ -107,7 +107,7 @@ class ExpertParallel:
     """One experts module spread over the expert group (group; None: the world) of W ranks: the
     module keeps this rank's E/W experts, and two hooks route each call's rows around its own
     forward. Rank r of the group, its position in it, holds experts r·E/W .. (r+1)·E/W - 1. The
-    module is a list of E experts (an nn.ModuleList); StackedExperts, a part below, takes stacked
+    module is a list of E experts (an nn.ModuleList); a part below, by subclassing, takes stacked
     parameters. Found again as `experts.expert_parallel`."""
 
     def __init__(self, experts, group=None):
@@ -127,7 +127,7 @@ class ExpertParallel:
         if not isinstance(experts, nn.ModuleList):
             raise ValueError(
                 f"{type(experts).__name__} is not a list of experts: for parameters stacked "
-                "[E, ...], parallelize(..., style=StackedExperts)"
+                "[E, ...], give parallelize the style of the part '### more: stacked experts'"
             )
         return len(experts)
 
@@ -195,8 +195,9 @@ def swap_chunk_order(x, sizes):
 
 def parallelize(model, device, group=None, experts=None, style=ExpertParallel):
     """Spread each experts module (experts; None: every module of the model named `experts`)
-    over the expert group, as `style` holds them (ExpertParallel: a list; StackedExperts: stacked
-    parameters), and move the model to the device: the other ranks' experts never reach it.
+    over the expert group, as `style` holds them (ExpertParallel: a list; its subclass in the part
+    `### more: stacked experts`: stacked parameters), and move the model to the device: the other
+    ranks' experts never reach it.
     group: the ranks the E experts are spread over (None: the world); beside data parallelism on
     another mesh dimension, the DeviceMesh's expert dimension, mesh["ep"].get_group()."""
     if experts is None:

@@ -171,21 +171,19 @@ def parallelize(
 #   1f1b   F0 .. F(w-1) Fw B0 F(w+1) B1 .. B(m-1)  warmup w = p-s-1: what fills the stages after s
 #   zb-h1  1f1b's, W(k-s) after Bk, the last s Ws at the end of stage s: `### more: zero bubble`
 #   interleaved   V chunks a rank, in an order of its own: `### more: interleaved 1F1B`
+# The core writes 1f1b; each other schedule is a part that wraps schedule() under its own name.
 def schedule(name, micro_batches, num_stages, index, num_chunks=1):
     """Stage `index`'s steps for one batch: lists of actions (F | B | W, micro-batch, chunk), whose
     sends go out in one group with the next step's receives. 1f1b as in pipeline.py, one action a
-    step; zb-h1 is 1f1b with the Ws put in by with_weight_passes; interleaved has its own order."""
-    if name == "interleaved":
-        return interleaved(micro_batches, num_stages, index, num_chunks)
-    # 1f1b: Narayanan et al. 2021, PipeDream-Flush: https://arxiv.org/abs/2006.09503
+    step. Narayanan et al. 2021, PipeDream-Flush: https://arxiv.org/abs/2006.09503"""
+    if name != "1f1b":
+        raise ValueError(f"schedule {name!r}: the core runs 1f1b, the others are parts of it")
     warmup = min(num_stages - index - 1, micro_batches)
     actions = [("F", i, 0) for i in range(warmup)]
     for i in range(micro_batches - warmup):
         actions.append(("F", warmup + i, 0))
         actions.append(("B", i, 0))
     actions += [("B", i, 0) for i in range(micro_batches - warmup, micro_batches)]
-    if name == "zb-h1":
-        actions = with_weight_passes(actions, micro_batches, index)
     return [[action] for action in actions]
 
 
@@ -332,6 +330,16 @@ def interleaved(micro_batches, num_stages, index, num_chunks):
     return steps
 
 
+schedule_without_interleaved = schedule
+
+
+def schedule(name, micro_batches, num_stages, index, num_chunks=1):
+    """The core's schedule (the same arguments), and --schedule interleaved in its own order."""
+    if name == "interleaved":
+        return interleaved(micro_batches, num_stages, index, num_chunks)
+    return schedule_without_interleaved(name, micro_batches, num_stages, index, num_chunks)
+
+
 ### more: zero bubble (ZB-H1, Qi et al. 2024): the backward split into B and W
 
 
@@ -359,6 +367,19 @@ def with_weight_passes(actions, micro_batches, index):
             backwards += 1
     scheduled += [("W", i, 0) for i in range(micro_batches - index, micro_batches)]
     return scheduled
+
+
+schedule_without_weight_passes = schedule
+
+
+def schedule(name, micro_batches, num_stages, index, num_chunks=1):
+    """The schedule before this part (the same arguments), and --schedule zb-h1: 1f1b's actions,
+    one a step, with the Ws put in by with_weight_passes."""
+    if name != "zb-h1":
+        return schedule_without_weight_passes(name, micro_batches, num_stages, index, num_chunks)
+    steps = schedule_without_weight_passes("1f1b", micro_batches, num_stages, index, num_chunks)
+    actions = [action for step in steps for action in step]
+    return [[action] for action in with_weight_passes(actions, micro_batches, index)]
 
 
 ### more: a language model's parts, by name, and the arguments of its blocks (Parts)

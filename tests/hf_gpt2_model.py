@@ -66,7 +66,7 @@ class Conv1D(nn.Module):
 
 
 def eager_attention_forward(module, query, key, value, attention_mask, dropout=0.0):
-    """softmax(q kᵀ / √d + mask) v, the mask additive and [B, 1, T, T]; [B, T, heads, head_dim]."""
+    """softmax(q kᵀ / √d + mask) v, the mask additive, [B, 1, T, T]; out: [B, T, heads, d]."""
     attn_weights = torch.matmul(query, key.transpose(-1, -2))
     attn_weights = attn_weights / torch.full(
         [], value.size(-1) ** 0.5, dtype=attn_weights.dtype, device=attn_weights.device

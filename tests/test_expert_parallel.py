@@ -297,7 +297,7 @@ def _check_refusals(expert_parallel):
     """An experts module the style cannot split is one clear error: stacked weights under the
     list's style, a list under StackedExperts, experts that do not split over the ranks."""
     llama = llama_model.model(llama_model.MOE_ARGS)
-    with pytest.raises(ValueError, match="style=StackedExperts"):
+    with pytest.raises(ValueError, match="### more: stacked experts"):
         expert_parallel.parallelize(llama, torch.device("cpu"))
     vit = common.build_model(common.parse_args(common.get_parser("t"), CFG))
     with pytest.raises(ValueError, match="only parameters stacked"):

@@ -328,7 +328,7 @@ def test_mixed_precision_with_pp_or_tp_is_one_process_bf16(layout, runs, bf16_re
     _, path = runs[layout.name]
     diff = max_diff(path, bf16_reference)
     print(
-        f"hybrid_parallel {layout.name}: max |Δparam| vs zero.py --mixed-precision W=1 = {diff:.3g}"
+        f"hybrid_parallel {layout.name}: max |Δ| against zero.py --mixed-precision W=1: {diff:.3g}"
     )
     assert diff <= MP_TOL
 

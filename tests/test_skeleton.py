@@ -79,8 +79,9 @@ MAX_DIFF = {
     # issue 34: + DDP's data_group apart from the context group; issue 32: the ViT's wiring and the
     # group check moved out of the core into parts of their own (def lines, docstrings, headers)
     # issue 42: + each part plugged in from outside the core (the mode's subclass, the ring's
-    # CausalBlocks, parallelize's two wrappers, the autocast wrapper), the core's reason for DDP
-    "context_parallel.py": 853,
+    # CausalBlocks, parallelize's two wrappers, the autocast wrapper), the core's reason for DDP;
+    # + one line: a docstring rewrapped under 100 bytes
+    "context_parallel.py": 854,
     # 474 + clip_grad_norm_ over each mesh (--clip), - a 25-line docstring, + infer's buffer dtype;
     # issue 40: + the save through the model's own state_dict() on rank 0 (its buffers and hooks),
     # each stage's tensors gathered whole (whole_tensors), not get_model_state_dict on the stage
@@ -102,10 +103,12 @@ MAX_DIFF = {
     # issue 40: the routing around the model's own experts module (two hooks; the list's slice or,
     # in a part, the stacked one), the save joined under the model's own keys
     # issue 42: the core averages at the step in one bucket and a part plugs in the bucketed
-    # averager through `Averager` (the plug, its comment, the part's contract and assert moved)
-    "expert_parallel.py": 625,
-    # pipeline.py's reshaping, its schedule sketch, the group; issues 40, 41, 42 as pipeline.py
-    "pipeline_schedules.py": 735,
+    # averager through `Averager` (the plug, its comment, the part's contract and assert moved);
+    # the core's texts point at the stacked-experts part by its header, not its class (+1)
+    "expert_parallel.py": 626,
+    # pipeline.py's reshaping, its schedule sketch, the group; issues 40, 41, 42 as pipeline.py;
+    # the core's schedule is 1f1b alone, interleaved and zb-h1 each wrap it from their part (+21)
+    "pipeline_schedules.py": 756,
     # pipeline.py's reshaping, its tie refusal as a part, the group; issues 40, 41, 42 as
     # pipeline.py (the refusal wraps parallelize)
     "pipeline_pipedream.py": 523,
@@ -125,7 +128,9 @@ MAX_DIFF = {
 VARIANTS = {
     "pipeline_schedules.py": (
         "pipeline.py",
-        429,  # issue 42: the subclasses' chunked forwards and signatures (num_chunks)
+        # issue 42: the subclasses' chunked forwards and signatures (num_chunks); the core's
+        # schedule is 1f1b alone, interleaved and zb-h1 each wrap it from their part (+21)
+        450,
         ("def p2p(", "def full_state_dict(", "def train(", "def evaluate(", "def setup("),
     ),
     "pipeline_pipedream.py": (
