@@ -24,6 +24,7 @@ no weight decay on biases and LayerNorm weights, clipping before every step.
 import math
 from dataclasses import dataclass
 
+import nanogpt_model
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -410,13 +411,6 @@ def reference(optim, config=CONFIG):
 
 
 def compared_keys(state, optim):
-    """(key, index) of what an exactness check compares: every tensor, but with AdamW the key
-    third of each c_attn.bias (see KEY_BIAS)."""
-    name, key_slice = KEY_BIAS
-    key_biases = {name.format(i) for i in range(CONFIG.n_layer)}
-    for key in state:
-        if optim == "adamw" and key in key_biases:
-            yield key, slice(0, key_slice.start)
-            yield key, slice(key_slice.stop, None)
-        else:
-            yield key, slice(None)
+    """(key, index) of what an exactness check compares: nanoGPT's choice (every tensor, but with
+    AdamW the key third of each c_attn.bias) on this model's layers."""
+    return nanogpt_model.compared_keys(state, optim, KEY_BIAS, CONFIG.n_layer)
