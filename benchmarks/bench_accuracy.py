@@ -9,6 +9,7 @@ what `torchrun ... ddp.py` with the same flags ends with.
 """
 
 import copy
+import gc
 import os
 import sys
 import time
@@ -70,6 +71,11 @@ def run(args):
             test_acc=rows[-1]["test_acc"],
             wall_s=rows[-1]["wall_s"],
         )
+        # Free DDP before leaving the group, as ddp.py does: its reducer holds the group and,
+        # freed after it, waits for Gloo's threads while holding the GIL that one of them needs
+        # (pytorch#56297; this benchmark's test hung so once in 25 runs on torch 2.11).
+        del model
+        gc.collect()
     finally:
         ddp.cleanup()
 

@@ -21,6 +21,7 @@ After the warm-up, each pair's parameters are compared (the same steps from the 
 """
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -204,6 +205,11 @@ def run(args):
             ratios=ratios,
             max_param_diff=diffs,
         )
+        # Free DDP before leaving the group, as ddp.py does: its reducer holds the group and,
+        # freed after it, waits for Gloo's threads while holding the GIL that one of them needs
+        # (pytorch#56297).
+        del runs, model, optimizer
+        gc.collect()
     finally:
         zero.cleanup()
 
