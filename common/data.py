@@ -269,6 +269,10 @@ def load_data(args, device=None):
     """(train_set, test_set, name): MNIST when every node has it (or can download it), else the
     built-in synthetic digits, the same choice on every rank. Each set holds normalised float
     images [N, 1, 28, 28] and labels; call with the process group up (or in a single process)."""
+    if args.simulate:  # one step of meta batches (common/simulate.py)
+        from common.simulate import meta_data
+
+        return (*meta_data(args), "simulated")
     source = _choose_source(args, device if device is not None else torch.device("cpu"))
     limit = args.limit or None
     if source == "mnist":

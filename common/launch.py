@@ -30,7 +30,9 @@ class Parser(argparse.ArgumentParser):
             super().print_help(file)
 
 
-def get_parser(description):
+def get_parser(description, simulates=False):
+    """The shared flags; `simulates`: the script runs under --simulate W (common/simulate.py),
+    which the others do not offer."""
     p = Parser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("shared flags (common.py)")
     g.add_argument("--epochs", type=int, default=6)
@@ -142,6 +144,21 @@ def get_parser(description):
         metavar="DIR",
         help="write a torch.profiler trace of a few training steps per rank to DIR/rank<r>.json",
     )
+    if not simulates:  # the scripts that run on the fake backend say so (common/simulate.py)
+        p.set_defaults(simulate=0, simulate_rank=0)
+        return p
+    g.add_argument(
+        "--simulate",
+        type=int,
+        default=0,
+        metavar="W",
+        help="run one step as one rank of W on torch's fake process group, every tensor on the "
+        "meta device: the papers' sizes in one process, measured, nothing computed "
+        "(common/simulate.py)",
+    )
+    g.add_argument(
+        "--simulate-rank", type=int, default=0, help="with --simulate: the rank this process is"
+    )
     return p
 
 
@@ -175,6 +192,8 @@ def parse_args(parser, argv=None):
     check(args.aux_loss >= 0, f"--aux-loss must be >= 0, got {args.aux_loss}")
     if args.lr is None:
         args.lr = 2e-3 if args.optim == "adamw" else 0.05
+    if args.simulate:
+        check_simulation(args)
     if args.load is not None:  # a bad file fails now, before any process group or data
         check(os.path.isfile(args.load), f"--load {args.load}: no such file")
         load_state_dict_file(
@@ -186,6 +205,28 @@ def parse_args(parser, argv=None):
     return args
 
 
+def check_simulation(args):
+    """--simulate W: one process, one step, nothing read or written. Sets what the simulated run
+    uses: the fake backend (pick_backend, init_process_group) and one step of meta batches."""
+    W, r = args.simulate, args.simulate_rank
+    check(W >= 1, f"--simulate must be >= 1 (the simulated world size), got {W}")
+    check(0 <= r < W, f"--simulate-rank must be in [0, {W}), got {r}")
+    check(
+        "RANK" not in os.environ and (args.nproc or 1) == 1,
+        "--simulate runs one process as one rank of its W: start it with python, "
+        "not torchrun or --nproc",
+    )
+    for flag in ("load", "save", "profile"):
+        check(
+            getattr(args, flag) is None,
+            f"--simulate holds no values: nothing to --{flag} (a meta tensor has shape only)",
+        )
+    args.backend = "fake"
+    args.epochs = 1
+    args.max_steps = 1
+    args.workers = 0
+
+
 def uses_gpus(requested):
     """Whether --backend `requested` trains on GPUs here: pick_backend's choice, known before it."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -194,6 +235,8 @@ def uses_gpus(requested):
 
 def world_size(args):
     """The world size this launch will have, known before any process group exists."""
+    if args.simulate:
+        return args.simulate
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["WORLD_SIZE"])
     return args.nproc or 1
@@ -291,6 +334,18 @@ def launch(run, args):
     `python X.py` is a world of one."""
     import torch.multiprocessing as mp
 
+    if args.simulate:  # one process as rank r of W (common/simulate.py)
+        os.environ.update(
+            RANK=str(args.simulate_rank),
+            LOCAL_RANK="0",
+            WORLD_SIZE=str(args.simulate),
+            LOCAL_WORLD_SIZE="1",
+        )
+        from common.simulate import MetaValues
+
+        with MetaValues():
+            run_and_collect(run, args)
+        return
     launched = "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
     if launched and "LOCAL_RANK" not in os.environ:
         adopt_launcher_environment(args)
@@ -344,6 +399,9 @@ def pick_backend(requested):
     show each process only its own GPU), else Gloo on the CPU. More local ranks than GPUs is
     refused, in one message. Called before the process group exists, so bad input fails before
     any rendezvous. Returns (backend, device)."""
+    if requested == "fake":  # --simulate: no devices, only shapes (common/simulate.py)
+        log("backend: fake on meta (simulated: no communication, no values)")
+        return "fake", torch.device("meta")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -382,6 +440,12 @@ def init_process_group(backend, device, timeout):
     """Join the process group: torchrun (or common.launch, srun, mpirun) put RANK, WORLD_SIZE,
     MASTER_ADDR and MASTER_PORT in the environment. `timeout` is in seconds. Two ranks on one GPU
     are refused in one message before NCCL starts. Returns (rank, world)."""
+    if backend == "fake":  # --simulate: rank r of W, nobody to meet
+        from common.simulate import init_fake_process_group
+
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        init_fake_process_group(rank, world)
+        return rank, world
     timeout = datetime.timedelta(seconds=timeout)
     store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
     # torchrun keeps one store across restarts (--max-restarts): prefix it per attempt, or a

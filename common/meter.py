@@ -6,7 +6,10 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 # TorchDispatchMode has no public home: CommDebugMode (torch.distributed.tensor.debug) is built on
 # it but counts DTensor collectives only, not the c10d ops DDP and FSDP issue from C++.
@@ -59,7 +62,7 @@ class CollectiveCounter(TorchDispatchMode):
         self.calls = {}  # {kind: calls}
         self.bytes = {}  # {kind: bytes}
         self.groups = {}  # {process group name: {kind: [calls, bytes]}}: traffic per mesh dimension
-        self.sample = None  # the Meter's reading after every op (the optimizer state's peak)
+        self.sample = None  # the Meter's reading after every op of the first optimizer step
         self.paused = False  # inside untimed(): not the technique's training, not counted
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -111,6 +114,15 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def storage_key(storage):
+    """What tells one storage from another: its address, where it has one. A freed buffer (0
+    bytes) and a meta tensor's storage (--simulate: address 0, bytes counted) have none; torch
+    keeps one Python object per live storage, so its identity does."""
+    if storage.nbytes() and storage.device.type != "meta":
+        return storage.data_ptr()
+    return id(storage)
+
+
 def storage_bytes(tensors):
     """Bytes of the distinct storages behind `tensors`: a view adds nothing, a freed buffer is 0,
     a DTensor counts its local shard."""
@@ -119,8 +131,8 @@ def storage_bytes(tensors):
         if t is None:
             continue
         s = _local(t).untyped_storage()
-        seen[s.data_ptr() if s.nbytes() else id(s)] = s.nbytes()
-    return sum(seen.values())
+        seen[storage_key(s)] = (s, s.nbytes())  # the storage held: its identity stays its own
+    return sum(size for _, size in seen.values())
 
 
 def optimizer_state_bytes(optimizer):
@@ -165,7 +177,7 @@ class SavedActivations:
         if base.is_leaf and base.requires_grad:
             return t
         storage = _local(t).untyped_storage()
-        key = storage.data_ptr() if storage.nbytes() else id(storage)
+        key = storage_key(storage)
         self.kept[key] = storage.nbytes()
         if self.part is not None:
             self.parts.setdefault(self.part, {})[key] = storage.nbytes()
@@ -176,7 +188,7 @@ class SavedActivations:
         return t
 
     def bytes(self, params, part=None):
-        own = {_local(p).untyped_storage().data_ptr() for p in params}
+        own = {storage_key(_local(p).untyped_storage()) for p in params}
         kept = self.kept if part is None else self.parts.get(part, {})
         return sum(size for key, size in kept.items() if key not in own)
 
@@ -231,7 +243,10 @@ class Meter:
         self.elapsed = (0.0, 0)  # (seconds, loop steps) timed
         self.pauses = []  # (start, end) of each untimed() stretch: not training, not timed
         self.cuda_peak = None  # max_memory_allocated in training, on a CUDA device
-        self.counter.sample = self._sample_optimizer_state
+        # The optimizer state changes only while an optimizer steps: it is read after every op of
+        # the first step, not of the forward and backward too (at 72 layers that reading, over
+        # every state tensor after every op, made a step 20 times slower).
+        self.step_begins = register_optimizer_step_pre_hook(self._step_begins)
         # a technique may step optimizers of its own inside this one's step (zero_offload.py
         # --offload disk steps one per unit): their state counts toward the first step's peak
         self.inner_hook = register_optimizer_step_post_hook(self._inner_step)
@@ -261,9 +276,13 @@ class Meter:
         self.saved.part = None
 
     def _sample_optimizer_state(self):
-        """The optimizer state's bytes after every op until the first step ends: its peak, also
+        """The optimizer state's bytes after every op of the first optimizer step: its peak, also
         where a technique brings the state in and out during the step (one unit at a time)."""
         self.optim_peak = max(self.optim_peak, optimizer_state_bytes(self.optimizer))
+
+    def _step_begins(self, optimizer, args, kwargs):
+        if self.seen == 0:
+            self.counter.sample = self._sample_optimizer_state
 
     def _inner_step(self, optimizer, args, kwargs):
         if optimizer is not self.optimizer and self.seen == 0:
@@ -374,6 +393,7 @@ class Meter:
     def __exit__(self, *exc):
         self._close()
         self.hook.remove()
+        self.step_begins.remove()
         self.inner_hook.remove()
         Meter.active = None
         if self.loop_steps:

@@ -133,9 +133,17 @@ class ViT(nn.Module):
 
 def build_model(args, forwards_per_step=1):
     """The common model with weights that depend only on --seed (built on CPU, the same on every
-    rank). `forwards_per_step`: how many forwards one optimizer step sums, each with its loss
-    divided by that count (micro-batches, accumulation steps); the MoE balance loss is divided the
-    same way. The script that owns the flag passes it."""
+    rank; on the meta device under --simulate). `forwards_per_step`: how many forwards one
+    optimizer step sums, each with its loss divided by that count (micro-batches, accumulation
+    steps); the MoE balance loss is divided the same way. The script that owns the flag passes
+    it."""
+    if args.simulate:  # shapes only, at any size: never built in memory (common/simulate.py)
+        with torch.device("meta"):
+            return _build_model(args, forwards_per_step)
+    return _build_model(args, forwards_per_step)
+
+
+def _build_model(args, forwards_per_step):
     torch.manual_seed(args.seed)
     model = ViT(
         args.dim,

@@ -129,9 +129,13 @@ def report(
     cuda_peak = training_cuda_peak(meter, device)
     if cuda_peak is not None:
         log(f"  cuda peak in training, max over ranks: {fmt_bytes(cuda_peak)}")
-    sps = meter.samples_per_s()
-    loss = trained["loss"]
-    log(f"\ntest accuracy {test_acc:.4f}, final train loss {loss:.4f}, {sps:.0f} samples/s")
+    if args.simulate:  # shapes only: no loss, accuracy or speed to report (common/simulate.py)
+        sps = None
+        log(f"\nsimulated: rank {dist.get_rank()} of {world}, one step, nothing computed")
+    else:
+        sps = meter.samples_per_s()
+        loss = trained["loss"]
+        log(f"\ntest accuracy {test_acc:.4f}, final train loss {loss:.4f}, {sps:.0f} samples/s")
     fields = dict(
         script=script,
         world_size=world,
@@ -140,7 +144,7 @@ def report(
         data=data,
         params=params,
         steps=trained["steps"],
-        loss=trained["loss"],
+        loss=None if args.simulate else trained["loss"],
         test_acc=test_acc,
         samples_per_s=sps,
         cuda_peak_bytes=cuda_peak,
@@ -150,6 +154,7 @@ def report(
         comm_calls=calls,
         comm_steps=counted,
         formula=formula,
+        simulated=bool(args.simulate),
         **extra,
     )
     result(**fields)

@@ -404,7 +404,7 @@ def test_nproc_refuses_more_ranks_than_gpus(monkeypatch, capsys):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
-    args = argparse.Namespace(nproc=2, backend="auto")
+    args = argparse.Namespace(nproc=2, backend="auto", simulate=0)
     started = []
     with pytest.raises(SystemExit) as exit_info:
         common.launch(started.append, args)
