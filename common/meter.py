@@ -6,10 +6,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 # TorchDispatchMode has no public home: CommDebugMode (torch.distributed.tensor.debug) is built on
 # it but counts DTensor collectives only, not the c10d ops DDP and FSDP issue from C++.
@@ -62,15 +59,12 @@ class CollectiveCounter(TorchDispatchMode):
         self.calls = {}  # {kind: calls}
         self.bytes = {}  # {kind: bytes}
         self.groups = {}  # {process group name: {kind: [calls, bytes]}}: traffic per mesh dimension
-        self.sample = None  # the Meter's reading after every op of the first optimizer step
         self.paused = False  # inside untimed(): not the technique's training, not counted
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if self.paused:
             return out
-        if self.sample is not None:
-            self.sample()
         if func.namespace in ("c10d", "_c10d_functional"):
             self.count(func.overloadpacket.__name__, args, out)
         return out
@@ -243,12 +237,10 @@ class Meter:
         self.elapsed = (0.0, 0)  # (seconds, loop steps) timed
         self.pauses = []  # (start, end) of each untimed() stretch: not training, not timed
         self.cuda_peak = None  # max_memory_allocated in training, on a CUDA device
-        # The optimizer state changes only while an optimizer steps: it is read after every op of
-        # the first step, not of the forward and backward too (at 72 layers that reading, over
-        # every state tensor after every op, made a step 20 times slower).
-        self.step_begins = register_optimizer_step_pre_hook(self._step_begins)
-        # a technique may step optimizers of its own inside this one's step (zero_offload.py
-        # --offload disk steps one per unit): their state counts toward the first step's peak
+        # The optimizer state's peak in the first step: its bytes after that step, and after each
+        # optimizer a technique steps inside it (zero_offload.py --offload disk steps one per
+        # unit, holding its state only while it steps). Not after every op: at 72 layers reading
+        # every state tensor after every op made a step 50 times slower.
         self.inner_hook = register_optimizer_step_post_hook(self._inner_step)
         self.hook = optimizer.register_step_post_hook(lambda *_: self._after_step())
         self.parts = parts or {}
@@ -274,15 +266,6 @@ class Meter:
 
     def _leaving(self, module, args, output):
         self.saved.part = None
-
-    def _sample_optimizer_state(self):
-        """The optimizer state's bytes after every op of the first optimizer step: its peak, also
-        where a technique brings the state in and out during the step (one unit at a time)."""
-        self.optim_peak = max(self.optim_peak, optimizer_state_bytes(self.optimizer))
-
-    def _step_begins(self, optimizer, args, kwargs):
-        if self.seen == 0:
-            self.counter.sample = self._sample_optimizer_state
 
     def _inner_step(self, optimizer, args, kwargs):
         if optimizer is not self.optimizer and self.seen == 0:
@@ -359,7 +342,6 @@ class Meter:
         self.seen += 1
         if self.seen == 1:
             self.mem = memory(self.params, self.optimizer)
-            self.counter.sample = None
             self.mem["optim_peak_bytes"] = max(self.optim_peak, self.mem["optim_bytes"])
             self._stop_packing()
             if self.activations:
@@ -393,7 +375,6 @@ class Meter:
     def __exit__(self, *exc):
         self._close()
         self.hook.remove()
-        self.step_begins.remove()
         self.inner_hook.remove()
         Meter.active = None
         if self.loop_steps:
