@@ -212,7 +212,7 @@ def check_simulation(args):
     check(W >= 1, f"--simulate must be >= 1 (the simulated world size), got {W}")
     check(0 <= r < W, f"--simulate-rank must be in [0, {W}), got {r}")
     check(
-        "RANK" not in os.environ and (args.nproc or 1) == 1,
+        int(os.environ.get("WORLD_SIZE", "1")) == 1 and (args.nproc or 1) == 1,
         "--simulate runs one process as one rank of its W: start it with python, "
         "not torchrun or --nproc",
     )

@@ -201,7 +201,7 @@ class Meter:
     --profile records those steps with torch.profiler, one Chrome/Perfetto trace per rank.
     Deleting it from a script changes nothing the technique does. `parts={"attention": [modules]}`
     adds a row act_bytes_attention: what those modules' forwards saved for backward in the first
-    forward.
+    forward. `held={"working_bytes": f}` adds a row: the bytes of the tensors f() returns.
 
     `device` is the script's: the clock synchronizes its stream, the CUDA peak is its. Left out:
     the GPU torch.cuda.set_device chose under NCCL (also where the parameters live on the CPU, as
@@ -212,8 +212,21 @@ class Meter:
 
     active = None  # the Meter inside whose `with` block training runs: progress() reports to it
 
-    def __init__(self, model, optimizer, args, steps=3, parts=None, activations=True, device=None):
+    def __init__(
+        self,
+        model,
+        optimizer,
+        args,
+        steps=3,
+        parts=None,
+        activations=True,
+        device=None,
+        held=None,
+    ):
         self.params = list(model.parameters())
+        # {row: a function returning tensors the technique holds besides the parameters, their
+        # gradients and the optimizer state}, read after the first step (zero.py's bf16 copy)
+        self.held = held or {}
         self.optimizer = optimizer
         self.steps = steps  # the window: loop steps observed
         self.profile_dir = args.profile
@@ -343,6 +356,8 @@ class Meter:
         if self.seen == 1:
             self.mem = memory(self.params, self.optimizer)
             self.mem["optim_peak_bytes"] = max(self.optim_peak, self.mem["optim_bytes"])
+            for row, tensors in self.held.items():
+                self.mem[row] = storage_bytes(tensors())
             self._stop_packing()
             if self.activations:
                 self.mem["act_bytes"] = self.saved.bytes(self.params)

@@ -108,6 +108,15 @@ def report(
                 notes.get("optim_peak_bytes", ""),
             ),
         )
+    if "working_bytes" in meter.mem:  # a copy the script holds besides (bf16 working weights)
+        working = ("working copy", meter.mem["working_bytes"], formula.get("working_bytes"))
+        rows.insert(3, (*working, notes.get("working_bytes", "")))
+    paper = formula.pop("paper", {})  # {row: the paper's bytes}, notes["paper"]: which paper
+    if "model_states" in paper:
+        states = ("param_bytes", "grad_bytes", "optim_bytes", "working_bytes")
+        measured = sum(meter.mem.get(k) or 0 for k in states)
+        promised = sum(formula.get(k) or 0 for k in states)
+        rows.insert(0, ("model states, all", measured, promised, notes.get("model_states", "")))
     for kind in sorted(set(comm) | set(formula.get("comm", {}))):
         rows.append(
             (
@@ -117,15 +126,24 @@ def report(
                 notes.get(kind, "") + f" ({calls.get(kind, 0)} calls in {counted} steps)",
             )
         )
+    # The paper's own number where it gives one (the model states of ZeRO's Table 1): a column
+    # of its own, between this recipe's formula and the formula's text.
+    paper_keys = {"model states, all": "model_states"}
+    paper_keys.update({f"{kind.replace('_', '-')} per step": kind for kind in comm})
     log("\nper-rank memory and communication (measured from outside the technique)")
-    log(f"  {'':<26}{'measured':>12}{'formula':>12}   formula")
+    paper_column = f"{'paper':>12}" if paper else ""
+    log(f"  {'':<26}{'measured':>12}{'formula':>12}{paper_column}   formula")
     for what, measured, expected, text in rows:
+        papers = paper.get(paper_keys.get(what))
+        paper_column = f"{'' if papers is None else fmt_bytes(papers):>12}" if paper else ""
         if measured is None:
-            log(f"  {what:<26}{'not measured':>12}{'':>12}   {text}")
+            log(f"  {what:<26}{'not measured':>12}{'':>12}{paper_column}   {text}")
             continue
         promised = "" if expected is None else fmt_bytes(expected)
         flag = "" if expected is None or measured == expected else "  (differs)"
-        log(f"  {what:<26}{fmt_bytes(measured):>12}{promised:>12}   {text}{flag}")
+        log(f"  {what:<26}{fmt_bytes(measured):>12}{promised:>12}{paper_column}   {text}{flag}")
+    if paper:
+        log(f"  paper: {notes.get('paper', '')}")
     cuda_peak = training_cuda_peak(meter, device)
     if cuda_peak is not None:
         log(f"  cuda peak in training, max over ranks: {fmt_bytes(cuda_peak)}")
@@ -154,6 +172,7 @@ def report(
         comm_calls=calls,
         comm_steps=counted,
         formula=formula,
+        paper=paper,
         simulated=bool(args.simulate),
         **extra,
     )
