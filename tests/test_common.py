@@ -218,10 +218,11 @@ def test_mnist_offline_without_files_is_a_clear_error(tmp_path, offline, capsys)
     )
 
 
-def two_nodes(tmp_path, cwds, *args, timeout=150, env=None):
-    """Two torchrun agents as two 'nodes' of 2 processes each, each node started in its own
-    directory, so a relative --data-dir is node-local, as on a cluster without a shared disk (the
-    same directory twice: a shared file system). `env`: more variables for both nodes."""
+def two_nodes(tmp_path, cwds, *args, timeout=150, env=None, per_node=1):
+    """Two torchrun agents as two 'nodes' of `per_node` processes each, each node started in its
+    own directory, so a relative --data-dir is node-local, as on a cluster without a shared disk
+    (the same directory twice: a shared file system). `env`: more variables for both nodes. One
+    process a node unless a test needs a node's second rank (each costs a torch import)."""
     port = common.free_port()
     procs = []
     for node, cwd in enumerate(cwds):
@@ -230,7 +231,7 @@ def two_nodes(tmp_path, cwds, *args, timeout=150, env=None):
             "-m",
             "torch.distributed.run",
             "--nnodes=2",
-            "--nproc_per_node=2",
+            f"--nproc_per_node={per_node}",
             f"--node-rank={node}",
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint=127.0.0.1:{port}",
@@ -348,6 +349,7 @@ def test_an_error_found_on_one_node_is_said_on_that_node(tmp_path):
         str(checkpoint),
         env={"HIDE": str(checkpoint), "FAULT_RANK": "2"},
         timeout=120,
+        per_node=2,  # node 1's first rank is global rank 2: not rank 0, nor the node's index
     )
     assert codes[1] != 0, outs
     node1_errors = [line for line in outs[1][1].splitlines() if line.startswith("error")]
