@@ -22,6 +22,7 @@ Pipeline-Parallel DNN Training", https://arxiv.org/abs/2006.09503. docs/techniqu
     torchrun --standalone --nproc_per_node=2 pipeline.py --schedule 1f1b --microbatches 4
     python pipeline.py --nproc 4 --schedule gpipe --microbatches 8
     python pipeline.py                   # a world of one: one stage, the whole model
+    python pipeline.py --simulate 8 --microbatches 8 --depth 8   # as rank 0 of 8, on meta
 """
 
 import os
@@ -490,6 +491,30 @@ def clip_grad_norm_(stage, max_norm, group=None):
 ### end: Pipeline
 
 
+def every_stage_order(args, loader, world, device):
+    """--simulate: each stage's actions in a step, as it ran them. The other ranks do not exist
+    (the fake group's gather_object returns this rank's object in every slot), and the fake
+    group's rank is fixed when it starts: so it is started again as each rank s in turn, and the
+    script's own parallelize and train_step run stage s on a new meta model and a meta batch,
+    recorded as on the real path. After the Meter: the report's rows stay this rank's."""
+    from common.simulate import init_fake_process_group
+
+    rank = dist.get_rank()
+    x, y = next(iter(loader))
+    orders = []
+    for s in range(world):
+        dist.destroy_process_group()
+        init_fake_process_group(s, world)
+        model = common.build_model(args, forwards_per_step=args.microbatches)
+        stage = parallelize(model, device)  # stage s
+        recorder = common.record_pipeline_order(stage, args.microbatches)
+        train_step(stage, x, y, args.schedule, args.microbatches)
+        orders.append(recorder.recorded()["order"])
+    dist.destroy_process_group()
+    init_fake_process_group(rank, world)
+    return orders
+
+
 def formula(psi, world, args):
     """Rank 0's promises, psi its stage's parameters: its bytes; per step m activations out and m
     gradients in (B/m·T·D fp32 each); the schedule's idle fraction of the slots; each stage's peak
@@ -656,17 +681,22 @@ def run(args):
         recorder = common.record_pipeline_order(model, args.microbatches)
         with common.Meter(model, optimizer, args, device=device) as meter:
             out = train(model, optimizer, scheduler, loader, sampler, args, device)
-        test_loader = common.test_loader(
-            test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"
-        )
-        acc = evaluate(model, test_loader, device)
-        state = full_state_dict(model)  # every rank takes part; rank 0 holds the whole
-        if rank == 0 and args.save:
-            common.save_checkpoint(state, args.save)
-            common.log(f"saved {args.save}")
+        acc = None
+        if not args.simulate:  # --simulate: meta tensors, no values to test or save
+            test_loader = common.test_loader(
+                test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"
+            )
+            acc = evaluate(model, test_loader, device)
+            state = full_state_dict(model)  # every rank takes part; rank 0 holds the whole
+            if rank == 0 and args.save:
+                common.save_checkpoint(state, args.save)
+                common.log(f"saved {args.save}")
         psi_stage = sum(p.numel() for p in model.parameters())  # Ψ_s: this rank's stage only
         promised = formula(psi_stage, world, args)
-        timeline = common.pipeline_timeline(recorder, meter, promised)  # every rank: a gather
+        orders = None  # every rank's, gathered by pipeline_timeline
+        if args.simulate:  # the other ranks do not exist: their stages run here, one by one
+            orders = every_stage_order(args, loader, world, device)
+        timeline = common.pipeline_timeline(recorder, meter, promised, orders)  # every rank
         common.report(
             SCRIPT,
             args,
@@ -687,7 +717,8 @@ def run(args):
 
 def main():
     parser = common.get_parser(
-        "Pipeline parallelism (naive, GPipe, 1F1B) on the common ViT, written out"
+        "Pipeline parallelism (naive, GPipe, 1F1B) on the common ViT, written out",
+        simulates=True,
     )
     parser.add_argument("--schedule", choices=["naive", "gpipe", "1f1b"], default="1f1b")
     parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per batch (m)")

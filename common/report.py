@@ -199,19 +199,26 @@ def result(**fields):
     log("RESULT " + json.dumps(fields))
 
 
-def pipeline_timeline(recorder, meter, promised):
+def pipeline_timeline(recorder, meter, promised, orders=None):
     """Every rank calls it after training: each stage's recorded actions (record_pipeline_order)
     and measured bytes are gathered on rank 0, which replays the actions in slots and prints the
     picture, the idle fraction and the peak of micro-batches in flight next to the script's
     formula (`promised["bubble"]`, `promised["peak_inflight"]`). Returns the RESULT's fields on
-    rank 0 (the bubble, the peaks, each stage's measurements as `stages`), {} on the others."""
-    comm, calls, _ = meter.comm()
-    mine = dict(meter.mem, comm=comm, comm_calls=calls, **recorder.recorded())
-    stages = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(mine, stages, dst=0)
-    if stages is None:
-        return {}
-    orders = [stage["order"] for stage in stages]
+    rank 0 (the bubble, the peaks, each stage's measurements as `stages`), {} on the others.
+
+    `orders`: under --simulate, every stage's actions, which the script recorded by running each
+    stage in this one process (the fake group's gather returns this rank's in every slot). They
+    are replayed instead, and RESULT gains them as `orders`: its own fields are this rank's
+    measurements, and there are no other ranks' (no `stages`)."""
+    stages = None
+    if orders is None:  # the ranks' own, gathered
+        comm, calls, _ = meter.comm()
+        mine = dict(meter.mem, comm=comm, comm_calls=calls, **recorder.recorded())
+        stages = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, stages, dst=0)
+        if stages is None:
+            return {}
+        orders = [stage["order"] for stage in stages]
     picture, bubble, peaks = replay_pipeline(orders)
     chunks = 1 + max(chunk for order in orders for _, _, chunk in order)
     micro_batches = 1 + max(micro_batch for order in orders for _, micro_batch, _ in order)
@@ -225,6 +232,8 @@ def pipeline_timeline(recorder, meter, promised):
         f"{promised['bubble']:.3f}), peak micro-batches in flight {peaks} "
         f"(formula {promised['peak_inflight']})"
     )
+    if stages is None:  # --simulate
+        return dict(bubble=bubble, peak_inflight=peaks, orders=orders)
     return dict(bubble=bubble, peak_inflight=peaks, stages=stages)
 
 

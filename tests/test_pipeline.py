@@ -16,6 +16,7 @@ the save gathers on the pipeline's group, and the replay per communicator gets t
 is refused."""
 
 import argparse
+import json
 import re
 import sys
 from collections import Counter
@@ -209,6 +210,46 @@ def test_saved_state_loads_in_ddp(runs):
     tensors: the stages' parts gathered on rank 0 are the common model's state_dict, key for key."""
     pipe, again = runs[1]
     assert max_diff(pipe, again) == 0
+
+
+def simulated(module, flags, monkeypatch, capsys):
+    """`python <module>.py --simulate W ...` in this process (one rank of W on the fake group, the
+    model on meta: no other process to start), its RESULT. common.launch sets the rank's variables
+    in os.environ: set here first, so that monkeypatch takes them away again after the test."""
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.setenv(name, "0")
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(sys, "argv", [f"{module.__name__}.py", *map(str, flags)])
+    capsys.readouterr()
+    module.main()
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1 and not dist.is_initialized()
+    return json.loads(lines[0][len("RESULT ") :])
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_simulated_bubble_from_every_stage(schedule, monkeypatch, capsys, one_thread):
+    """--simulate 4 at m = 4: the one process runs each of the 4 stages' schedules in turn (the
+    fake group's gather has only its own), and what each stage ran, replayed, idles (p-1)/(m+p-1)
+    of the slots, the formula; the memory and traffic reported stay rank 0's: its Ψ_0, and m
+    activations out and m gradients in, in the one step."""
+    p, m = 4, 4
+    flags = [*CFG, "--simulate", p, "--schedule", schedule, "--microbatches", m]
+    result = simulated(pipeline, flags, monkeypatch, capsys)
+    assert result["simulated"] and result["world_size"] == p and "stages" not in result
+    ran = [[(action, i) for action, i, _ in order] for order in result["orders"]]
+    assert ran == [expected_order(schedule, m, p, s) for s in range(p)]
+    assert result["bubble"] == pytest.approx((p - 1) / (m + p - 1))
+    assert result["formula"]["bubble"] == pytest.approx((p - 1) / (m + p - 1))
+    in_flight = [m] * p if schedule == "gpipe" else [p - s for s in range(p)]
+    assert result["peak_inflight"] == result["formula"]["peak_inflight"] == in_flight
+    args = common.parse_args(common.get_parser("test"), CFG)
+    model = common.build_model(args)
+    psi = stage_params(model, p)[0]
+    assert (result["param_bytes"], result["optim_bytes"]) == (4 * psi, 8 * psi)
+    message = 4 * (args.batch_size // m) * model.embed.tokens * args.dim
+    assert result["comm"] == dict(send=m * message, recv=m * message)
+    assert result["comm_calls"] == dict(send=m, recv=m) and result["comm_steps"] == 1
 
 
 # ------------------------------------------------------------------------ NCCL's rule, in-process

@@ -19,6 +19,7 @@ from test_pipeline import (
     loop_calls,
     replay,
     sends,
+    simulated,
 )
 
 import common
@@ -141,6 +142,24 @@ def test_measured_point_to_point_per_rank(case, runs):
         assert stage["comm"] == dict(send=n * message, recv=n * message), (s, stage["comm"])
         assert stage["comm_calls"] == dict(send=n * WINDOW, recv=n * WINDOW), s
     assert result["comm"] == result["formula"]["comm"]
+
+
+@pytest.mark.parametrize("name, V, m", [("interleaved", 2, 8), ("zb-h1", 1, 4)])
+def test_simulated_bubble_from_every_stage(name, V, m, monkeypatch, capsys, one_thread):
+    """--simulate 4: the one process runs each of the 4 stages' schedules in turn (the fake
+    group's gather has only its own); what each ran is the schedule, and replayed it idles
+    (p-1)/(V·m+p-1) (interleaved) or (p-1)/(3m+p-1) (zb-h1) of the slots, the formula."""
+    p = 4
+    flags = [*CFG, "--simulate", p, "--schedule", name, "--virtual-stages", V]
+    result = simulated(pipeline_schedules, [*flags, "--microbatches", m], monkeypatch, capsys)
+    assert result["simulated"] and result["world_size"] == p and "stages" not in result
+    ran = [[tuple(action) for action in order] for order in result["orders"]]
+    assert ran == [expected_order(name, m, p, s, V) for s in range(p)]
+    busy = V * m if name == "interleaved" else 3 * m
+    assert result["bubble"] == pytest.approx((p - 1) / (busy + p - 1))
+    assert result["formula"]["bubble"] == pytest.approx((p - 1) / (busy + p - 1))
+    assert result["peak_inflight"] == result["formula"]["peak_inflight"]
+    assert result["comm"] == result["formula"]["comm"]  # rank 0's
 
 
 def link_messages(name, m, p, V):

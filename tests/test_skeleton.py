@@ -72,7 +72,9 @@ MAX_DIFF = {
     # issues 40, 41: + the blocks' arguments (Parts), the model's own buffers, each send checked
     # issue 42: + the parts plugged in from outside the core (LanguageModelStage and CheckedStage,
     # subclasses built through StageClass; the tie's wrappers of parallelize and train_step)
-    "pipeline.py": 600,
+    # issue 44: + --simulate (evaluation and save under `if not args.simulate`, +19; each stage's
+    # order run in the one process, every_stage_order, +27; its launch command, +1)
+    "pipeline.py": 647,
     "dp.py": 342,
     # core first: 660 + the ring's messages by name, causal and zig-zag out of RingAttention into
     # helpers of their own, Ulysses in its own part, the part headers
@@ -108,7 +110,8 @@ MAX_DIFF = {
     "expert_parallel.py": 626,
     # pipeline.py's reshaping, its schedule sketch, the group; issues 40, 41, 42 as pipeline.py;
     # the core's schedule is 1f1b alone, interleaved and zb-h1 each wrap it from their part (+21)
-    "pipeline_schedules.py": 756,
+    # issue 44: + --simulate as pipeline.py (+48)
+    "pipeline_schedules.py": 804,
     # pipeline.py's reshaping, its tie refusal as a part, the group; issues 40, 41, 42 as
     # pipeline.py (the refusal wraps parallelize)
     "pipeline_pipedream.py": 523,
@@ -130,7 +133,8 @@ VARIANTS = {
         "pipeline.py",
         # issue 42: the subclasses' chunked forwards and signatures (num_chunks); the core's
         # schedule is 1f1b alone, interleaved and zb-h1 each wrap it from their part (+21)
-        450,
+        # issue 44: every_stage_order's chunks and zb-h1's W recorded, the launch command (+7)
+        457,
         ("def p2p(", "def full_state_dict(", "def train(", "def evaluate(", "def setup("),
     ),
     "pipeline_pipedream.py": (
@@ -138,7 +142,8 @@ VARIANTS = {
         # 292 + the contract and parallelize on the user's parts, without a tie (issue 34: nor the
         # tie's embedding_group); issue 40: the micro-batch's inputs through the stash's call
         # issue 42: the refusal a wrapper of parallelize
-        341,
+        # issue 44: - pipeline.py's --simulate, which pipeline_pipedream.py does not offer (+49)
+        390,
         ("def p2p(", "def infer(", "def full_state_dict(", "def evaluate(", "def setup("),
     ),
     "zero_offload.py": (
