@@ -320,6 +320,21 @@ CASES = [
         as_rank0_of(4),
         "--depth 2 blocks cannot fill 4 pipeline stages",
     ),
+    ("ddp.py", ["--simulate", "8"], None, "unrecognized arguments: --simulate 8"),
+    ("zero.py", ["--simulate", "8", "--save", "x.pt"], None, "--simulate holds no values"),
+    ("zero.py", ["--simulate", "8", "--simulate-rank", "8"], None, "must be in [0, 8), got 8"),
+    (
+        "zero.py",
+        ["--simulate", "8"],
+        as_rank0_of(2),
+        "--simulate runs one process as one rank of its W",
+    ),
+    (
+        "tensor_parallel.py",
+        ["--simulate", "6"],
+        None,
+        "--heads 4 is not divisible by the 6 tensor-parallel ranks",
+    ),
     ("collectives.py", ["--root", "5"], as_rank0_of(2), "--root 5 is not a rank of this world"),
     ("collectives.py", ["--backend", "nccl"], None, "--backend nccl needs a CUDA GPU"),
 ]
