@@ -341,8 +341,10 @@ def launch(run, args):
             WORLD_SIZE=str(args.simulate),
             LOCAL_WORLD_SIZE="1",
         )
+        from common import messages
         from common.simulate import MetaValues
 
+        messages.ALONE = True
         with MetaValues():
             run_and_collect(run, args)
         return

@@ -17,9 +17,13 @@ def env_rank():
     return int(os.environ.get("RANK", "0"))
 
 
+# --simulate: this process is the only one, whichever rank it plays, and says everything
+ALONE = False
+
+
 def log(*args):
-    """print() on rank 0 only."""
-    if env_rank() == 0:
+    """print() on rank 0 only (on the one process of a --simulate run)."""
+    if env_rank() == 0 or ALONE:
         print(*args, flush=True)
 
 
