@@ -14,10 +14,10 @@ GPUs, --pp 2 --dp 2 --tp 2:
 Memory per rank (fp32, AdamW; Ψ_s the stage's parameters after the tp split, each ZeRO unit
 padded to a multiple of N): ZeRO-1 (8 + 8/N)Ψ_s, ZeRO-2 (4 + 12/N)Ψ_s, ZeRO-3 16Ψ_s/N. Per step
 (act: B/N samples x L tokens x D fp32, m micro-batches): tp all-reduces 4·act a block; dp
-reduce-scatters 4Ψ_s·m and all-gathers 4Ψ_s (ZeRO-3: 2m times); pp sends and receives act (act/T
-under sequence parallelism); --mixed-precision: zero.py's bf16 recipe over dp, act bf16. Paper:
-Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
-Megatron-LM", https://arxiv.org/abs/2104.04473. Layouts, traffic, nodes: docs/hybrid_parallel.md
+reduce-scatters 4Ψ_s (ZeRO-2, 3: m times) and all-gathers 4Ψ_s (ZeRO-3: 2m times); pp sends and
+receives act (act/T under sequence parallelism); --mixed-precision: zero.py's bf16 recipe over
+dp, act bf16. Paper: Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+Clusters Using Megatron-LM", https://arxiv.org/abs/2104.04473. More: docs/hybrid_parallel.md
 
     torchrun --standalone --nproc_per_node=8 hybrid_parallel.py --dp 2 --pp 2 --tp 2 --zero-stage 3
     torchrun --standalone --nproc_per_node=4 hybrid_parallel.py --dp 2 --tp 2 --sequence-parallel
@@ -189,6 +189,71 @@ def infer(stage, x):
     if stage.answers:
         return logits
     return None
+
+
+### more: ZeRO-1 reduces once a step: the micro-batches' gradients summed locally in between
+# ZeRO-1 keeps each unit's whole flat gradient anyway (it shards only the optimizer state), so the
+# step's m micro-batches can add their gradients into it and reduce-scatter the sum once, in the
+# last micro-batch's backward: 4Ψ_s a step instead of 4Ψ_s·m, as DeepSpeed's stage 1 and
+# Megatron-LM ("communicate only at gradient accumulation boundaries") do. The same average, the
+# division by N and the sum over ranks moved past the sum over micro-batches: both are linear.
+# ZeRO-2 and 3 keep a reduce-scatter a micro-batch: freeing the whole gradient after it is their
+# memory saving. This part is the stage's innermost subclass, so that its shard, the last of
+# theirs to run, builds the engine with every option the others added.
+
+
+class ReduceOnceAStep(Composition):
+    """At ZeRO-1 with m > 1 micro-batches, zero.py's engine with the sum (OnceAStep)."""
+
+    def shard(self, stage, units, device, **options):
+        if self.zero_stage != 1 or self.micro_batches == 1:
+            super().shard(stage, units, device, **options)
+            return
+        dp_group = self.mesh["dp"].get_group()
+        # zero.parallelize's one line, with this part's subclass of its engine
+        stage.zero = OnceAStep(
+            stage, device, 1, units, dp_group, micro_batches=self.micro_batches, **options
+        )
+
+
+Composition = ReduceOnceAStep
+
+
+class OnceAStep(zero.Engine):
+    """zero.py's engine at stage 1, each unit's gradient summed over the step's `micro_batches`
+    backward passes in its flat gradient, then reduce-scattered once."""
+
+    def __init__(self, *args, micro_batches=1, **options):
+        self.micro_batches = micro_batches
+        super().__init__(*args, **options)
+
+    def make_unit(self, model, module, name):
+        unit = super().make_unit(model, module, name)
+        unit.micro_batches_summed = 0  # how many of this step's gradients flat_grad holds
+        return unit
+
+    @torch.no_grad()
+    def gradient_arrived(self, unit, offset, tensor):
+        """The step's first micro-batch: zero.py's copy into the flat gradient; each later one's
+        gradient is added to what the earlier ones left there."""
+        if unit.micro_batches_summed == 0:
+            super().gradient_arrived(unit, offset, tensor)
+            return
+        unit.flat_grad[offset : offset + tensor.numel()] += tensor.grad.flatten()
+        tensor.grad = None
+        unit.grads_arrived += 1
+        if unit.grads_arrived == len(unit.params):
+            unit.grads_arrived = 0  # ready for the next backward
+            self.reduce_scatter(unit)
+
+    def reduce_scatter(self, unit):
+        """The unit's gradient of one more micro-batch is complete: reduce-scatter the sum after
+        the step's last one; before it, keep summing."""
+        unit.micro_batches_summed += 1
+        if unit.micro_batches_summed < self.micro_batches:
+            return
+        unit.micro_batches_summed = 0
+        super().reduce_scatter(unit)
 
 
 ### more: the checkpoint: ZeRO's shards gathered, the tp splits joined, the stages merged
@@ -745,7 +810,8 @@ def formula(psi, world, args):
     elif args.tp > 1:
         dims["tp"]["all_reduce"] = 4 * blocks * act
     if args.dp > 1:
-        dims["dp"]["reduce_scatter"] = m * 4 * psi_stage
+        reduces = m if args.zero_stage >= 2 else 1  # ZeRO-1 sums the micro-batches locally
+        dims["dp"]["reduce_scatter"] = reduces * 4 * psi_stage
         gathers = 2 * m if args.zero_stage == 3 else 1
         dims["dp"]["all_gather"] = gathers * element * psi_stage
     if args.pp > 1:
@@ -756,9 +822,9 @@ def formula(psi, world, args):
         for kind, nbytes in traffic.items():
             comm[kind] = comm.get(kind, 0) + nbytes
     params_sharded = args.zero_stage == 3
-    # ZeRO-1 with micro-batches hands the optimizer a shard of the summed gradient (zero.py's
-    # accumulation part); its whole flat gradient stays in the engine besides, unmeasured.
-    grads_sharded = args.zero_stage >= 2 or m > 1
+    # ZeRO-1 hands the optimizer its own slice of the whole flat gradient, micro-batches or not
+    # (the sum is reduce-scattered once, in place): the whole is what the Meter reads.
+    grads_sharded = args.zero_stage >= 2
     rows = dict(
         param_bytes=4 * psi_stage // args.dp if params_sharded else 4 * psi_stage,
         grad_bytes=4 * psi_stage // args.dp if grads_sharded else 4 * psi_stage,
@@ -767,15 +833,15 @@ def formula(psi, world, args):
         dims=dims,
         notes=dict(
             param_bytes="4Ψ_s/N sharded" if params_sharded else "4Ψ_s: stage 0 split by T",
-            grad_bytes="4Ψ_s/N sharded (ZeRO-1: + 4Ψ_s whole, in the engine)"
-            if grads_sharded
-            else "4Ψ_s",
+            grad_bytes="4Ψ_s/N sharded" if grads_sharded else "4Ψ_s whole, m summed in it",
             optim_bytes=f"{k}Ψ_s/N",
             all_gather="dp: the updated shards (stage 3: each unit before each micro-batch's "
             "forward and backward); tp under SP: f's tokens, the head's, gradients",
             all_reduce="tp: g in forward, f in backward, 2 each a block; under SP the norms' "
             "and row biases' partial gradients in rank 0's shards",
-            reduce_scatter="dp: the stage's gradients each micro-batch; tp under SP: g, f's grads",
+            reduce_scatter="dp: the stage's gradients, "
+            + ("each micro-batch" if args.zero_stage >= 2 else "once a step, m summed locally")
+            + "; tp under SP: g, f's grads",
             send="pp: m activations, act in all",
             recv="pp: m gradients",
         ),
@@ -788,9 +854,8 @@ def formula(psi, world, args):
 def mixed_precision_rows(rows, psi_stage, args):
     """--mixed-precision: zero.py's mixed_precision_formula on the stage's Ψ_s over N = dp. The
     optimizer's parameters are the fp32 master shards (4Ψ_s/N at every stage); the gradients stay
-    fp32 (whole at ZeRO-1 without micro-batches), the state KΨ_s/N. The bf16 working copy that
-    forward reads is no Parameter, so the Meter does not read it: `working_bytes`, 2Ψ_s/N at
-    ZeRO-3, else 2Ψ_s."""
+    fp32 (whole at ZeRO-1), the state KΨ_s/N. The bf16 working copy that forward reads is no
+    Parameter, so the Meter does not read it: `working_bytes`, 2Ψ_s/N at ZeRO-3, else 2Ψ_s."""
     stage3 = args.zero_stage == 3
     rows["param_bytes"] = 4 * psi_stage // args.dp
     rows["working_bytes"] = 2 * psi_stage // args.dp if stage3 else 2 * psi_stage
@@ -877,6 +942,11 @@ def check_args(args, world):
     common.check(
         not args.experts or args.experts % args.ep == 0,
         f"--experts {args.experts} is not divisible by --ep {args.ep}: each rank holds E/ep",
+    )
+    common.check(
+        not args.simulate or args.cp == args.ep == 1,
+        "--simulate runs the pp x dp x tp layout: data x context's DDP and data x expert's "
+        "all-to-alls read values (its parameters' count, its tokens' routes), which meta has not",
     )
     common.check(
         not args.mixed_precision or args.cp == args.ep == 1,
@@ -1054,14 +1124,16 @@ def run(args):
         )
         with common.Meter(model, optimizer, args, device=device) as meter:
             out = train(model, optimizer, scheduler, loader, sampler, args, device)
-        test_loader = common.test_loader(
-            test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"
-        )
-        acc = evaluate(model, test_loader, device)
-        state = full_state_dict(model, mesh)  # every rank takes part; rank 0 holds the whole
-        if rank == 0 and args.save:
-            common.save_checkpoint(state, args.save)
-            common.log(f"saved {args.save}")
+        acc = None
+        if not args.simulate:  # --simulate: meta tensors, no values to test or save
+            test_loader = common.test_loader(
+                test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"
+            )
+            acc = evaluate(model, test_loader, device)
+            state = full_state_dict(model, mesh)  # every rank takes part; rank 0 holds the whole
+            if rank == 0 and args.save:
+                common.save_checkpoint(state, args.save)
+                common.log(f"saved {args.save}")
         common.report(
             SCRIPT,
             args,
@@ -1083,7 +1155,8 @@ def run(args):
 def main():
     parser = common.get_parser(
         "Hybrid parallelism: ZeRO x TP x PP (or data x context, data x expert) on one DeviceMesh, "
-        "from this codebase's own sections, on the common ViT"
+        "from this codebase's own sections, on the common ViT",
+        simulates=True,
     )
     rest_help = "-1: the rest of the world"
     parser.add_argument("--dp", type=int, default=-1, help=f"data-parallel ranks D; {rest_help}")

@@ -19,6 +19,7 @@ the 3-D (2, 2, 2) with ZeRO-3 and sequence parallelism; the full tier the rest (
 
 import json
 import math
+import sys
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from test_nd_parallel import CFG  # the same small ViT, data and steps as nd_par
 from test_pipeline import replay
 
 import common
+import hybrid_parallel
 from helpers import ddp_references, fork_launch, launch_cases, max_diff, reference_result
 
 EXPERTS = ["--experts", "4"]
@@ -352,3 +354,91 @@ def test_p2p_and_collectives_are_nccl_safe_at_w8(tmp_path):
     groups = {tuple(call[2]) for rank_calls in calls for call in rank_calls if call[0] != "p2p"}
     assert {(0, 1), (0, 2), (0, 4)} <= groups, groups  # tp, dp and pp of rank 0 all carry some
     assert replay(calls) is None
+
+
+# ----------------------------------------------- --simulate W: ZeRO-1 reduces once a step, measured
+
+# Rank 0 of W = 16 = (pp, dp, tp) (2, 4, 2) on torch's fake process group, every tensor on meta
+# (common/simulate.py): the script's own parallelize, hooks and train step, in this process, in
+# about a second. Rank 0's stage holds the embedding and DEPTH/2 blocks, ZeRO's units.
+DEPTH = 4
+SMALL = ["--dim", 32, "--depth", DEPTH, "--heads", 4, "--batch-size", 64, "--no-progress"]
+SIMULATED = [*SMALL, "--simulate", 16, "--pp", 2, "--dp", 4, "--tp", 2, "--microbatches", M]
+
+
+def simulated_result(flags, capsys, monkeypatch):
+    """hybrid_parallel.py's main() with `flags` (one with --simulate) in this process: its
+    RESULT."""
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        # common.launch sets them: recorded (setenv), then absent, as --simulate wants, and
+        # absent again after the test (delenv alone records nothing of an absent variable)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(sys, "argv", ["hybrid_parallel.py", *[str(flag) for flag in flags]])
+    assert not torch.distributed.is_initialized()
+    capsys.readouterr()
+    hybrid_parallel.main()
+    out = capsys.readouterr().out
+    (line,) = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def assert_rows_are_the_formula(r):
+    """Every row rank 0 measured equals the formula: its bytes, and each mesh dimension's
+    traffic, every kind, a step."""
+    formula = r["formula"]
+    for kind in ("param_bytes", "grad_bytes", "optim_bytes", "comm"):
+        assert r[kind] == formula[kind], (kind, r[kind], formula[kind])
+    measured = {
+        dim: {kind: nbytes for kind, (_, nbytes) in traffic.items()}
+        for dim, traffic in r["comm_by_dim"].items()
+    }
+    expected = {dim: traffic for dim, traffic in formula["dims"].items() if traffic}
+    assert measured == expected
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero1_reduces_once_a_step(stage, capsys, monkeypatch):
+    """With m micro-batches ZeRO-1 sums their gradients in each unit's whole flat gradient and
+    reduce-scatters once a step, in the last one's backward: one reduce-scatter a unit over dp,
+    4Ψ_s in all, not m of each. ZeRO-2 keeps one a micro-batch (its whole gradient lives until
+    then only). Measured on rank 0 of a simulated W = 16, every row equal to the formula."""
+    r = simulated_result([*SIMULATED, "--zero-stage", stage], capsys, monkeypatch)
+    assert r["simulated"] and r["world_size"] == 16 and r["steps"] == 1
+    units = 1 + DEPTH // 2  # rank 0's stage: the embedding and its blocks
+    calls, nbytes = r["comm_by_dim"]["dp"]["reduce_scatter"]
+    assert calls == (units if stage == 1 else M * units), calls
+    assert_rows_are_the_formula(r)
+    if stage == 1:  # the stage's whole parameters, once reduced, once gathered
+        assert nbytes == r["param_bytes"] == r["comm_by_dim"]["dp"]["all_gather"][1]
+
+
+# GPT-3 175B's layout (Brown et al. 2020, Table 2.1: 96 layers of width 12288, 96 heads; Narayanan
+# et al. 2021, Table 1: t = 8, p = 16, d = 12 on 1,536 GPUs, batch 1,536), on the common ViT at
+# that width and depth: Ψ = 174.0B.
+GPT3 = ["--dim", 12288, "--depth", 96, "--heads", 96, "--batch-size", 1536, "--no-progress"]
+GPT3 += ["--simulate", 1536, "--tp", 8, "--pp", 16, "--dp", 12, "--microbatches", 16]
+
+
+@pytest.mark.full
+def test_gpt3_layout_reduces_once_a_step(capsys, monkeypatch):
+    """At GPT-3 175B's layout (m = 16) ZeRO-1's data-parallel traffic is 2x a rank's parameter
+    bytes a step (the gradients reduce-scattered once, the parameters all-gathered once), not the
+    17x of a reduce-scatter a micro-batch; every row is the formula. Simulated: rank 0 of 1,536 in
+    about 8 s and 0.8 GB."""
+    r = simulated_result([*GPT3, "--zero-stage", 1], capsys, monkeypatch)
+    assert r["params"] > 170e9 and r["world_size"] == 1536
+    assert_rows_are_the_formula(r)
+    dp = r["comm_by_dim"]["dp"]
+    assert dp["reduce_scatter"][0] == 1 + 96 // 16  # one a unit: the embedding and 6 blocks
+    assert dp["reduce_scatter"][1] + dp["all_gather"][1] == 2 * r["param_bytes"]
+
+
+@pytest.mark.parametrize("other", [["--cp", 2], ["--ep", 2, *EXPERTS]])
+def test_simulate_refuses_the_other_layouts(other, capsys, monkeypatch):
+    """Data x context's DDP checks the ranks' parameter counts and data x expert routes tokens
+    by their values: neither runs on meta, and --simulate says so, once, before anything starts."""
+    with pytest.raises(SystemExit) as exit_info:
+        simulated_result([*SMALL, "--simulate", 16, *other], capsys, monkeypatch)
+    assert exit_info.value.code == 2
+    assert "--simulate runs the pp x dp x tp layout" in capsys.readouterr().err
