@@ -13,7 +13,9 @@ Memory per rank (K: optimizer bytes a parameter, 8 for AdamW; Ψ' is Ψ, each un
 N the largest unit's W·S): stage 1: 4Ψ' + 4Ψ' + KΨ'/W (DDP: (8+K)Ψ); stage 2: 4Ψ' + (4+K)Ψ'/W
 + 8N; stage 3: (8+K)Ψ'/W + 8N (two whole flat gradients in backward) + 8N (two units whole).
 Communication per step: Ψ' reduce-scattered and Ψ' all-gathered, DDP's all-reduce in two halves;
-stage 3 all-gathers every unit twice: 2Ψ'. A ring sends (W-1)/W of each collective's bytes.
+stage 3 all-gathers every unit twice: 2Ψ'. A ring sends (W-1)/W of each collective's bytes. (Bytes
+for fp32; under gradient accumulation stage 1 still reduce-scatters once a step, stages 2-3 once
+a backward, and stage 3 gathers in every forward and backward: formula() has each case.)
 Paper: Rajbhandari et al. 2019, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
 Models", https://arxiv.org/abs/1910.02054. The stage table and prefetch: docs/techniques.md (ZeRO).
 
@@ -289,7 +291,8 @@ def parallelize(model, device, stage, *, units, group=None, **options):
     order (the contract). `group`: the data-parallel process group ZeRO shards over and talks on,
     the world when None. `options`: what the parts' engines take besides (param_groups: the
     optimizer's groups over the model's parameters, whose hyperparameters model.zero.param_groups
-    keeps over the shards).
+    keeps over the shards; gradient_accumulation_steps: the backward passes of each step, which
+    stage 1 reduce-scatters once, at the last).
 
     The optimizer, rebuilt with the user's class, the old one dropped (else it keeps the model's
     original parameters alive):
@@ -365,6 +368,7 @@ class UserUnits(Engine):
         owning = [module for module in modules if self.holds_first(module)]
         super().__init__(model, device, stage, owning, group, **options)
         self.tied = []  # (state_dict key, key of the same parameter in the unit holding it)
+        self.lenders = []  # a unit's index once per later module using a parameter it holds
         self.tie_later_uses(model, modules)
         self.param_groups = groups_over_pieces(param_groups, self.units)
         del self.group_of, self.owner, self.placed
@@ -403,7 +407,9 @@ class UserUnits(Engine):
                 unit, owner_key, tensor = self.placed[param]
                 put_tensor(model, key, tensor)
                 self.tied.append((key, owner_key))
-                borrowed.append(self.units.index(unit))
+                if self.units.index(unit) not in borrowed:
+                    borrowed.append(self.units.index(unit))
+            self.lenders += borrowed
             if self.stage == 3 and borrowed:
                 hook_borrowed(self, borrowed, module)
 
@@ -570,31 +576,6 @@ class Prefetch(Engine):
 Engine = Prefetch
 
 
-### more: gradient accumulation (several backward passes a step)
-# Each backward's average is added to the unit's gradient shard, as .grad sums the backward passes
-# of a step without ZeRO.
-
-
-class Accumulation(Engine):
-    def start_flat_grad(self, unit):
-        """A later backward of the same step starts the unit's flat gradient: the earlier
-        backward's averaged shard must be safe from the writes this backward makes."""
-        if unit.flat_grad is not None and unit.grad_shard is not None:
-            # stage 1: the last backward's average may sit in flat_grad's own slice, which this
-            # backward overwrites
-            unit.grad_shard = unit.grad_shard.clone()
-        super().start_flat_grad(unit)
-
-    def keep_average(self, unit, average):
-        if unit.grad_shard is None:
-            super().keep_average(unit, average)
-        else:
-            unit.grad_shard += average  # a later backward of the same step
-
-
-Engine = Accumulation
-
-
 ### more: the reduce-scatter in flight while backward computes the units before it
 
 
@@ -661,6 +642,89 @@ class AverageInPlace(Engine):
 
 
 Engine = AverageInPlace
+
+
+### more: gradient accumulation (several backward passes a step)
+# Stage 1 keeps each unit's whole gradient anyway (it shards only the optimizer state), so the
+# step's backward passes add theirs into the unit's flat gradient and only the last one
+# reduce-scatters the sum: one reduce-scatter a unit a step, however many backward passes, as
+# DeepSpeed's stage 1 and Megatron "communicate only at gradient accumulation boundaries". The
+# engine is told how many backward passes a step has (gradient_accumulation_steps, nanoGPT's and
+# DeepSpeed's name) and counts each unit's: the count reaching it is the step's last backward, in
+# whatever order a schedule runs them. Stages 2-3 hold no whole gradient between backward passes
+# (that is their memory saving): each backward reduce-scatters, and its average is added to the
+# unit's gradient shard, as .grad sums a step's backward passes without ZeRO.
+
+
+class Accumulation(Engine):
+    """gradient_accumulation_steps=k: the backward passes of each step (1: every backward is the
+    step's last). At stage 1 a unit's k-th backward of the step reduce-scatters the sum of the k;
+    the step reduce-scatters any sum no backward has (a step of fewer backward passes, or a loop
+    that says none), so the step is exact whatever k is: k sets only how often ranks talk."""
+
+    def __init__(self, *args, gradient_accumulation_steps=1, **options):
+        if not (isinstance(gradient_accumulation_steps, int) and gradient_accumulation_steps >= 1):
+            raise ValueError(
+                f"gradient_accumulation_steps must be a whole number >= 1 (the backward passes "
+                f"of each step), not {gradient_accumulation_steps!r}"
+            )
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        super().__init__(*args, **options)
+
+    def make_unit(self, model, module, name):
+        unit = super().make_unit(model, module, name)
+        unit.backwards_held = 0  # stage 1: backward passes flat_grad sums, not reduced yet
+        return unit
+
+    @torch.no_grad()
+    def gradient_arrived(self, unit, offset, tensor):
+        """After a held backward, flat_grad holds the step's sum so far: this backward's gradient
+        is added to it, in flat_grad's dtype (fp32 under mixed precision), where the core's copy
+        would overwrite it."""
+        if unit.backwards_held == 0:
+            super().gradient_arrived(unit, offset, tensor)
+            return
+        unit.flat_grad[offset : offset + tensor.numel()].add_(tensor.grad.flatten())
+        tensor.grad = None
+        unit.grads_arrived += 1
+        if unit.grads_arrived == len(unit.params):
+            unit.grads_arrived = 0
+            self.reduce_scatter(unit)
+
+    def reduce_scatter(self, unit):
+        """Stage 1: the unit's gradient held, summed in flat_grad, until its k-th backward."""
+        if self.stage == 1:
+            unit.backwards_held += 1
+            if unit.backwards_held < self.gradient_accumulation_steps:
+                return  # the step's next backward adds to it
+            unit.backwards_held = 0
+        super().reduce_scatter(unit)
+
+    def start_flat_grad(self, unit):
+        """A later backward of the same step, after the unit was reduce-scattered (k = 1, or more
+        backward passes than k): the average kept must be safe from this backward's writes."""
+        super().start_flat_grad(unit)  # first, a reduce-scatter in flight sets the average
+        if self.stage == 1 and unit.grad_shard is not None:
+            # the average may sit in flat_grad's own slice, which this backward overwrites
+            unit.grad_shard = unit.grad_shard.clone()
+
+    def keep_average(self, unit, average):
+        if unit.grad_shard is None:
+            super().keep_average(unit, average)
+        else:
+            unit.grad_shard += average  # a later backward of the same step
+
+    def before_step(self):
+        """Stage 1: a sum no backward has reduce-scattered (the loop ran fewer than k backward
+        passes this step) is reduce-scattered now, before the step reads the shards."""
+        for unit in self.units:
+            if unit.backwards_held > 0:
+                unit.backwards_held = 0
+                super().reduce_scatter(unit)
+        super().before_step()  # waits for the reduce-scatters in flight
+
+
+Engine = Accumulation
 
 
 ### more: the checkpoint through the model's own state_dict(), and what ZeRO refuses or warns of
@@ -880,60 +944,104 @@ def gradient_shards(engine):
 ### end: ZeRO
 
 
-def formula(psi, world, args):
+def formula(psi, world, args, dtype=torch.float32, tied=0, backwards=1):
     """ZeRO's per-rank bytes for Ψ' = psi (each unit padded to a multiple of W), which the report
-    sets next to what the Meter measured."""
+    sets next to what the Meter measured. dtype: the model's parameters' (B bytes an element, 4 for
+    fp32: the gradients and the optimizer state are in it too). tied: Ψ'_t, the elements of each
+    unit holding a weight a later module uses too (tied_numel; GPT-2's embedding, which its head
+    uses), once per such module: stage 3 all-gathers it once more a step, for that module's
+    forward (its backward keeps it whole). backwards: the backward passes a step (gradient
+    accumulation): stage 1 reduce-scatters once a step, stages 2-3 once a backward."""
     if args.mixed_precision:
-        return mixed_precision_formula(psi, world, args)
-    k = 8 if args.optim == "adamw" else 4  # the ZeRO paper's K: optimizer bytes per parameter
+        return mixed_precision_formula(psi, world, args, dtype, tied, backwards)
+    b = dtype.itemsize  # B: bytes an element
+    k = (2 if args.optim == "adamw" else 1) * b  # the ZeRO paper's K: optimizer bytes a parameter
     params_sharded = args.stage == 3
     grads_sharded = args.stage >= 2
+    reductions = backwards if grads_sharded else 1  # reduce-scatters of every unit a step
+    # elements all-gathered a step: stage 3 gathers in every forward and backward
+    gathered = backwards * (2 * psi + tied) if args.stage == 3 else psi
     return dict(
-        param_bytes=4 * psi // world if params_sharded else 4 * psi,
-        grad_bytes=4 * psi // world if grads_sharded else 4 * psi,
+        param_bytes=b * psi // world if params_sharded else b * psi,
+        grad_bytes=b * psi // world if grads_sharded else b * psi,
         optim_bytes=k * psi // world,
-        comm=dict(reduce_scatter=4 * psi, all_gather=(8 if args.stage == 3 else 4) * psi),
+        comm=dict(reduce_scatter=reductions * b * psi, all_gather=b * gathered),
         notes=dict(
             param_bytes=(
-                "4Ψ'/W sharded; about two units whole besides, the one computing and the next"
+                f"{b}Ψ'/W sharded; about two units whole besides, the one computing and the next"
                 if params_sharded
-                else "4Ψ' replicated"
+                else f"{b}Ψ' replicated"
             ),
             grad_bytes=(
-                "4Ψ'/W sharded; in backward up to two units' whole flat gradients besides (the "
+                f"{b}Ψ'/W sharded; in backward up to two units' whole flat gradients besides (the "
                 "one reduce-scattered, the next filled), in the engine, not measured"
                 if grads_sharded
-                else "4Ψ' replicated"
+                else f"{b}Ψ' replicated"
             ),
-            optim_bytes=f"{k}Ψ'/W sharded " + ("AdamW m, v" if k == 8 else "SGD momentum"),
-            reduce_scatter="Ψ' fp32 gradients; a ring sends (W-1)/W of it",
-            all_gather=(
-                "2Ψ': every unit before its forward and its backward"
-                if args.stage == 3
-                else "Ψ' updated parameters"
-            ),
+            optim_bytes=f"{k}Ψ'/W sharded "
+            + ("AdamW m, v" if args.optim == "adamw" else "SGD momentum"),
+            reduce_scatter=f"Ψ' {dtype_name(dtype)} gradients, "
+            + reduced_when(args.stage, backwards)
+            + "; a ring sends (W-1)/W of it",
+            all_gather=gathered_note(args.stage, tied, backwards),
         ),
     )
 
 
-def mixed_precision_formula(psi, world, args):
-    """--mixed-precision: the optimizer's parameters are the fp32 master shards (4Ψ'/W at every
-    stage), the gradients fp32 (whole at stage 1, where the average stays in place, else the
-    shard), the state K'Ψ'/W (AdamW's m and v: the paper's K = 12 is the master's 4 and these 8).
-    The bf16 working copy that forward reads is not a Parameter, so the Meter does not read it:
-    `working_bytes`, 2Ψ' whole at stages 1-2, 2Ψ'/W (the bf16 shard) at stage 3. The all-gathers
-    move bf16, the reduce-scatters fp32. docs/techniques.md sets it next to the paper's Table 1."""
-    k = 8 if args.optim == "adamw" else 4  # optimizer state bytes a parameter, the master apart
+def tied_numel(engine):
+    """Ψ'_t: the elements of each unit holding a weight a later module uses too, once per such
+    module (the user's-units part finds them; the core alone, as the ViT, has none)."""
+    return sum(engine.units[index].flat.numel() for index in getattr(engine, "lenders", []))
+
+
+def dtype_name(dtype):
+    """The notes' name of a dtype: fp32, bf16, fp16, else torch's."""
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    return names.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def reduced_when(stage, backwards):
+    """When the gradients are reduce-scattered (the Accumulation part)."""
+    if stage == 1:
+        return "once a step, at its last backward"
+    return f"once a backward ({backwards} a step)" if backwards > 1 else "once a backward"
+
+
+def gathered_note(stage, tied, backwards):
+    """The all-gather row's note: what is gathered a step, and when."""
+    if stage < 3:
+        return "Ψ' updated parameters, after the step"
+    note = "2Ψ' + Ψ'_t" if tied else "2Ψ'"
+    note += ": every unit before its forward and its backward"
+    if tied:
+        note += "; a tied weight's unit once more, for the other module using it"
+    if backwards > 1:
+        note += f"; in each of the step's {backwards} backward passes"
+    return note
+
+
+def mixed_precision_formula(psi, world, args, dtype=torch.float32, tied=0, backwards=1):
+    """--mixed-precision: the optimizer's parameters are the master shards, in the model's dtype
+    (BΨ'/W at every stage, 4Ψ'/W for fp32), the gradients fp32 (whole at stage 1, where the
+    average stays in place, else the shard), the state K'Ψ'/W (AdamW's m and v: the paper's K = 12
+    is the master's 4 and these 8). The bf16 working copy that forward reads is not a Parameter, so
+    the Meter does not read it: `working_bytes`, 2Ψ' whole at stages 1-2, 2Ψ'/W (the bf16 shard)
+    at stage 3. The all-gathers move bf16, the reduce-scatters fp32, each as often as formula's.
+    docs/techniques.md sets it next to the paper's Table 1."""
+    b = dtype.itemsize  # the master's bytes an element
+    k = (2 if args.optim == "adamw" else 1) * b  # optimizer state bytes a parameter, master apart
     stage3 = args.stage == 3
-    gathers = 2 if stage3 else 1  # all-gathers of every unit a step
+    reductions = backwards if args.stage >= 2 else 1  # reduce-scatters of every unit a step
+    gathered = backwards * (2 * psi + tied) if stage3 else psi  # elements all-gathered a step
     return dict(
-        param_bytes=4 * psi // world,
+        param_bytes=b * psi // world,
         grad_bytes=4 * psi // world if args.stage >= 2 else 4 * psi,
         optim_bytes=k * psi // world,
         working_bytes=2 * psi // world if stage3 else 2 * psi,
-        comm=dict(reduce_scatter=4 * psi, all_gather=2 * gathers * psi),
+        comm=dict(reduce_scatter=reductions * 4 * psi, all_gather=2 * gathered),
         notes=dict(
-            param_bytes="4Ψ'/W fp32 master shards; besides, the bf16 working copy forward reads, "
+            param_bytes=f"{b}Ψ'/W {dtype_name(dtype)} master shards; besides, the bf16 working "
+            "copy forward reads, "
             + ("2Ψ'/W (and about two units whole)" if stage3 else "2Ψ' whole")
             + ", not a Parameter: not measured",
             grad_bytes=(
@@ -941,9 +1049,10 @@ def mixed_precision_formula(psi, world, args):
                 if args.stage >= 2
                 else "4Ψ' fp32: the whole flat gradient, the average in its own slice"
             ),
-            optim_bytes=f"{k}Ψ'/W sharded " + ("AdamW m, v" if k == 8 else "SGD momentum"),
-            reduce_scatter="Ψ' fp32 gradients",
-            all_gather=("2Ψ'" if stage3 else "Ψ'") + " bf16 parameters",
+            optim_bytes=f"{k}Ψ'/W sharded "
+            + ("AdamW m, v" if args.optim == "adamw" else "SGD momentum"),
+            reduce_scatter="Ψ' fp32 gradients, " + reduced_when(args.stage, backwards),
+            all_gather=gathered_note(args.stage, tied, backwards) + " (bf16)",
         ),
     )
 
@@ -1055,6 +1164,7 @@ def run(args):
         if args.load:
             model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
         psi = sum(p.numel() for p in model.parameters())
+        dtype = next(model.parameters()).dtype  # the formula's bytes an element
         units = [model.embed, *model.blocks, model.head]  # ZeRO's units, in forward order
         # --mixed-precision is a `### more:` part's option: the core alone takes none
         options = dict(mixed_precision=True) if args.mixed_precision else {}
@@ -1092,7 +1202,7 @@ def run(args):
             trained=out,
             test_acc=acc,
             meter=meter,
-            formula=formula(padded, world, args),
+            formula=formula(padded, world, args, dtype, tied_numel(model.zero)),
             params_padded=padded,
         )
     finally:

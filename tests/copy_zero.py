@@ -10,7 +10,7 @@ import llama_model
 import nanogpt_model
 import torch
 import torch.distributed as dist
-from causal_lm import OPTIMS, CausalLM, make_optimizer, param_groups, train
+from causal_lm import ACCUMULATE, OPTIMS, CausalLM, make_optimizer, param_groups, train
 from torch.nn.utils import clip_grad_norm_
 
 import ddp
@@ -28,13 +28,20 @@ def run_ddp(optim, batches, rank, world):
     return model, ddp.full_state_dict(model), dict(tied=tied)
 
 
-def run_zero(stage, optim, batches, rank, world, group=None, norms=None):
+def run_zero(stage, optim, batches, rank, world, group=None, norms=None, accumulate=1):
     """ZeRO at `stage` over `group` (the world when None), rank and world the group's. `norms`: a
-    list to collect each step's gradient norm in, as the section's clip_grad_norm_ takes it."""
+    list to collect each step's gradient norm in, as the section's clip_grad_norm_ takes it.
+    `accumulate`: the backward passes a step zero.py is told (1: stage 1 reduces at each)."""
     model = CausalLM()
     units = [model.embed, *model.blocks, model.head]
     model = zero.parallelize(
-        model, CPU, stage, param_groups=param_groups(model, optim), units=units, group=group
+        model,
+        CPU,
+        stage,
+        param_groups=param_groups(model, optim),
+        units=units,
+        group=group,
+        gradient_accumulation_steps=accumulate,
     )
     optimizer = make_optimizer(model.zero.param_groups, optim)
     zero.hook_optimizer(model, optimizer)
@@ -130,7 +137,8 @@ def group_cases(batches, group, folder):
     world = dist.get_world_size(group)
     expected = {optim: reference_norms(optim, batches) for optim in OPTIMS}
     norms = []
-    model, state, _ = run_zero(1, "sgd", batches, rank, world, group, norms)
+    # told the loop's backward passes a step: stage 1 reduce-scatters once a step, on the group
+    model, state, _ = run_zero(1, "sgd", batches, rank, world, group, norms, ACCUMULATE)
     check_norms("group-zero1-sgd", norms, expected["sgd"])
     yield "group-zero1-sgd", "sgd", model, state, {}
     norms = []
@@ -144,7 +152,9 @@ def group_cases(batches, group, folder):
 
 
 # The model as nanoGPT has it (tests/nanogpt_model.py), trained by its own recipe: (x, y) batches,
-# its configure_optimizers, gradient accumulation, clipping before every step.
+# its configure_optimizers, gradient accumulation (zero.py told its count; the causal_lm cases
+# above tell it none, so that stage 1 reduce-scatters every backward there), clipping before
+# every step.
 
 NANOGPT_CASES = [
     "ddp-sgd",
@@ -209,9 +219,12 @@ def nanogpt_cases(rank, world, folder):
     """As `cases`, on nanoGPT's model: (case, its reference, model, full state_dict, proof)."""
     for optim in OPTIMS:
         yield f"ddp-{optim}", optim, *run_nanogpt_ddp(optim, rank, world)
+    # zero.py told nanoGPT's gradient_accumulation_steps: stage 1 reduce-scatters once a step
+    accumulate = nanogpt_model.ACCUMULATE
     for stage in (1, 2, 3):
         for optim in OPTIMS:
-            case = run_nanogpt_zero(zero, optim, rank, world, stage=stage)
+            zero_args = dict(stage=stage, gradient_accumulation_steps=accumulate)
+            case = run_nanogpt_zero(zero, optim, rank, world, **zero_args)
             yield f"zero{stage}-{optim}", optim, *case
     for offload, stage in (("cpu", 2), ("disk", 3)):
         for optim in OPTIMS:
@@ -287,9 +300,11 @@ def llama_cases(rank, world, folder):
             case = run_family_ddp(family, optim, rank, world)
             yield f"{family}-ddp-{optim}", f"{family}-{optim}", *case
     for family in FAMILIES:
+        # told the recipe's backward passes a step: stage 1 reduce-scatters once a step
+        zero_args = dict(gradient_accumulation_steps=FAMILIES[family].ACCUMULATE)
         for stage in (1, 2, 3):
             for optim in OPTIMS:
-                case = run_family_zero(family, zero, optim, rank, world, stage=stage)
+                case = run_family_zero(family, zero, optim, rank, world, stage=stage, **zero_args)
                 yield f"{family}-zero{stage}-{optim}", f"{family}-{optim}", *case
     for family, offload, stage, optim in (("llama", "cpu", 2, "adamw"), ("gpt2", "disk", 3, "sgd")):
         directory = folder / f"{family}-zero_offload-{offload}-{optim}-files"

@@ -9,6 +9,7 @@ evaluation used to hang.
 """
 
 import warnings
+from types import SimpleNamespace
 
 import nanogpt_model
 import pytest
@@ -17,6 +18,8 @@ import torch.distributed as dist
 
 import common
 import zero
+from common import simulate
+from common.meter import CollectiveCounter, memory
 from helpers import SMALL, ddp_reference, launch_cases, max_diff, tiered
 
 CFG = [
@@ -444,3 +447,172 @@ def test_mixed_precision_dtypes(stage, monkeypatch):
             assert torch.equal(unit.shard, unit.master.to(torch.bfloat16))
     finally:
         dist.destroy_process_group()
+
+
+# Gradient accumulation and the formula on nanoGPT's model, whose wte and lm_head share one weight
+# (issue 44): the reduce-scatters a step and every measured row against formula(), with the
+# collectives counted by the Meter's counter. On torch's fake process group (common.simulate, as
+# --simulate runs) at W=4, so every unit pads; it answers each collective at once with its output
+# untouched, so these runs count and size, and exactness is the copy tests' (tests/test_copy*.py).
+
+
+def nanogpt_step(stage, dtype, backwards, steps_told, mixed_precision=False):
+    """One AdamW step of `backwards` backward passes, nanoGPT's model in `dtype` sharded at `stage`
+    over a fake W=4 told `steps_told` backward passes a step: (the counter, memory() after the
+    step, the engine, Ψ')."""
+    simulate.init_fake_process_group(0, FAKE_WORLD)
+    try:
+        model = nanogpt_model.model().to(dtype)
+        optimizer = nanogpt_model.make_optimizer(model, "adamw")
+        model = zero.parallelize(
+            model,
+            torch.device("cpu"),
+            stage,
+            param_groups=optimizer.param_groups,
+            units=nanogpt_units(model),
+            gradient_accumulation_steps=steps_told,
+            mixed_precision=mixed_precision,
+        )
+        optimizer = type(optimizer)(model.zero.param_groups)
+        zero.hook_optimizer(model, optimizer)
+        micro_batches = nanogpt_model.batches(1)[0][:backwards]
+        assert len(micro_batches) == backwards
+        with CollectiveCounter() as counter:
+            for x, y in micro_batches:
+                _, loss = model(x, y)
+                loss.backward()
+            optimizer.step()
+        held = memory(model.parameters(), optimizer)
+        padded = FAKE_WORLD * sum(param.numel() for param in model.parameters())
+        return counter, held, model.zero, padded
+    finally:
+        dist.destroy_process_group()
+
+
+FAKE_WORLD = 4
+ACCUMULATE = nanogpt_model.ACCUMULATE
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_stage1_reduce_scatters_once_a_step_under_accumulation(stage):
+    """ACCUMULATE backward passes a step, the engine told so: stage 1 reduce-scatters each unit
+    once a step (the sum, at the last backward), stages 2-3 once a backward (their memory holds no
+    whole gradient in between); the bytes are formula()'s, which says so."""
+    counter, _, engine, padded = nanogpt_step(stage, torch.float32, ACCUMULATE, ACCUMULATE)
+    units = len(engine.units)
+    per_step = units if stage == 1 else ACCUMULATE * units
+    assert counter.calls["reduce_scatter"] == per_step
+    args = SimpleNamespace(stage=stage, optim="adamw", mixed_precision=False)
+    expected = zero.formula(padded, FAKE_WORLD, args, backwards=ACCUMULATE)
+    assert counter.bytes["reduce_scatter"] == expected["comm"]["reduce_scatter"]
+    assert ("once a step" in expected["notes"]["reduce_scatter"]) == (stage == 1)
+
+
+@pytest.mark.parametrize("told", [1, ACCUMULATE + 1])
+def test_stage1_told_another_count_still_reduces_every_gradient(told):
+    """Stage 1 told 1 backward a step reduce-scatters at each (as before issue 44); told more than
+    the loop runs, the step reduce-scatters what no backward did. Both count every gradient once."""
+    counter, _, engine, _ = nanogpt_step(1, torch.float32, ACCUMULATE, told)
+    units = len(engine.units)
+    assert counter.calls["reduce_scatter"] == (ACCUMULATE * units if told == 1 else units)
+    assert all(unit.backwards_held == 0 for unit in engine.units)
+
+
+@pytest.mark.parametrize(
+    "stage, dtype, mixed_precision",
+    [
+        (1, torch.bfloat16, False),
+        (1, torch.float32, True),  # bf16 gradients summed into the fp32 flat gradient
+        (2, torch.float32, False),
+        (3, torch.bfloat16, False),
+        (3, torch.float32, True),
+    ],
+)
+def test_formula_on_a_tied_model(stage, dtype, mixed_precision):
+    """Every measured row is formula()'s, in the parameters' dtype (bf16: 2 bytes, not 4) and, at
+    stage 3, with the tied weight's unit (wte, which lm_head uses) gathered once more a backward
+    pass: 2Ψ' + Ψ'_t. Under accumulation: stage 3 gathers in each of the step's passes."""
+    counter, held, engine, padded = nanogpt_step(
+        stage, dtype, ACCUMULATE, ACCUMULATE, mixed_precision
+    )
+    tied = zero.tied_numel(engine)
+    assert tied == engine.units[0].flat.numel() > 0  # lm_head borrows wte's unit
+    args = SimpleNamespace(stage=stage, optim="adamw", mixed_precision=mixed_precision)
+    expected = zero.formula(padded, FAKE_WORLD, args, dtype, tied, backwards=ACCUMULATE)
+    for row in ("param_bytes", "grad_bytes", "optim_bytes"):
+        assert held[row] == expected[row], row
+    assert counter.bytes == expected["comm"]
+    units = len(engine.units)
+    gathers = ACCUMULATE * (2 * units + 1) if stage == 3 else units
+    assert counter.calls["all_gather"] == gathers
+
+
+@pytest.mark.full
+def test_tied_gather_at_gpt2_xl_size():
+    """Issue 44's measurement: GPT-2 XL (nanoGPT's model, 1.56B parameters, wte tied to lm_head)
+    at stage 3 on the meta device, rank 0 of 64 on the fake group, one backward: 11.905 GiB
+    all-gathered a step, formula()'s 2Ψ' + Ψ'_t; without the tie's term 11.605."""
+    simulate.init_fake_process_group(0, 64)
+    try:
+        config = nanogpt_model.GPTConfig(
+            block_size=1024, vocab_size=50257, n_layer=48, n_head=25, n_embd=1600
+        )
+        with torch.device("meta"):
+            model = nanogpt_model.GPT(config)
+        optimizer = nanogpt_model.make_optimizer(model, "adamw")
+        model = zero.parallelize(
+            model,
+            torch.device("meta"),
+            3,
+            param_groups=optimizer.param_groups,
+            units=nanogpt_units(model),
+        )
+        optimizer = type(optimizer)(model.zero.param_groups)
+        zero.hook_optimizer(model, optimizer)
+        tokens = torch.zeros(1, 1024, dtype=torch.long, device="meta")
+        with CollectiveCounter() as counter:
+            _, loss = model(tokens, tokens)
+            loss.backward()
+            optimizer.step()
+        padded = 64 * sum(param.numel() for param in model.parameters())
+        args = SimpleNamespace(stage=3, optim="adamw", mixed_precision=False)
+        expected = zero.formula(padded, 64, args, tied=zero.tied_numel(model.zero))
+        assert counter.bytes == expected["comm"]
+        assert round(counter.bytes["all_gather"] / 2**30, 3) == 11.905
+        assert round(8 * padded / 2**30, 3) == 11.605
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.filterwarnings("ignore:.*is deprecated")
+@pytest.mark.parametrize("told", [1, 2, 4])
+def test_stage1_accumulation_equals_plain_torch_whatever_it_is_told(told, world_of_one):
+    """White-box at W=1, the engine's bookkeeping alone (the copy tests average across ranks):
+    three backward passes a step, stage 1 told 1 (a reduce-scatter at each, the averages summed),
+    2 (the sum of two reduced at the second, the third's at the step) or 4 (never reached: all
+    three at the step) ends where torch's .grad sum and SGD end, one step after another."""
+    micro_batches = [pair for step in nanogpt_model.batches(2) for pair in step][:3]
+    plain = nanogpt_model.model()
+    plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    model = nanogpt_model.model()
+    model = zero.parallelize(
+        model,
+        torch.device("cpu"),
+        1,
+        units=nanogpt_units(model),
+        gradient_accumulation_steps=told,
+    )
+    optimizer = torch.optim.SGD(model.zero.param_groups, lr=0.1, momentum=0.9)
+    zero.hook_optimizer(model, optimizer)
+    for _ in range(2):
+        for net, opt in ((plain, plain_optimizer), (model, optimizer)):
+            for x, y in micro_batches:
+                _, loss = net(x, y)
+                loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    state = zero.full_state_dict(model)
+    expected = plain.state_dict()
+    assert state.keys() == expected.keys()
+    for key, tensor in expected.items():
+        torch.testing.assert_close(state[key], tensor, rtol=0, atol=1e-6, msg=key)
