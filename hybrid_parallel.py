@@ -749,18 +749,19 @@ full_state_dict = on_its_layout(full_state_dict)
 ### end: Hybrid parallel
 
 
-def rank0_units(args):
-    """Rank 0's ZeRO units (pipeline stage 0, tp rank 0), counted off the model's shapes: for each
-    unit, its parameters in the order zero.py flattens them, as (elements after the tp split,
-    whether it is a block parameter the split left whole: under sequence parallelism its gradient
-    is a partial sum over the tp ranks)."""
+def stage_units(args, stage):
+    """The ZeRO units of pipeline stage `stage` (the same on each of its tp ranks), counted off
+    the model's shapes: for each unit, its parameters in the order zero.py flattens them, as
+    (elements after the tp split, whether it is a block parameter the split left whole: under
+    sequence parallelism its gradient is a partial sum over the tp ranks)."""
     model = common.build_model(args)
-    stage = pipeline.Stage(model, 0, args.pp)
-    modules = {"embed": stage.embed}
-    for name in stage.block_names:
-        modules[name] = stage.get_submodule(name)
+    stage = pipeline.Stage(model, stage, args.pp)
+    names = list(stage.block_names)
+    if stage.is_first:
+        names = ["embed", *names]
     if stage.is_last:
-        modules["head"] = stage.head
+        names += ["head"]
+    modules = {name: stage.get_submodule(name) for name in names}
     units = []
     for module_name, module in modules.items():
         in_block = module_name.startswith("blocks.")
@@ -779,21 +780,25 @@ def rank0_units(args):
 
 
 def formula(psi, world, args):
-    """Rank 0's bytes from its stage's shapes (Ψ_s: split by T, each ZeRO unit padded to a multiple
-    of N), and each mesh dimension's traffic per step, which the report sets next to what the Meter
-    measured (per process group)."""
+    """The reporting rank's bytes from its stage's shapes (Ψ_s: split by T, each ZeRO unit padded
+    to a multiple of N), and each mesh dimension's traffic per step, which the report sets next to
+    what the Meter measured (per process group). The reporting rank is rank 0, or --simulate's
+    rank r: its pipeline stage s and data-parallel rank d are its mesh coordinates."""
     k = 8 if args.optim == "adamw" else 4  # the ZeRO paper's K: optimizer bytes per parameter
     if args.cp > 1 or args.ep > 1:
         return other_layout_formula(psi, k, args)
+    s = args.simulate_rank // (args.dp * args.tp)  # the mesh (pp, dp, tp), outermost first
+    d = args.simulate_rank // args.tp % args.dp
     psi_stage = 0  # Ψ_s
-    partial_elements = 0  # of rank 0's shards: the norms' and row biases' under SP
-    for params in rank0_units(args):
+    partial_elements = 0  # of this rank's shards: the norms' and row biases' under SP
+    for params in stage_units(args, s):
         shard = math.ceil(sum(numel for numel, _ in params) / args.dp)
         psi_stage += shard * args.dp
-        offset = 0  # where the parameter starts in the unit's flat buffer; rank 0's shard: [0, S)
+        offset = 0  # where the parameter starts in the unit's flat buffer; the shard: [dS, dS + S)
         for numel, partial in params:
             if partial:
-                partial_elements += max(0, min(offset + numel, shard) - offset)
+                overlap = min(offset + numel, (d + 1) * shard) - max(offset, d * shard)
+                partial_elements += max(0, overlap)
             offset += numel
     m = args.microbatches if args.pp > 1 else 1
     tokens = (common.IMAGE // args.patch) ** 2
@@ -801,10 +806,12 @@ def formula(psi, world, args):
     element = 2 if args.mixed_precision else 4
     act = element * (args.batch_size // args.dp) * tokens * args.dim  # bytes of [B/N, L, D]
     boundary = act // args.tp if args.sequence_parallel else act  # what crosses a stage boundary
-    blocks = args.depth // args.pp  # rank 0's stage, the first
+    blocks = (s + 1) * args.depth // args.pp - s * args.depth // args.pp  # pipeline.Stage's cut
+    first, last = s == 0, s == args.pp - 1
     dims = dict(tp={}, dp={}, pp={})  # {dimension: {kind: bytes a step}}
     if args.tp > 1 and args.sequence_parallel:
-        dims["tp"]["all_gather"] = (4 * blocks + 1 + (args.pp == 1)) * act
+        # + the first block's input gradient gathered (first stage), the head's input (last)
+        dims["tp"]["all_gather"] = (4 * blocks + first + last) * act
         dims["tp"]["reduce_scatter"] = 4 * blocks * act
         dims["tp"]["all_reduce"] = 4 * partial_elements
     elif args.tp > 1:
@@ -815,8 +822,10 @@ def formula(psi, world, args):
         gathers = 2 * m if args.zero_stage == 3 else 1
         dims["dp"]["all_gather"] = gathers * element * psi_stage
     if args.pp > 1:
-        dims["pp"]["send"] = boundary
-        dims["pp"]["recv"] = boundary
+        # a stage between the ends has two neighbours: activations on, gradients back, to each
+        neighbours = 2 - first - last
+        dims["pp"]["send"] = neighbours * boundary
+        dims["pp"]["recv"] = neighbours * boundary
     comm = {}  # the report's comm: {kind: bytes a step}, every dimension together
     for traffic in dims.values():
         for kind, nbytes in traffic.items():
@@ -832,18 +841,18 @@ def formula(psi, world, args):
         comm=comm,
         dims=dims,
         notes=dict(
-            param_bytes="4Ψ_s/N sharded" if params_sharded else "4Ψ_s: stage 0 split by T",
+            param_bytes="4Ψ_s/N sharded" if params_sharded else f"4Ψ_s: stage {s} split by T",
             grad_bytes="4Ψ_s/N sharded" if grads_sharded else "4Ψ_s whole, m summed in it",
             optim_bytes=f"{k}Ψ_s/N",
             all_gather="dp: the updated shards (stage 3: each unit before each micro-batch's "
             "forward and backward); tp under SP: f's tokens, the head's, gradients",
             all_reduce="tp: g in forward, f in backward, 2 each a block; under SP the norms' "
-            "and row biases' partial gradients in rank 0's shards",
+            "and row biases' partial gradients in this rank's shards",
             reduce_scatter="dp: the stage's gradients, "
             + ("each micro-batch" if args.zero_stage >= 2 else "once a step, m summed locally")
             + "; tp under SP: g, f's grads",
-            send="pp: m activations, act in all",
-            recv="pp: m gradients",
+            send="pp: act to each neighbour stage (m activations on, m gradients back)",
+            recv="pp: act from each neighbour stage",
         ),
     )
     if args.mixed_precision:

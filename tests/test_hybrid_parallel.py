@@ -221,13 +221,13 @@ THREE_D = [param for param in CASES if param.values[0].sizes["cp"] == param.valu
 @pytest.mark.parametrize("layout", THREE_D + MP_CASES)
 def test_measured_next_to_the_formula(layout, runs):
     """Rank 0's parameter, gradient and optimizer bytes are ZeRO's on its stage's tp split, worked
-    out from the model's shapes (ZeRO-1 with micro-batches hands the optimizer a shard of the
-    gradient: the whole flat one stays in the engine), and each mesh dimension carries what the
-    formula says: every kind, its bytes a step, exactly (under sequence parallelism, the norms'
-    partial gradients too, as rank 0's shards cut them). Under --mixed-precision the bytes are
-    what tells its dtypes from fp32's: the parameters the fp32 master shards (4Ψ_s/N at ZeRO-1
-    too), the tp all-reduces and gathers and the pp sends bf16 activations (half fp32's bytes),
-    dp all-gathers bf16 parameters and reduce-scatters fp32 gradients."""
+    out from the model's shapes (ZeRO-1's gradient whole, the micro-batches summed in it), and
+    each mesh dimension carries what the formula says: every kind, its bytes a step, exactly
+    (under sequence parallelism, the norms' partial gradients too, as rank 0's shards cut them).
+    Under --mixed-precision the bytes are what tells its dtypes from fp32's: the parameters the
+    fp32 master shards (4Ψ_s/N at ZeRO-1 too), the tp all-reduces and gathers and the pp sends
+    bf16 activations (half fp32's bytes), dp all-gathers bf16 parameters and reduce-scatters fp32
+    gradients."""
     r, _ = runs[layout.name]
     formula = r["formula"]
     for kind in ("param_bytes", "grad_bytes", "optim_bytes"):
@@ -358,12 +358,14 @@ def test_p2p_and_collectives_are_nccl_safe_at_w8(tmp_path):
 
 # ----------------------------------------------- --simulate W: ZeRO-1 reduces once a step, measured
 
-# Rank 0 of W = 16 = (pp, dp, tp) (2, 4, 2) on torch's fake process group, every tensor on meta
-# (common/simulate.py): the script's own parallelize, hooks and train step, in this process, in
-# about a second. Rank 0's stage holds the embedding and DEPTH/2 blocks, ZeRO's units.
+# One rank of W = 16 = (pp, dp, tp) (2, 4, 2) with sequence parallelism on torch's fake process
+# group, every tensor on meta (common/simulate.py): the script's own parallelize, hooks and train
+# step, in this process, in about a second. Each stage holds DEPTH/2 blocks and the embedding
+# (the first) or the head (the last): ZeRO's units.
 DEPTH = 4
 SMALL = ["--dim", 32, "--depth", DEPTH, "--heads", 4, "--batch-size", 64, "--no-progress"]
 SIMULATED = [*SMALL, "--simulate", 16, "--pp", 2, "--dp", 4, "--tp", 2, "--microbatches", M]
+SIMULATED += ["--sequence-parallel"]
 
 
 def simulated_result(flags, capsys, monkeypatch):
@@ -397,15 +399,17 @@ def assert_rows_are_the_formula(r):
     assert measured == expected
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_zero1_reduces_once_a_step(stage, capsys, monkeypatch):
+@pytest.mark.parametrize(("stage", "rank"), [(1, 0), (2, 0), (1, 15)])
+def test_zero1_reduces_once_a_step(stage, rank, capsys, monkeypatch):
     """With m micro-batches ZeRO-1 sums their gradients in each unit's whole flat gradient and
     reduce-scatters once a step, in the last one's backward: one reduce-scatter a unit over dp,
     4Ψ_s in all, not m of each. ZeRO-2 keeps one a micro-batch (its whole gradient lives until
-    then only). Measured on rank 0 of a simulated W = 16, every row equal to the formula."""
-    r = simulated_result([*SIMULATED, "--zero-stage", stage], capsys, monkeypatch)
+    then only). Measured on rank 0 (the first stage) and rank 15 (the last stage, dp rank 3) of a
+    simulated W = 16, every row equal to the formula of that rank."""
+    flags = [*SIMULATED, "--zero-stage", stage, "--simulate-rank", rank]
+    r = simulated_result(flags, capsys, monkeypatch)
     assert r["simulated"] and r["world_size"] == 16 and r["steps"] == 1
-    units = 1 + DEPTH // 2  # rank 0's stage: the embedding and its blocks
+    units = 1 + DEPTH // 2  # the stage's blocks and the embedding or the head
     calls, nbytes = r["comm_by_dim"]["dp"]["reduce_scatter"]
     assert calls == (units if stage == 1 else M * units), calls
     assert_rows_are_the_formula(r)
