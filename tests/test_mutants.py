@@ -202,6 +202,14 @@ MUTANTS = {
         "ZeRO reduce-scatters over the world, not its data-parallel group",
         "test_groups.py::test_section_on_a_group_equals_one_process[group-zero1-sgd]",
     ),
+    "zero1-reduces-every-backward": (
+        "ZeRO-1 reduce-scatters every backward pass of a step, not once at its last",
+        "test_zero.py::test_stage1_reduce_scatters_once_a_step_under_accumulation[1]",
+    ),
+    "zero-formula-untied": (
+        "ZeRO's formula leaves out the tied weight's second all-gather at stage 3",
+        "test_zero.py::test_formula_on_a_tied_model[3-bf16]",
+    ),
     "tp-world-group": (
         "TP's f and g all-reduce over the world, not the tensor-parallel group",
         "test_groups.py::test_section_on_a_group_equals_one_process[group-tp-adamw]",

@@ -702,6 +702,26 @@ if os.environ.get("MUTANT"):
             engine.keep_average = keep_in_fp32
 
         _after_import["zero"] = _bf16_reduce
+    elif _mutant == "zero1-reduces-every-backward":  # gradient_accumulation_steps ignored
+
+        def _reduce_every_backward(zero):
+            engine = zero.Accumulation
+            engine.reduce_scatter = lambda self, unit: super(engine, self).reduce_scatter(unit)
+
+        _after_import["zero"] = _reduce_every_backward
+    elif _mutant == "zero-formula-untied":  # formula() without the tied unit's second gather
+
+        def _untied_formula(zero):
+            formula = zero.formula
+
+            def without_tie(psi, world, args, *a, tied=0, **k):
+                if a[1:]:  # tied passed by position, after dtype
+                    a = (a[0], 0, *a[2:])
+                return formula(psi, world, args, *a, **k)
+
+            zero.formula = without_tie
+
+        _after_import["zero"] = _untied_formula
     elif _mutant == "zero-world-group":  # ZeRO's reduce-scatter forgets its group: the world's
         _rs_on_group = dist.reduce_scatter_tensor
 
