@@ -195,65 +195,22 @@ def infer(stage, x):
 # ZeRO-1 keeps each unit's whole flat gradient anyway (it shards only the optimizer state), so the
 # step's m micro-batches can add their gradients into it and reduce-scatter the sum once, in the
 # last micro-batch's backward: 4Ψ_s a step instead of 4Ψ_s·m, as DeepSpeed's stage 1 and
-# Megatron-LM ("communicate only at gradient accumulation boundaries") do. The same average, the
-# division by N and the sum over ranks moved past the sum over micro-batches: both are linear.
-# ZeRO-2 and 3 keep a reduce-scatter a micro-batch: freeing the whole gradient after it is their
-# memory saving. This part is the stage's innermost subclass, so that its shard, the last of
-# theirs to run, builds the engine with every option the others added.
+# Megatron-LM ("communicate only at gradient accumulation boundaries") do. zero.py's
+# gradient-accumulation part does it when told the backward passes of each step: here each
+# micro-batch's backward is one, m a step. The same average: the division by N and the sum over
+# ranks commute with the sum over micro-batches. ZeRO-2 and 3 keep a reduce-scatter a micro-batch
+# (freeing the whole gradient after it is their memory saving).
 
 
 class ReduceOnceAStep(Composition):
-    """At ZeRO-1 with m > 1 micro-batches, zero.py's engine with the sum (OnceAStep)."""
+    """ZeRO's engine told that each step runs `micro_batches` backward passes."""
 
     def shard(self, stage, units, device, **options):
-        if self.zero_stage != 1 or self.micro_batches == 1:
-            super().shard(stage, units, device, **options)
-            return
-        dp_group = self.mesh["dp"].get_group()
-        # zero.parallelize's one line, with this part's subclass of its engine
-        stage.zero = OnceAStep(
-            stage, device, 1, units, dp_group, micro_batches=self.micro_batches, **options
-        )
+        options["gradient_accumulation_steps"] = self.micro_batches  # zero.py's part's option
+        super().shard(stage, units, device, **options)
 
 
 Composition = ReduceOnceAStep
-
-
-class OnceAStep(zero.Engine):
-    """zero.py's engine at stage 1, each unit's gradient summed over the step's `micro_batches`
-    backward passes in its flat gradient, then reduce-scattered once."""
-
-    def __init__(self, *args, micro_batches=1, **options):
-        self.micro_batches = micro_batches
-        super().__init__(*args, **options)
-
-    def make_unit(self, model, module, name):
-        unit = super().make_unit(model, module, name)
-        unit.micro_batches_summed = 0  # how many of this step's gradients flat_grad holds
-        return unit
-
-    @torch.no_grad()
-    def gradient_arrived(self, unit, offset, tensor):
-        """The step's first micro-batch: zero.py's copy into the flat gradient; each later one's
-        gradient is added to what the earlier ones left there."""
-        if unit.micro_batches_summed == 0:
-            super().gradient_arrived(unit, offset, tensor)
-            return
-        unit.flat_grad[offset : offset + tensor.numel()] += tensor.grad.flatten()
-        tensor.grad = None
-        unit.grads_arrived += 1
-        if unit.grads_arrived == len(unit.params):
-            unit.grads_arrived = 0  # ready for the next backward
-            self.reduce_scatter(unit)
-
-    def reduce_scatter(self, unit):
-        """The unit's gradient of one more micro-batch is complete: reduce-scatter the sum after
-        the step's last one; before it, keep summing."""
-        unit.micro_batches_summed += 1
-        if unit.micro_batches_summed < self.micro_batches:
-            return
-        unit.micro_batches_summed = 0
-        super().reduce_scatter(unit)
 
 
 ### more: the checkpoint: ZeRO's shards gathered, the tp splits joined, the stages merged

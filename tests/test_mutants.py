@@ -239,6 +239,10 @@ MUTANTS = {
         "hybrid_parallel, data x expert: the experts' squares summed over the world, not ep",
         "test_hybrid_parallel.py::test_expert_clip_is_one_process_clip[dp2ep2-z1-clip0.05-sgd]",
     ),
+    "hybrid-zero1-every-micro-batch": (
+        "hybrid_parallel: ZeRO-1 reduce-scatters every micro-batch, not once a step",
+        "test_hybrid_parallel.py::test_zero1_reduces_once_a_step[1-0]",
+    ),
     "cp-index-per-call": (
         "CP builds its positions, causal mask and Ulysses' order at every call",
         "test_context_parallel.py::test_index_tensors_made_once",

@@ -815,6 +815,13 @@ if os.environ.get("MUTANT"):
             hybrid_parallel.expert_parallel.clip_grad_norm_ = clip_over_the_world
 
         _after_import["hybrid_parallel"] = _ep_clip_on_world
+    elif _mutant == "hybrid-zero1-every-micro-batch":  # zero.py's engine not told m a step
+
+        def _engine_told_nothing(hybrid_parallel):
+            part = hybrid_parallel.ReduceOnceAStep
+            part.shard = lambda self, *args, **options: super(part, self).shard(*args, **options)
+
+        _after_import["hybrid_parallel"] = _engine_told_nothing
     elif _mutant == "deepspeed-loss-divided-twice":  # the loss divided by gas before the engine's
 
         def _divide_again(engine_module):
