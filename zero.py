@@ -598,12 +598,15 @@ class Overlap(Engine):
         if self.stage == 3:
             unit.free()  # all its gradients are in: backward reads its parameters no more
 
-    def start_flat_grad(self, unit):
-        """A later backward of the same step (gradient accumulation) starts the unit whose
-        reduce-scatter is still reading its flat gradient: that one finishes first."""
+    @torch.no_grad()
+    def gradient_arrived(self, unit, offset, tensor):
+        """A later backward of the same step (gradient accumulation) reaches the unit whose
+        reduce-scatter is still reading its flat gradient (a model that is one unit): that one
+        finishes first, before the parts start the unit's next flat gradient, so that each sees
+        the old one dropped (mixed precision then makes the new one fp32, not flat's bf16)."""
         if self.reducing is not None and self.reducing[0] is unit:
             self.finish_reduce_scatter()
-        super().start_flat_grad(unit)
+        super().gradient_arrived(unit, offset, tensor)
 
     def finish_reduce_scatter(self):
         """Wait for the reduce-scatter in flight, if any, and keep its average as the unit's
@@ -703,10 +706,10 @@ class Accumulation(Engine):
     def start_flat_grad(self, unit):
         """A later backward of the same step, after the unit was reduce-scattered (k = 1, or more
         backward passes than k): the average kept must be safe from this backward's writes."""
-        super().start_flat_grad(unit)  # first, a reduce-scatter in flight sets the average
         if self.stage == 1 and unit.grad_shard is not None:
             # the average may sit in flat_grad's own slice, which this backward overwrites
             unit.grad_shard = unit.grad_shard.clone()
+        super().start_flat_grad(unit)
 
     def keep_average(self, unit, average):
         if unit.grad_shard is None:

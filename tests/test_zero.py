@@ -449,6 +449,29 @@ def test_mixed_precision_dtypes(stage, monkeypatch):
         dist.destroy_process_group()
 
 
+@pytest.mark.filterwarnings("ignore:.*is deprecated")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_mixed_precision_accumulates_in_fp32_on_one_unit(stage, world_of_one, monkeypatch):
+    """The model as one unit (its reduce-scatter still in flight when the next backward starts),
+    two backward passes a step: the second backward's gradient is reduce-scattered in fp32 too."""
+    model = build()
+    model = zero.parallelize(model, torch.device("cpu"), stage, units=[model], mixed_precision=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    zero.hook_optimizer(model, optimizer)
+    moved = []
+    reduce_scatter = dist.reduce_scatter_tensor
+
+    def recording_reduce_scatter(output, input, *args, **kwargs):
+        moved.append(input.dtype)
+        return reduce_scatter(output, input, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "reduce_scatter_tensor", recording_reduce_scatter)
+    for _ in range(2):
+        model(torch.randn(4, 1, 28, 28)).logsumexp(1).mean().backward()
+    optimizer.step()
+    assert moved == [torch.float32, torch.float32]
+
+
 # Gradient accumulation and the formula on nanoGPT's model, whose wte and lm_head share one weight
 # (issue 44): the reduce-scatters a step and every measured row against formula(), with the
 # collectives counted by the Meter's counter. On torch's fake process group (common.simulate, as
