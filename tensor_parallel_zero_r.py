@@ -900,14 +900,16 @@ def run(args):
         )
         with common.Meter(model, optimizer, args, device=device) as meter:
             out = train(model, optimizer, scheduler, loader, sampler, args, device)
-        test_loader = common.test_loader(
-            test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"
-        )
-        acc = evaluate(model, test_loader, device)
-        state = full_state_dict(model)  # every rank takes part; rank 0 holds the whole
-        if rank == 0 and args.save:
-            common.save_checkpoint(state, args.save)
-            common.log(f"saved {args.save}")
+        acc = None
+        if not args.simulate:  # --simulate: meta tensors, no values to test or save
+            test_loader = common.test_loader(
+                test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"
+            )
+            acc = evaluate(model, test_loader, device)
+            state = full_state_dict(model)  # every rank takes part; rank 0 holds the whole
+            if rank == 0 and args.save:
+                common.save_checkpoint(state, args.save)
+                common.log(f"saved {args.save}")
         common.report(
             SCRIPT,
             args,
@@ -926,7 +928,9 @@ def run(args):
 
 
 def main():
-    parser = common.get_parser("Tensor parallelism (Megatron) with ZeRO-R's activation work")
+    parser = common.get_parser(
+        "Tensor parallelism (Megatron) with ZeRO-R's activation work", simulates=True
+    )
     parser.add_argument(
         "--sequence-parallel", action="store_true", help="norms and residuals on T/W tokens"
     )

@@ -52,7 +52,11 @@ MAX_DIFF = {
     # part overriding the core's blocking one
     # issue 43: + --mixed-precision (a part: bf16 working copy, fp32 master in the shard) and its
     # formula
-    "zero.py": 1002,
+    # issue 44: + --simulate (evaluation and save under `if not args.simulate`), stage 1
+    # reducing once a step under gradient_accumulation_steps (the count a unit, the step's
+    # leftover reduce, Accumulation after Overlap), formula()'s dtype, backward passes and tied
+    # weight's second gather, the bf16 working copy measured and Table 1's formula next to it
+    "zero.py": 1161,
     # zero.py's 1002 + the offload as one subclass (ZeROOffload) in a part of its own, which takes
     # --mixed-precision with --offload cpu (issue 43 item 4)
     "zero_offload.py": 1311,
@@ -65,8 +69,9 @@ MAX_DIFF = {
     # issue 42: + the parts plugged in from outside the core (the Conv1D subclasses in a part of
     # their own, sequence_parallelize and sequence_operators, the wrappers of operators and
     # full_state_dict, run() choosing sequence_parallelize under its flag), - with_group
-    "tensor_parallel.py": 754,
-    "tensor_parallel_zero_r.py": 839,  # tensor_parallel.py's 754 + ZeRO-R's checkpointed forward
+    # issue 44: + --simulate (evaluation and save under `if not args.simulate`)
+    "tensor_parallel.py": 774,
+    "tensor_parallel_zero_r.py": 859,  # tensor_parallel.py's 774 + ZeRO-R's checkpointed forward
     # core first: 446 + the schedules' sketch, four part headers, the tie as named functions
     # issue 34: + the pipeline's `group` (peers as group ranks, each pipe's embedding group)
     # issues 40, 41: + the blocks' arguments (Parts), the model's own buffers, each send checked
