@@ -13,6 +13,7 @@ import pytest
 from helpers import ROOT, fork_launch, ok
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import bench_papers_scale  # noqa: E402
 from bench_papers_scale import MEMORY_ROWS, ROWS  # noqa: E402
 
 
@@ -35,3 +36,12 @@ def test_measured_equals_formula_and_meets_the_paper(row):
     assert result["comm"] == result["formula"]["comm"], result
     assert measured(result) == pytest.approx(formula(result)), (label, result)
     assert measured(result) == pytest.approx(paper, rel=0.03), f"{label}: {unit}, {source}"
+
+
+def test_the_benchmark_prints_the_rows(monkeypatch, capsys):
+    """benchmarks/bench_papers_scale.py's table, its runs the ones above (one row here)."""
+    monkeypatch.setattr(bench_papers_scale, "simulate", simulate)
+    monkeypatch.setattr(sys, "argv", ["bench_papers_scale.py", "--only", "Megatron"])
+    bench_papers_scale.main()
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| Mega")]
+    assert len(rows) == 1 and "| 4 | 4 | 4 | all-reduces a layer a step |" in rows[0], rows
