@@ -291,7 +291,8 @@ def parallelize(model, device, stage, *, units, group=None, **options):
     order (the contract). `group`: the data-parallel process group ZeRO shards over and talks on,
     the world when None. `options`: what the parts' engines take besides (param_groups: the
     optimizer's groups over the model's parameters, whose hyperparameters model.zero.param_groups
-    keeps over the shards).
+    keeps over the shards; gradient_accumulation_steps: the backward passes of each step, which
+    stage 1 reduce-scatters once, at the last).
 
     The optimizer, rebuilt with the user's class, the old one dropped (else it keeps the model's
     original parameters alive):
@@ -367,6 +368,7 @@ class UserUnits(Engine):
         owning = [module for module in modules if self.holds_first(module)]
         super().__init__(model, device, stage, owning, group, **options)
         self.tied = []  # (state_dict key, key of the same parameter in the unit holding it)
+        self.lenders = []  # a unit's index once per later module using a parameter it holds
         self.tie_later_uses(model, modules)
         self.param_groups = groups_over_pieces(param_groups, self.units)
         del self.group_of, self.owner, self.placed
@@ -405,7 +407,9 @@ class UserUnits(Engine):
                 unit, owner_key, tensor = self.placed[param]
                 put_tensor(model, key, tensor)
                 self.tied.append((key, owner_key))
-                borrowed.append(self.units.index(unit))
+                if self.units.index(unit) not in borrowed:
+                    borrowed.append(self.units.index(unit))
+            self.lenders += borrowed
             if self.stage == 3 and borrowed:
                 hook_borrowed(self, borrowed, module)
 
@@ -572,31 +576,6 @@ class Prefetch(Engine):
 Engine = Prefetch
 
 
-### more: gradient accumulation (several backward passes a step)
-# Each backward's average is added to the unit's gradient shard, as .grad sums the backward passes
-# of a step without ZeRO.
-
-
-class Accumulation(Engine):
-    def start_flat_grad(self, unit):
-        """A later backward of the same step starts the unit's flat gradient: the earlier
-        backward's averaged shard must be safe from the writes this backward makes."""
-        if unit.flat_grad is not None and unit.grad_shard is not None:
-            # stage 1: the last backward's average may sit in flat_grad's own slice, which this
-            # backward overwrites
-            unit.grad_shard = unit.grad_shard.clone()
-        super().start_flat_grad(unit)
-
-    def keep_average(self, unit, average):
-        if unit.grad_shard is None:
-            super().keep_average(unit, average)
-        else:
-            unit.grad_shard += average  # a later backward of the same step
-
-
-Engine = Accumulation
-
-
 ### more: the reduce-scatter in flight while backward computes the units before it
 
 
@@ -619,12 +598,15 @@ class Overlap(Engine):
         if self.stage == 3:
             unit.free()  # all its gradients are in: backward reads its parameters no more
 
-    def start_flat_grad(self, unit):
-        """A later backward of the same step (gradient accumulation) starts the unit whose
-        reduce-scatter is still reading its flat gradient: that one finishes first."""
+    @torch.no_grad()
+    def gradient_arrived(self, unit, offset, tensor):
+        """A later backward of the same step (gradient accumulation) reaches the unit whose
+        reduce-scatter is still reading its flat gradient (a model that is one unit): that one
+        finishes first, before the parts start the unit's next flat gradient, so that each sees
+        the old one dropped (mixed precision then makes the new one fp32, not flat's bf16)."""
         if self.reducing is not None and self.reducing[0] is unit:
             self.finish_reduce_scatter()
-        super().start_flat_grad(unit)
+        super().gradient_arrived(unit, offset, tensor)
 
     def finish_reduce_scatter(self):
         """Wait for the reduce-scatter in flight, if any, and keep its average as the unit's
@@ -663,6 +645,89 @@ class AverageInPlace(Engine):
 
 
 Engine = AverageInPlace
+
+
+### more: gradient accumulation (several backward passes a step)
+# Stage 1 keeps each unit's whole gradient anyway (it shards only the optimizer state), so the
+# step's backward passes add theirs into the unit's flat gradient and only the last one
+# reduce-scatters the sum: one reduce-scatter a unit a step, however many backward passes, as
+# DeepSpeed's stage 1 and Megatron "communicate only at gradient accumulation boundaries". The
+# engine is told how many backward passes a step has (gradient_accumulation_steps, nanoGPT's and
+# DeepSpeed's name) and counts each unit's: the count reaching it is the step's last backward, in
+# whatever order a schedule runs them. Stages 2-3 hold no whole gradient between backward passes
+# (that is their memory saving): each backward reduce-scatters, and its average is added to the
+# unit's gradient shard, as .grad sums a step's backward passes without ZeRO.
+
+
+class Accumulation(Engine):
+    """gradient_accumulation_steps=k: the backward passes of each step (1: every backward is the
+    step's last). At stage 1 a unit's k-th backward of the step reduce-scatters the sum of the k;
+    the step reduce-scatters any sum no backward has (a step of fewer backward passes, or a loop
+    that says none), so the step is exact whatever k is: k sets only how often ranks talk."""
+
+    def __init__(self, *args, gradient_accumulation_steps=1, **options):
+        if not (isinstance(gradient_accumulation_steps, int) and gradient_accumulation_steps >= 1):
+            raise ValueError(
+                f"gradient_accumulation_steps must be a whole number >= 1 (the backward passes "
+                f"of each step), not {gradient_accumulation_steps!r}"
+            )
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        super().__init__(*args, **options)
+
+    def make_unit(self, model, module, name):
+        unit = super().make_unit(model, module, name)
+        unit.backwards_held = 0  # stage 1: backward passes flat_grad sums, not reduced yet
+        return unit
+
+    @torch.no_grad()
+    def gradient_arrived(self, unit, offset, tensor):
+        """After a held backward, flat_grad holds the step's sum so far: this backward's gradient
+        is added to it, in flat_grad's dtype (fp32 under mixed precision), where the core's copy
+        would overwrite it."""
+        if unit.backwards_held == 0:
+            super().gradient_arrived(unit, offset, tensor)
+            return
+        unit.flat_grad[offset : offset + tensor.numel()].add_(tensor.grad.flatten())
+        tensor.grad = None
+        unit.grads_arrived += 1
+        if unit.grads_arrived == len(unit.params):
+            unit.grads_arrived = 0
+            self.reduce_scatter(unit)
+
+    def reduce_scatter(self, unit):
+        """Stage 1: the unit's gradient held, summed in flat_grad, until its k-th backward."""
+        if self.stage == 1:
+            unit.backwards_held += 1
+            if unit.backwards_held < self.gradient_accumulation_steps:
+                return  # the step's next backward adds to it
+            unit.backwards_held = 0
+        super().reduce_scatter(unit)
+
+    def start_flat_grad(self, unit):
+        """A later backward of the same step, after the unit was reduce-scattered (k = 1, or more
+        backward passes than k): the average kept must be safe from this backward's writes."""
+        if self.stage == 1 and unit.grad_shard is not None:
+            # the average may sit in flat_grad's own slice, which this backward overwrites
+            unit.grad_shard = unit.grad_shard.clone()
+        super().start_flat_grad(unit)
+
+    def keep_average(self, unit, average):
+        if unit.grad_shard is None:
+            super().keep_average(unit, average)
+        else:
+            unit.grad_shard += average  # a later backward of the same step
+
+    def before_step(self):
+        """Stage 1: a sum no backward has reduce-scattered (the loop ran fewer than k backward
+        passes this step) is reduce-scattered now, before the step reads the shards."""
+        for unit in self.units:
+            if unit.backwards_held > 0:
+                unit.backwards_held = 0
+                super().reduce_scatter(unit)
+        super().before_step()  # waits for the reduce-scatters in flight
+
+
+Engine = Accumulation
 
 
 ### more: the checkpoint through the model's own state_dict(), and what ZeRO refuses or warns of
@@ -900,6 +965,8 @@ class ZeROOffload(Engine):
         if offload == "disk" and options.get("mixed_precision"):
             raise ValueError("offload disk with mixed_precision is not written yet")
         self.offload = offload  # make_unit reads it
+        # the CPU the masters go to; under --simulate the meta device, which holds no values either
+        self.host = torch.device("meta" if device.type == "meta" else "cpu")
         self.on_cpu = set()  # --offload cpu: the units whose master_grad holds this step's gradient
         super().__init__(model, device, stage, modules, group, **options)
         if offload == "cpu":
@@ -919,7 +986,7 @@ class ZeROOffload(Engine):
         if self.offload == "cpu":
             # mixed precision: the fp32 master moves, the bf16 shard stays the working copy
             source = unit.master if self.mixed_precision else unit.shard
-            move_master_to_cpu(unit, source, pin_memory=self.device.type == "cuda")
+            move_master_to_cpu(unit, source, self.host, pin_memory=self.device.type == "cuda")
         return unit
 
     def hook(self, optimizer):
@@ -964,7 +1031,13 @@ class ZeROOffload(Engine):
         unit.grad_shard = None
 
     def before_step(self):
-        # the last reduce-scatter: the first unit's (backward runs from the last unit to the first)
+        # Every unit's average first, for the offload's work below: stage 1's sums that no backward
+        # reduce-scattered (Accumulation.before_step's, reduced past its hold), then the last
+        # reduce-scatter, the first unit's (backward runs from the last unit to the first).
+        for unit in self.units:
+            if unit.backwards_held > 0:
+                unit.backwards_held = 0
+                super(Accumulation, self).reduce_scatter(unit)
         self.finish_reduce_scatter()
         if self.offload == "disk":
             return  # the gradient shards wait in the units: step_on_disk steps them after step()
@@ -1023,7 +1096,7 @@ class ZeROOffload(Engine):
         `optimizer`'s class over it, a group per piece (made here, unstepped, only for its
         state_dict)."""
         for unit in self.on_disk():
-            master = unit.shard.to("cpu", copy=True)
+            master = unit.shard.to(self.host, copy=True)
             pieces = [nn.Parameter(master[own]) for _, own, _ in unit.pieces]
             empty_optimizer = type(optimizer)([{"params": [piece]} for piece in pieces])
             state = dict(master=master, optimizer=empty_optimizer.state_dict())
@@ -1052,7 +1125,7 @@ class ZeROOffload(Engine):
         """One unit's step: an optimizer over its master shard alone, cut into the shard's pieces,
         each piece a group with its optimizer group's hyperparameters; its state from the file."""
         master = saved["master"]
-        grad_shard = unit.grad_shard.cpu()
+        grad_shard = unit.grad_shard.to(self.host)
         unit.grad_shard = None
         unit_groups = []
         for _, own, _ in unit.pieces:
@@ -1073,13 +1146,14 @@ Engine = ZeROOffload
 
 
 @torch.no_grad()
-def move_master_to_cpu(unit, source, pin_memory):
+def move_master_to_cpu(unit, source, host, pin_memory):
     """ZeRO-Offload: the optimizer steps an fp32 master copy of the shard in CPU memory, next to its
     gradient, both allocated once. Pinned memory lets copies between it and the GPU run without the
     host waiting. The shard on the device stays, as the working copy. The master is cut into the
     shard's pieces (one per optimizer group), which become the unit's pieces. `source`: the shard,
-    or under mixed precision its fp32 master (the device keeps the bf16 shard only)."""
-    unit.master = torch.empty_like(source, device="cpu", pin_memory=pin_memory)
+    or under mixed precision its fp32 master (the device keeps the bf16 shard only). `host`: the
+    CPU (the meta device under --simulate)."""
+    unit.master = torch.empty_like(source, device=host, pin_memory=pin_memory)
     unit.master.copy_(source)
     unit.master_grad = torch.empty_like(unit.master, pin_memory=pin_memory)
     unit.pieces = [(group, own, nn.Parameter(unit.master[own])) for group, own, _ in unit.pieces]
@@ -1134,39 +1208,56 @@ class CopyStream:
 ### end: ZeRO
 
 
-def formula(psi, world, args, largest_shard=0):
+def formula(psi, world, args, dtype=torch.float32, tied=0, backwards=1, largest_shard=0):
     """ZeRO's per-rank bytes for Ψ' = psi (each unit padded to a multiple of W), which the report
-    sets next to what the Meter measured. --offload cpu: the parameters the optimizer steps are the
-    CPU master shards, with their gradients. --offload disk: the optimizer holds one unit's state
-    at a time, at most the largest shard's (S = largest_shard); the gradient shards wait in the
-    engine, which the Meter (reading .grad) does not see. --mixed-precision: zero.py's formula
-    without offload; with --offload cpu the all-gathers move bf16."""
+    sets next to what the Meter measured. dtype: the model's parameters' (B bytes an element, 4 for
+    fp32: the gradients and the optimizer state are in it too). tied: Ψ'_t, the elements of each
+    unit holding a weight a later module uses too (tied_numel; GPT-2's embedding, which its head
+    uses), once per such module: stage 3 all-gathers it once more a step, for that module's
+    forward (its backward keeps it whole). backwards: the backward passes a step (gradient
+    accumulation): stage 1 reduce-scatters once a step, stages 2-3 once a backward. --offload cpu:
+    the parameters the optimizer steps are the CPU master shards, with their gradients. --offload
+    disk: the optimizer holds one unit's state at a time, at most the largest shard's (S =
+    largest_shard); the gradient shards wait in the engine, which the Meter (reading .grad) does
+    not see. --mixed-precision: zero.py's formula without offload; with --offload cpu the
+    all-gathers move bf16, the reduce-scatters fp32."""
     if args.mixed_precision and args.offload == "none":
-        return mixed_precision_formula(psi, world, args)
-    gathered = 2 if args.mixed_precision else 4  # bytes an all-gathered element
-    k = 8 if args.optim == "adamw" else 4  # the ZeRO paper's K: optimizer bytes per parameter
+        return mixed_precision_formula(psi, world, args, dtype, tied, backwards)
+    b = dtype.itemsize  # B: bytes an element
+    k = (2 if args.optim == "adamw" else 1) * b  # the ZeRO paper's K: optimizer bytes a parameter
     cpu = args.offload == "cpu"
     disk = args.offload == "disk"
     params_sharded = args.stage == 3 or cpu
     grads_sharded = args.stage >= 2 or cpu
+    reductions = backwards if args.stage >= 2 else 1  # reduce-scatters of every unit a step
+    # elements all-gathered a step: stage 3 gathers in every forward and backward
+    gathered = backwards * (2 * psi + tied) if args.stage == 3 else psi
+    # --mixed-precision: the flat gradient fp32, the working copy the all-gathers read bf16
+    reduced = torch.float32 if args.mixed_precision else dtype
+    working = torch.bfloat16 if args.mixed_precision else dtype
     cpu_note = " (CPU)" if cpu else ""
     state_note = " in files" if disk else cpu_note
-    state_kind = "AdamW m, v" if k == 8 else "SGD momentum"
-    stage3 = args.stage == 3
     return dict(
-        param_bytes=4 * psi // world if params_sharded else 4 * psi,
-        grad_bytes=None if disk else (4 * psi // world if grads_sharded else 4 * psi),
+        param_bytes=b * psi // world if params_sharded else b * psi,
+        grad_bytes=None if disk else (b * psi // world if grads_sharded else b * psi),
         optim_bytes=0 if disk else k * psi // world,
         optim_peak_bytes=k * largest_shard if disk else None,
-        comm=dict(reduce_scatter=4 * psi, all_gather=gathered * (2 if stage3 else 1) * psi),
+        comm=dict(
+            reduce_scatter=reductions * reduced.itemsize * psi,
+            all_gather=working.itemsize * gathered,
+        ),
         notes=dict(
-            param_bytes=("4Ψ'/W sharded" if params_sharded else "4Ψ' replicated")
+            param_bytes=(f"{b}Ψ'/W sharded" if params_sharded else f"{b}Ψ' replicated")
             + cpu_note
-            + ("; about two units whole besides, the one computing and the next" if stage3 else ""),
+            + (
+                "; about two units whole besides, the one computing and the next"
+                if args.stage == 3
+                else ""
+            ),
             grad_bytes=(
                 "held by the engine until the step, not in .grad: not measured"
                 if disk
-                else ("4Ψ'/W sharded" if grads_sharded else "4Ψ' replicated") + cpu_note
+                else (f"{b}Ψ'/W sharded" if grads_sharded else f"{b}Ψ' replicated") + cpu_note
             )
             + (
                 "; in backward up to two units' whole flat gradients besides (the one "
@@ -1174,36 +1265,73 @@ def formula(psi, world, args, largest_shard=0):
                 if args.stage >= 2
                 else ""
             ),
-            optim_bytes=f"{k}Ψ'/W sharded {state_kind}{state_note}",
+            optim_bytes=f"{k}Ψ'/W sharded "
+            + ("AdamW m, v" if args.optim == "adamw" else "SGD momentum")
+            + state_note,
             optim_peak_bytes=f"{k}S: the largest unit's shard, in memory while it steps",
-            reduce_scatter="Ψ' fp32 gradients; a ring sends (W-1)/W of it",
-            all_gather=(
-                "2Ψ': every unit before its forward and its backward"
-                if args.stage == 3
-                else "Ψ' updated parameters"
-            ),
+            reduce_scatter=f"Ψ' {dtype_name(reduced)} gradients, "
+            + reduced_when(args.stage, backwards)
+            + "; a ring sends (W-1)/W of it",
+            all_gather=gathered_note(args.stage, tied, backwards)
+            + (" (bf16)" if args.mixed_precision else ""),
         ),
     )
 
 
-def mixed_precision_formula(psi, world, args):
-    """--mixed-precision: the optimizer's parameters are the fp32 master shards (4Ψ'/W at every
-    stage), the gradients fp32 (whole at stage 1, where the average stays in place, else the
-    shard), the state K'Ψ'/W (AdamW's m and v: the paper's K = 12 is the master's 4 and these 8).
-    The bf16 working copy that forward reads is not a Parameter, so the Meter does not read it:
-    `working_bytes`, 2Ψ' whole at stages 1-2, 2Ψ'/W (the bf16 shard) at stage 3. The all-gathers
-    move bf16, the reduce-scatters fp32. docs/techniques.md sets it next to the paper's Table 1."""
-    k = 8 if args.optim == "adamw" else 4  # optimizer state bytes a parameter, the master apart
+def tied_numel(engine):
+    """Ψ'_t: the elements of each unit holding a weight a later module uses too, once per such
+    module (the user's-units part finds them; the core alone, as the ViT, has none)."""
+    return sum(engine.units[index].flat.numel() for index in getattr(engine, "lenders", []))
+
+
+def dtype_name(dtype):
+    """The notes' name of a dtype: fp32, bf16, fp16, else torch's."""
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    return names.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def reduced_when(stage, backwards):
+    """When the gradients are reduce-scattered (the Accumulation part)."""
+    if stage == 1:
+        return "once a step, at its last backward"
+    return f"once a backward ({backwards} a step)" if backwards > 1 else "once a backward"
+
+
+def gathered_note(stage, tied, backwards):
+    """The all-gather row's note: what is gathered a step, and when."""
+    if stage < 3:
+        return "Ψ' updated parameters, after the step"
+    note = "2Ψ' + Ψ'_t" if tied else "2Ψ'"
+    note += ": every unit before its forward and its backward"
+    if tied:
+        note += "; a tied weight's unit once more, for the other module using it"
+    if backwards > 1:
+        note += f"; in each of the step's {backwards} backward passes"
+    return note
+
+
+def mixed_precision_formula(psi, world, args, dtype=torch.float32, tied=0, backwards=1):
+    """--mixed-precision: the optimizer's parameters are the master shards, in the model's dtype
+    (BΨ'/W at every stage, 4Ψ'/W for fp32), the gradients fp32 (whole at stage 1, where the
+    average stays in place, else the shard), the state K'Ψ'/W (AdamW's m and v: the paper's K = 12
+    is the master's 4 and these 8). The bf16 working copy that forward reads is not a Parameter, so
+    the Meter does not read it: `working_bytes`, 2Ψ' whole at stages 1-2, 2Ψ'/W (the bf16 shard)
+    at stage 3. The all-gathers move bf16, the reduce-scatters fp32, each as often as formula's.
+    docs/techniques.md sets it next to the paper's Table 1."""
+    b = dtype.itemsize  # the master's bytes an element
+    k = (2 if args.optim == "adamw" else 1) * b  # optimizer state bytes a parameter, master apart
     stage3 = args.stage == 3
-    gathers = 2 if stage3 else 1  # all-gathers of every unit a step
+    reductions = backwards if args.stage >= 2 else 1  # reduce-scatters of every unit a step
+    gathered = backwards * (2 * psi + tied) if stage3 else psi  # elements all-gathered a step
     return dict(
-        param_bytes=4 * psi // world,
+        param_bytes=b * psi // world,
         grad_bytes=4 * psi // world if args.stage >= 2 else 4 * psi,
         optim_bytes=k * psi // world,
         working_bytes=2 * psi // world if stage3 else 2 * psi,
-        comm=dict(reduce_scatter=4 * psi, all_gather=2 * gathers * psi),
+        comm=dict(reduce_scatter=reductions * 4 * psi, all_gather=2 * gathered),
         notes=dict(
-            param_bytes="4Ψ'/W fp32 master shards; besides, the bf16 working copy forward reads, "
+            param_bytes=f"{b}Ψ'/W {dtype_name(dtype)} master shards; besides, the bf16 working "
+            "copy forward reads, "
             + ("2Ψ'/W (and about two units whole)" if stage3 else "2Ψ' whole")
             + ", not a Parameter: not measured",
             grad_bytes=(
@@ -1211,9 +1339,10 @@ def mixed_precision_formula(psi, world, args):
                 if args.stage >= 2
                 else "4Ψ' fp32: the whole flat gradient, the average in its own slice"
             ),
-            optim_bytes=f"{k}Ψ'/W sharded " + ("AdamW m, v" if k == 8 else "SGD momentum"),
-            reduce_scatter="Ψ' fp32 gradients",
-            all_gather=("2Ψ'" if stage3 else "Ψ'") + " bf16 parameters",
+            optim_bytes=f"{k}Ψ'/W sharded "
+            + ("AdamW m, v" if args.optim == "adamw" else "SGD momentum"),
+            reduce_scatter="Ψ' fp32 gradients, " + reduced_when(args.stage, backwards),
+            all_gather=gathered_note(args.stage, tied, backwards) + " (bf16)",
         ),
     )
 
@@ -1339,6 +1468,7 @@ def run(args):
         if args.load:
             model.load_state_dict(common.load_state_dict_file(args.load, model.state_dict()))
         psi = sum(p.numel() for p in model.parameters())
+        dtype = next(model.parameters()).dtype  # the formula's bytes an element
         units = [model.embed, *model.blocks, model.head]  # ZeRO's units, in forward order
         # --mixed-precision is a `### more:` part's option: the core alone takes none
         options = dict(mixed_precision=True) if args.mixed_precision else {}
@@ -1364,14 +1494,16 @@ def run(args):
         )
         with common.Meter(model, optimizer, args, device=device) as meter:
             out = train(model, optimizer, scheduler, loader, sampler, args, device)
-        test_loader = common.test_loader(
-            test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"
-        )
-        acc = evaluate(model, test_loader, device)
-        state = full_state_dict(model)  # every rank takes part; rank 0 holds the whole
-        if rank == 0 and args.save:
-            common.save_checkpoint(state, args.save)
-            common.log(f"saved {args.save}")
+        acc = None
+        if not args.simulate:  # --simulate: meta tensors, no values to test or save
+            test_loader = common.test_loader(
+                test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"
+            )
+            acc = evaluate(model, test_loader, device)
+            state = full_state_dict(model)  # every rank takes part; rank 0 holds the whole
+            if rank == 0 and args.save:
+                common.save_checkpoint(state, args.save)
+                common.log(f"saved {args.save}")
         common.report(
             SCRIPT,
             args,
@@ -1383,7 +1515,9 @@ def run(args):
             trained=out,
             test_acc=acc,
             meter=meter,
-            formula=formula(padded, world, args, largest_shard),
+            formula=formula(
+                padded, world, args, dtype, tied_numel(model.zero), largest_shard=largest_shard
+            ),
             params_padded=padded,
             offload=args.offload,
         )
@@ -1393,7 +1527,7 @@ def run(args):
 
 def main():
     parser = common.get_parser(
-        "ZeRO stages 1-3 written out with torch.distributed, on the common ViT"
+        "ZeRO stages 1-3 written out with torch.distributed, on the common ViT", simulates=True
     )
     parser.add_argument(
         "--stage",

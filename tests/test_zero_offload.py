@@ -7,7 +7,11 @@ On a machine without a GPU --offload cpu runs the same path with unpinned CPU bu
 """
 
 import contextlib
+import json
+import sys
+from types import SimpleNamespace
 
+import nanogpt_model
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,6 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import common
 import zero_offload
+from common import simulate
+from common.meter import CollectiveCounter, memory
 from helpers import ROOT, SMALL, launch_cases, max_diff, tiered, torchrun
 
 # test_zero.py's configuration: the same ddp.py references serve both files
@@ -404,3 +410,148 @@ def test_offload_cpu_mixed_precision_equals_zero_mixed_precision(sizes, tmp_path
         assert res["param_bytes"] == res["grad_bytes"] == 4 * pad // WORLD
         assert res["comm"]["all_gather"] == (4 if stage == 3 else 2) * pad
         assert res["comm"] == res["formula"]["comm"]
+
+
+# Issue 44 on the offload: zero.py's stage 1 reduce-scatters once a step under gradient
+# accumulation, its formula counts the dtype, the tied weight's extra gather and the backward
+# passes, and --simulate runs it on meta; the offload's own work (the CPU copies, the unit files)
+# must take each of them.
+
+
+def nanogpt_units(model):
+    """nanoGPT's modules in forward order; lm_head holds only wte's tied weight."""
+    transformer = model.transformer
+    return [transformer.wte, transformer.wpe, *transformer.h, transformer.ln_f, model.lm_head]
+
+
+@pytest.mark.filterwarnings("ignore:.*is deprecated")
+@pytest.mark.parametrize("offload", ["cpu", "disk"])
+@pytest.mark.parametrize("told", [1, 2, 4])
+def test_stage1_accumulation_offloaded_equals_plain_torch(offload, told, world_of_one, tmp_path):
+    """W=1, stage 1, three backward passes a step, the engine told 1, 2 or 4 a step: it
+    reduce-scatters each unit 3, 2 (the sum of two at the second, the third's at the step) or 1
+    times a step (all three summed at the step), and the offload steps what it reduced: the
+    parameters are torch's own .grad sum and SGD's, step after step."""
+    micro_batches = [pair for step in nanogpt_model.batches(2) for pair in step][:3]
+    plain = nanogpt_model.model()
+    plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    model = nanogpt_model.model()
+    model = zero_offload.parallelize(
+        model,
+        CPU,
+        1,
+        units=nanogpt_units(model),
+        offload=offload,
+        directory=tmp_path,
+        gradient_accumulation_steps=told,
+    )
+    optimizer = torch.optim.SGD(model.zero.param_groups, lr=0.1, momentum=0.9)
+    zero_offload.hook_optimizer(model, optimizer)
+    for _ in range(2):
+        plain_optimizer.zero_grad(set_to_none=True)
+        for x, y in micro_batches:
+            plain(x, y)[1].backward()
+        plain_optimizer.step()
+        with CollectiveCounter() as counter:
+            for x, y in micro_batches:
+                model(x, y)[1].backward()
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        units = len(model.zero.units)
+        assert counter.calls["reduce_scatter"] == {1: 3, 2: 2, 4: 1}[told] * units
+    state = zero_offload.full_state_dict(model)
+    expected = plain.state_dict()
+    assert state.keys() == expected.keys()
+    for key, tensor in expected.items():
+        torch.testing.assert_close(state[key], tensor, rtol=0, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize(
+    "stage, offload, dtype, mixed_precision",
+    [
+        (1, "cpu", torch.float32, False),
+        (3, "cpu", torch.bfloat16, False),
+        (3, "cpu", torch.float32, True),
+        (3, "disk", torch.float32, False),
+    ],
+    ids=["1-cpu", "3-cpu-bf16", "3-cpu-mixed", "3-disk"],
+)
+def test_formula_on_a_tied_model_offloaded(stage, offload, dtype, mixed_precision, tmp_path):
+    """nanoGPT (wte tied to lm_head) on torch's fake group at W=4, two backward passes a step,
+    told so: the bytes held and moved are formula()'s with the offload, in the parameters' dtype,
+    the tied unit's gather counted at stage 3, stage 1 reducing once a step."""
+    world, backwards = 4, nanogpt_model.ACCUMULATE
+    simulate.init_fake_process_group(0, world)
+    try:
+        model = nanogpt_model.model().to(dtype)
+        optimizer = nanogpt_model.make_optimizer(model, "adamw")
+        model = zero_offload.parallelize(
+            model,
+            CPU,
+            stage,
+            param_groups=optimizer.param_groups,
+            units=nanogpt_units(model),
+            offload=offload,
+            directory=tmp_path,
+            gradient_accumulation_steps=backwards,
+            mixed_precision=mixed_precision,
+        )
+        optimizer = type(optimizer)(model.zero.param_groups)
+        zero_offload.hook_optimizer(model, optimizer)
+        with CollectiveCounter() as counter:
+            for x, y in nanogpt_model.batches(1)[0][:backwards]:
+                model(x, y)[1].backward()
+            optimizer.step()
+        held = memory(model.parameters(), optimizer)
+        engine = model.zero
+        padded = world * sum(unit.shard_numel for unit in engine.units)
+        largest = max(unit.shard_numel for unit in engine.units)
+        tied = zero_offload.tied_numel(engine)
+        assert tied == engine.units[0].flat.numel() > 0  # lm_head borrows wte's unit
+        args = SimpleNamespace(
+            stage=stage, optim="adamw", mixed_precision=mixed_precision, offload=offload
+        )
+        expected = zero_offload.formula(
+            padded, world, args, dtype, tied, backwards, largest_shard=largest
+        )
+        rows = ("param_bytes", "optim_bytes") if offload == "disk" else held
+        for row in rows:
+            assert held[row] == expected[row], row
+        assert counter.bytes == expected["comm"]
+        units = len(engine.units)
+        reductions = units if stage == 1 else backwards * units
+        assert counter.calls["reduce_scatter"] == reductions
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--stage", "1", "--offload", "cpu", "--mixed-precision"],
+        ["--stage", "3", "--offload", "cpu"],
+        ["--stage", "3", "--offload", "disk"],
+    ],
+    ids=["1-cpu-mixed", "3-cpu", "3-disk"],
+)
+def test_simulated_rows_equal_the_formula(flags, tmp_path, monkeypatch, capsys):
+    """`zero_offload.py --simulate 64` in this process (rank 0 of 64 on the fake group, the model
+    and the "CPU" masters on meta; --offload disk writes its unit files of meta tensors): every
+    measured row is the formula's, the optimizer state off the device."""
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.setenv(name, "0")
+        monkeypatch.delenv(name)  # common.launch sets them; monkeypatch takes them away again
+    flags = [*CFG, "--simulate", "64", "--batch-size", "64", *flags, "--offload-dir", tmp_path]
+    monkeypatch.setattr(sys, "argv", ["zero_offload.py", *map(str, flags)])
+    capsys.readouterr()
+    zero_offload.main()
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1 and not dist.is_initialized()
+    res = json.loads(lines[0][len("RESULT ") :])
+    assert res["simulated"] and res["world_size"] == 64 and res["steps"] == 1
+    formula = res["formula"]
+    for row in ("param_bytes", "grad_bytes", "optim_bytes", "optim_peak_bytes"):
+        assert formula[row] is None or res[row] == formula[row], row
+    assert res["comm"] == formula["comm"]
+    disk = "disk" in flags
+    assert res["optim_bytes"] == (0 if disk else 8 * res["params_padded"] // 64)
