@@ -9,14 +9,16 @@ shape. The script's own parallelize, optimizer hooks and train step run unchange
 what rank r would hold and send, and report() prints it next to the formula, as in a real run.
 
 What a simulated run cannot have is values: one step on meta batches, its loss read as NaN, no
-evaluation, no save, no samples/s. Everything here is chosen by common.parse_args (args.simulate)
-and common.launch; a script only leaves out its evaluation and save (`if not args.simulate`)."""
+evaluation, no save, no samples/s. common.parse_args and common.launch choose all of it; a script
+offers the flag (`common.get_parser(..., simulates=True)`) and leaves out its evaluation and save
+(`if not args.simulate`). FSDP2 refuses meta parameters at its first forward: fsdp.py does not
+offer it."""
 
 import torch
 import torch.distributed as dist
 
 # torch ships its fake process group for its own tests: importing this module registers the
-# "fake" backend. No public module does; torchtitan's dry runs import it the same way.
+# "fake" backend, which no public module does (torchtitan's tests import it the same way).
 import torch.testing._internal.distributed.fake_pg  # noqa: F401
 from torch.utils._python_dispatch import TorchDispatchMode
 
