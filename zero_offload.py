@@ -893,6 +893,12 @@ def keep_master_in_fp32(unit, rank, stage):
         unit.shard = unit.shard.clone()
 
 
+def working_copy(model):
+    """The bf16 tensors forward reads, as they are held between steps: each unit's whole flat
+    copy at stages 1-2 (its shard a slice of it), its bf16 shard at stage 3 (the flat freed)."""
+    return [tensor for unit in model.zero.units for tensor in (unit.flat, unit.shard)]
+
+
 def to_bf16(module, args):
     """A unit's floating-point inputs in bf16, its parameters' dtype (FSDP2's
     cast_forward_inputs)."""
@@ -1219,8 +1225,9 @@ def formula(psi, world, args, dtype=torch.float32, tied=0, backwards=1, largest_
     the parameters the optimizer steps are the CPU master shards, with their gradients. --offload
     disk: the optimizer holds one unit's state at a time, at most the largest shard's (S =
     largest_shard); the gradient shards wait in the engine, which the Meter (reading .grad) does
-    not see. --mixed-precision: zero.py's formula without offload; with --offload cpu the
-    all-gathers move bf16, the reduce-scatters fp32."""
+    not see. --mixed-precision: zero.py's formula without offload; with --offload cpu the master
+    and its gradient are the model's dtype on the CPU, the device keeps the bf16 working copy
+    (working_bytes), the all-gathers move bf16, the reduce-scatters fp32."""
     if args.mixed_precision and args.offload == "none":
         return mixed_precision_formula(psi, world, args, dtype, tied, backwards)
     b = dtype.itemsize  # B: bytes an element
@@ -1235,6 +1242,7 @@ def formula(psi, world, args, dtype=torch.float32, tied=0, backwards=1, largest_
     # --mixed-precision: the flat gradient fp32, the working copy the all-gathers read bf16
     reduced = torch.float32 if args.mixed_precision else dtype
     working = torch.bfloat16 if args.mixed_precision else dtype
+    copy_numel = psi // world if args.stage == 3 else psi  # the bf16 copy's: its shard at stage 3
     cpu_note = " (CPU)" if cpu else ""
     state_note = " in files" if disk else cpu_note
     return dict(
@@ -1242,6 +1250,7 @@ def formula(psi, world, args, dtype=torch.float32, tied=0, backwards=1, largest_
         grad_bytes=None if disk else (b * psi // world if grads_sharded else b * psi),
         optim_bytes=0 if disk else k * psi // world,
         optim_peak_bytes=k * largest_shard if disk else None,
+        working_bytes=2 * copy_numel if args.mixed_precision else None,
         comm=dict(
             reduce_scatter=reductions * reduced.itemsize * psi,
             all_gather=working.itemsize * gathered,
@@ -1269,6 +1278,8 @@ def formula(psi, world, args, dtype=torch.float32, tied=0, backwards=1, largest_
             + ("AdamW m, v" if args.optim == "adamw" else "SGD momentum")
             + state_note,
             optim_peak_bytes=f"{k}S: the largest unit's shard, in memory while it steps",
+            working_bytes="the bf16 copy forward reads, on the device: "
+            + ("2Ψ'/W (and about two units whole in use)" if args.stage == 3 else "2Ψ' whole"),
             reduce_scatter=f"Ψ' {dtype_name(reduced)} gradients, "
             + reduced_when(args.stage, backwards)
             + "; a ring sends (W-1)/W of it",
@@ -1323,17 +1334,27 @@ def mixed_precision_formula(psi, world, args, dtype=torch.float32, tied=0, backw
     stage3 = args.stage == 3
     reductions = backwards if args.stage >= 2 else 1  # reduce-scatters of every unit a step
     gathered = backwards * (2 * psi + tied) if stage3 else psi  # elements all-gathered a step
+    # The paper's Table 1 (https://arxiv.org/abs/1910.02054): 2 bytes a parameter, 2 a gradient
+    # and K = 12 of Adam's state (the fp32 master, momentum, variance), each sharded from its stage
+    # on. This recipe differs in one place: its gradients are fp32 (+2 bytes each held), reduced
+    # in fp32 as FSDP2's reduce_dtype and DeepSpeed's bf16 optimizer do.
+    paper_bytes = {1: 4 * psi + 12 * psi / world, 2: 2 * psi + 14 * psi / world}
+    paper = dict(model_states=paper_bytes.get(args.stage, 16 * psi / world))
     return dict(
         param_bytes=b * psi // world,
         grad_bytes=4 * psi // world if args.stage >= 2 else 4 * psi,
         optim_bytes=k * psi // world,
         working_bytes=2 * psi // world if stage3 else 2 * psi,
         comm=dict(reduce_scatter=reductions * 4 * psi, all_gather=2 * gathered),
+        paper=paper if args.optim == "adamw" else {},
         notes=dict(
-            param_bytes=f"{b}Ψ'/W {dtype_name(dtype)} master shards; besides, the bf16 working "
-            "copy forward reads, "
-            + ("2Ψ'/W (and about two units whole)" if stage3 else "2Ψ' whole")
-            + ", not a Parameter: not measured",
+            param_bytes=f"{b}Ψ'/W {dtype_name(dtype)} master shards",
+            working_bytes="the bf16 copy forward reads: "
+            + ("2Ψ'/W (and about two units whole in use)" if stage3 else "2Ψ' whole"),
+            model_states="the four rows below; the paper counts 2-byte gradients",
+            paper="ZeRO Table 1, mixed precision with Adam: 2Ψ + 2Ψ + KΨ, K = 12, "
+            + {1: "4Ψ + 12Ψ/W", 2: "2Ψ + 14Ψ/W"}.get(args.stage, "16Ψ/W")
+            + " (https://arxiv.org/abs/1910.02054)",
             grad_bytes=(
                 "4Ψ'/W fp32 shard; in backward up to two units' whole fp32 flat gradients"
                 if args.stage >= 2
@@ -1492,7 +1513,9 @@ def run(args):
             f"({len(train_set)} train / {len(test_set)} test), "
             f"batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
         )
-        with common.Meter(model, optimizer, args, device=device) as meter:
+        # --mixed-precision: the bf16 copy forward reads is not a Parameter; the Meter reads it too
+        held = dict(working_bytes=lambda: working_copy(model)) if args.mixed_precision else {}
+        with common.Meter(model, optimizer, args, device=device, held=held) as meter:
             out = train(model, optimizer, scheduler, loader, sampler, args, device)
         acc = None
         if not args.simulate:  # --simulate: meta tensors, no values to test or save

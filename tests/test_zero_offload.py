@@ -410,6 +410,9 @@ def test_offload_cpu_mixed_precision_equals_zero_mixed_precision(sizes, tmp_path
         assert res["param_bytes"] == res["grad_bytes"] == 4 * pad // WORLD
         assert res["comm"]["all_gather"] == (4 if stage == 3 else 2) * pad
         assert res["comm"] == res["formula"]["comm"]
+        # the bf16 working copy stays on the device: whole at stage 2, its shard at stage 3
+        assert res["working_bytes"] == res["formula"]["working_bytes"]
+        assert res["working_bytes"] == 2 * pad // (WORLD if stage == 3 else 1)
 
 
 # Issue 44 on the offload: zero.py's stage 1 reduce-scatters once a step under gradient
@@ -550,8 +553,10 @@ def test_simulated_rows_equal_the_formula(flags, tmp_path, monkeypatch, capsys):
     res = json.loads(lines[0][len("RESULT ") :])
     assert res["simulated"] and res["world_size"] == 64 and res["steps"] == 1
     formula = res["formula"]
-    for row in ("param_bytes", "grad_bytes", "optim_bytes", "optim_peak_bytes"):
-        assert formula[row] is None or res[row] == formula[row], row
+    rows = ("param_bytes", "grad_bytes", "optim_bytes", "optim_peak_bytes", "working_bytes")
+    for row in rows:
+        assert formula.get(row) is None or res[row] == formula[row], row
+    assert ("working_bytes" in res) == ("--mixed-precision" in flags)
     assert res["comm"] == formula["comm"]
     disk = "disk" in flags
     assert res["optim_bytes"] == (0 if disk else 8 * res["params_padded"] // 64)
