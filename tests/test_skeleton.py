@@ -57,9 +57,10 @@ MAX_DIFF = {
     # leftover reduce, Accumulation after Overlap), formula()'s dtype, backward passes and tied
     # weight's second gather, the bf16 working copy measured and Table 1's formula next to it
     "zero.py": 1161,
-    # zero.py's 1002 + the offload as one subclass (ZeROOffload) in a part of its own, which takes
-    # --mixed-precision with --offload cpu (issue 43 item 4)
-    "zero_offload.py": 1311,
+    # zero.py's 1161 + the offload as one subclass (ZeROOffload) in a part of its own, which takes
+    # --mixed-precision with --offload cpu (issue 43 item 4); issue 44: + its buffers on meta
+    # under --simulate, stage 1's held sums reduced before its step, its formula's offload rows
+    "zero_offload.py": 1488,
     # core first: 574 + the paper's sketch of the MLP split, the part headers, the dropout refusal
     # issue 34: + the tensor-parallel `group` (Functions taking it, operators() binding it,
     # split_tokens alone)
@@ -161,8 +162,10 @@ VARIANTS = {
         # first (+27): the offload as one subclass of zero.py's engine in a part of its own
         # issue 34: + its parallelize's `group`, wrapped, and the disk files' world rank; issue 43:
         # --mixed-precision's fp32 master moved to the CPU, bf16 all-gathers in the formula, the
-        # flag refused with --offload disk
-        389,
+        # flag refused with --offload disk; issue 44: stage 1's held gradient sums reduced before
+        # the offload's step (+7), its CPU buffers on meta under --simulate (+9), the offload rows
+        # of the formula with dtype, tied weight and backward passes (+14)
+        419,
         ("class Unit", "def full_state_dict(", "def train(", "def evaluate(", "def setup("),
     ),
     "tensor_parallel_zero_r.py": (
