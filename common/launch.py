@@ -17,7 +17,12 @@ from common.training import load_state_dict_file
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse that prints usage errors once, from rank 0, instead of once per process."""
+    """argparse that prints usage errors once, from rank 0, instead of once per process. Its args
+    say simulate=0 unless the script offers --simulate (get_parser(..., simulates=True))."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.set_defaults(simulate=0, simulate_rank=0)
 
     def error(self, message):
         if env_rank() == 0:
@@ -145,7 +150,6 @@ def get_parser(description, simulates=False):
         help="write a torch.profiler trace of a few training steps per rank to DIR/rank<r>.json",
     )
     if not simulates:  # the scripts that run on the fake backend say so (common/simulate.py)
-        p.set_defaults(simulate=0, simulate_rank=0)
         return p
     g.add_argument(
         "--simulate",
