@@ -1,7 +1,9 @@
 """Every benchmark in benchmarks/ runs, at a tiny size: a benchmark nobody runs breaks unseen (the
 pipelining rows of bench_model_parallel.py failed once the pipeline took a group). Each asserts
 what its benchmark reports: its rows all ran, and where it compares two implementations of the
-same steps, that their parameters agree. Nothing here is timed: the numbers are only read."""
+same steps, that their parameters agree. Nothing here is timed: the numbers are only read. The
+slowest (bench_memory, bench_main_loop, bench_ddp_overhead: a launch per row) are in the full
+tier, which CI runs too. bench_papers_scale.py's rows are tests/test_papers_scale.py's."""
 
 import importlib.util
 import json
@@ -91,6 +93,7 @@ def test_check_cuda_commands_run_on_the_cpu(tmp_path):
     run_check_cuda_commands(scripts, tmp_path)
 
 
+@pytest.mark.full  # a benchmark's smoke test: 10-14 s, the quick suite's budget
 def test_bench_main_loop():
     r = python("benchmarks/bench_main_loop.py", *TINY, "--steps", "6", "--repeats", "1")
     assert r.returncode == 0, r.output
@@ -115,6 +118,7 @@ def test_bench_main_loop_refuses_too_few_steps(capsys):
     assert "--steps must be more than the 4 untimed ones, got 4" in capsys.readouterr().err
 
 
+@pytest.mark.full  # a benchmark's smoke test: 10-14 s, the quick suite's budget
 def test_bench_ddp_overhead():
     r = python("benchmarks/bench_ddp_overhead.py", *TINY, "--steps", "6", "--repeats", "1")
     assert r.returncode == 0, r.output
@@ -133,6 +137,7 @@ def test_bench_accuracy():
     assert result["world_size"] == 2, result
 
 
+@pytest.mark.full  # a benchmark's smoke test: 10-14 s, the quick suite's budget
 def test_bench_memory():
     flags = ["--worlds", "2", "--dim", "16", "--depth", "1", "--only", "zero.py --stage 3"]
     r = run([sys.executable, ROOT / "benchmarks" / "bench_memory.py", *flags], timeout=300)
