@@ -20,6 +20,7 @@ docs/techniques.md#pipedream-asynchronous-no-flush
 
     torchrun --standalone --nproc_per_node=2 pipeline_pipedream.py --microbatches 4 --optim sgd
     diff -u pipeline.py pipeline_pipedream.py                 # what asynchrony and the stash change
+    python pipeline_pipedream.py --simulate 8 --microbatches 8 --depth 8   # as rank 0 of 8, on meta
 """
 
 import os
@@ -424,12 +425,40 @@ def parallelize(model, device, *args, **kwargs):
 ### end: Pipeline
 
 
+def every_stage_order(args, loader, world, device):
+    """--simulate: each stage's actions in two steps, as it ran them. The other ranks do not exist
+    (the fake group's gather_object returns this rank's object in every slot), and the fake
+    group's rank is fixed when it starts: so it is started again as each rank s in turn, and the
+    script's own parallelize and train_step run stage s on a new meta model and a meta batch,
+    recorded as on the real path. After the Meter: the report's rows stay this rank's."""
+    from common.simulate import init_fake_process_group
+
+    rank = dist.get_rank()
+    x, y = next(iter(loader))
+    orders = []
+    for s in range(world):
+        dist.destroy_process_group()
+        init_fake_process_group(s, world)
+        model = common.build_model(args, forwards_per_step=args.microbatches)
+        stage = parallelize(model, device)  # stage s
+        optimizer = common.make_optimizer(stage.parameters(), args)
+        recorder = common.record_pipeline_order(stage, 2 * args.microbatches, optimizer)
+        # The formula's two batches: the stream runs through their boundary, the second drains.
+        train_step(stage, x, y, args.microbatches, optimizer)
+        train_step(stage, x, y, args.microbatches, optimizer, final=True)
+        orders.append(recorder.recorded()["order"])
+    dist.destroy_process_group()
+    init_fake_process_group(rank, world)
+    return orders
+
+
 def formula(psi, world, args):
     """Rank 0's promises, psi its stage's parameters: its bytes (the stashed copies come and go
     with the micro-batches); over the first two batches, the idle fraction of one 1F1B over 2m
-    micro-batches (no flush between them) and p-s micro-batches in flight on stage s. No traffic
-    promise: the Meter counts the stream's first steps, in which fewer gradients than activations
-    cross a boundary (the backwards still in flight come in later steps)."""
+    micro-batches (no flush between them) and p-s micro-batches in flight on stage s, or all 2m
+    when there are fewer (m < p/2). No traffic promise: the Meter counts the stream's first steps,
+    in which fewer gradients than activations cross a boundary (the backwards still in flight
+    come in later steps)."""
     optim_per_param = 8 if args.optim == "adamw" else 4
     m = args.microbatches
     return dict(
@@ -437,7 +466,7 @@ def formula(psi, world, args):
         grad_bytes=4 * psi,
         optim_bytes=optim_per_param * psi,
         bubble=(world - 1) / (2 * m + world - 1),
-        peak_inflight=[world - s for s in range(world)],
+        peak_inflight=[min(world - s, 2 * m) for s in range(world)],
         notes=dict(
             param_bytes="4Ψ_s: this stage's",
             grad_bytes="4Ψ_s",
@@ -574,17 +603,22 @@ def run(args):
         recorder = common.record_pipeline_order(model, 2 * args.microbatches, optimizer)
         with common.Meter(model, optimizer, args, device=device) as meter:
             out = train(model, optimizer, scheduler, loader, sampler, args, device)
-        test_loader = common.test_loader(
-            test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"
-        )
-        acc = evaluate(model, test_loader, device)
-        state = full_state_dict(model)  # every rank takes part; rank 0 holds the whole
-        if rank == 0 and args.save:
-            common.save_checkpoint(state, args.save)
-            common.log(f"saved {args.save}")
+        acc = None
+        if not args.simulate:  # --simulate: meta tensors, no values to test or save
+            test_loader = common.test_loader(
+                test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"
+            )
+            acc = evaluate(model, test_loader, device)
+            state = full_state_dict(model)  # every rank takes part; rank 0 holds the whole
+            if rank == 0 and args.save:
+                common.save_checkpoint(state, args.save)
+                common.log(f"saved {args.save}")
         psi_stage = sum(p.numel() for p in model.parameters())  # Ψ_s: this rank's stage only
         promised = formula(psi_stage, world, args)
-        timeline = common.pipeline_timeline(recorder, meter, promised)  # every rank: a gather
+        orders = None  # every rank's, gathered by pipeline_timeline
+        if args.simulate:  # the other ranks do not exist: their stages run here, one by one
+            orders = every_stage_order(args, loader, world, device)
+        timeline = common.pipeline_timeline(recorder, meter, promised, orders)  # every rank
         common.report(
             SCRIPT,
             args,
@@ -605,7 +639,8 @@ def run(args):
 
 def main():
     parser = common.get_parser(
-        "PipeDream: asynchronous 1F1B with weight stashing on the common ViT, written out"
+        "PipeDream: asynchronous 1F1B with weight stashing on the common ViT, written out",
+        simulates=True,
     )
     parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per batch (m)")
     args = common.parse_args(parser)

@@ -8,7 +8,9 @@ not match (the test can fail). One launch at p=3 for both optimizers.
 
 NCCL's rule: every communication the loop issues, collectives included, replayed in-process
 (test_pipeline's replay) across batch and epoch boundaries; the same replay fails when the last
-backward's gradient is sent at the end of its step (the code before the fix of issue 25)."""
+backward's gradient is sent at the end of its step (the code before the fix of issue 25).
+
+--simulate W: every stage's first two batches run in the one process, the same stream replayed."""
 
 import functools
 import subprocess
@@ -27,6 +29,8 @@ from test_pipeline import (
     loop_calls,
     replay,
     sends,
+    simulated,
+    stage_params,
 )
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -131,6 +135,34 @@ def test_no_flush_between_batches(runs):
     assert result["bubble"] == pytest.approx((P - 1) / (2 * M + P - 1))
     assert result["formula"]["bubble"] == pytest.approx((P - 1) / (2 * M + P - 1))
     assert result["peak_inflight"] == result["formula"]["peak_inflight"] == [3, 2, 1]
+
+
+def test_simulated_stream_from_every_stage(monkeypatch, capsys, one_thread):
+    """--simulate 5 at m = 2 (fewer micro-batches a batch than stage 0's w = 4 ahead): the one
+    process runs each of the 5 stages' first two batches in turn (the fake group's gather has only
+    its own), and each ran the stream F j then B j-w through the batch boundary; replayed they idle
+    (p-1)/(2m+p-1) of the slots, the formula, with p-s in flight on stage s but at most the 2m
+    micro-batches of the two batches. The memory and traffic reported stay rank 0's in its one
+    step, the run's last: Ψ_0, m activations out, m gradients in."""
+    p, m = 5, 2
+    flags = [*CFG, "--depth", p, "--simulate", p, "--microbatches", m]
+    result = simulated(pipeline_pipedream, flags, monkeypatch, capsys)
+    assert result["simulated"] and result["world_size"] == p and "stages" not in result
+    for s, order in enumerate(result["orders"]):
+        stream = []
+        for j in range(2 * m + p):
+            stream += [("F", j, 0), ("B", j - (p - s - 1), 0)]
+        assert [tuple(action) for action in order] == [a for a in stream if 0 <= a[1] < 2 * m], s
+    assert result["bubble"] == pytest.approx((p - 1) / (2 * m + p - 1))
+    assert result["formula"]["bubble"] == pytest.approx((p - 1) / (2 * m + p - 1))
+    assert result["peak_inflight"] == result["formula"]["peak_inflight"] == [4, 4, 3, 2, 1]
+    args = common.parse_args(common.get_parser("test"), [*CFG, "--depth", str(p)])
+    model = common.build_model(args)
+    psi = stage_params(model, p)[0]
+    assert (result["param_bytes"], result["optim_bytes"]) == (4 * psi, 8 * psi)
+    message = 4 * (args.batch_size // m) * model.embed.tokens * args.dim
+    assert result["comm"] == dict(send=m * message, recv=m * message)
+    assert result["comm_calls"] == dict(send=m, recv=m) and result["comm_steps"] == 1
 
 
 @pytest.fixture
