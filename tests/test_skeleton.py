@@ -122,8 +122,9 @@ MAX_DIFF = {
     # issue 44: + --simulate as pipeline.py (+48)
     "pipeline_schedules.py": 804,
     # pipeline.py's reshaping, its tie refusal as a part, the group; issues 40, 41, 42 as
-    # pipeline.py (the refusal wraps parallelize)
-    "pipeline_pipedream.py": 523,
+    # pipeline.py (the refusal wraps parallelize); issue 44: + --simulate as pipeline.py's, each
+    # stage run over the two batches PipeDream's bubble is defined on, with its own optimizer
+    "pipeline_pipedream.py": 574,
     # the ds_config from the flags (and the user's, checked), deepspeed.initialize, the engine's
     # loop, a stage-3 gather for the state_dict, the optional import, NVMe's async_io checked,
     # --cpu-adam (DeepSpeed's C++ CPU Adam for its CPU offload)
@@ -151,8 +152,9 @@ VARIANTS = {
         # 292 + the contract and parallelize on the user's parts, without a tie (issue 34: nor the
         # tie's embedding_group); issue 40: the micro-batch's inputs through the stash's call
         # issue 42: the refusal a wrapper of parallelize
-        # issue 44: - pipeline.py's --simulate, which pipeline_pipedream.py does not offer (+49)
-        390,
+        # issue 44: --simulate as pipeline.py's, but each stage over two batches with its own
+        # optimizer, stepped every micro-batch (+12)
+        353,
         ("def p2p(", "def infer(", "def full_state_dict(", "def evaluate(", "def setup("),
     ),
     "zero_offload.py": (
