@@ -8,12 +8,13 @@ clips, steps the schedule and zeroes the gradients). The flags become a ds_confi
     deepspeed_zero.py: engine.backward(loss); engine.step()
 
 Memory per rank (fp32, AdamW, Ψ parameters), the paper's: stage 1: 4Ψ + 4Ψ + 8Ψ/W; stage 2:
-4Ψ + 12Ψ/W; stage 3: 16Ψ/W; DeepSpeed adds its buckets and an fp32 copy of each partition.
---mixed-precision (ds_config's bf16): bf16 parameters and compute, each partition's fp32 master
-weights and optimizer state, gradients reduced in fp32; the save holds the fp32 master.
-Communication per step: Ψ gradients reduced (on Gloo, one all-reduce at stages 1-2) and Ψ
-parameters all-gathered; stage 3 all-gathers them in forward and again in backward. Paper:
-Rajbhandari et al. 2019, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
+4Ψ + 12Ψ/W; stage 3: 16Ψ/W. DeepSpeed's (formula(), exact, padding included): stages 1-2 keep
+the parameters whole, an fp32 copy of the partition and its gradient alone (4Ψ + 16Ψ/W, stage 1
+too); stage 3 each parameter's piece beside that copy (20Ψ/W). --mixed-precision (ds_config's
+bf16): bf16 parameters and compute, the fp32 master in the partition, gradients reduced in fp32.
+Stage 3 gathers every parameter in the first step's forward and backward, then the persistent
+ones (stage3_param_persistence_threshold) after each step. Paper: Rajbhandari et al. 2019,
+"ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
 https://arxiv.org/abs/1910.02054. Against zero.py: docs/techniques.md#zero-through-deepspeed.
 Needs DeepSpeed: pip install -r requirements-deepspeed.txt.
 
@@ -196,51 +197,212 @@ def give_deepspeed_the_device(device):
 ### end: DeepSpeed ZeRO
 
 
-def formula(psi, world, args):
-    """The ZeRO paper's per-rank bytes, which the report sets next to what the Meter measured of
-    DeepSpeed's engine (its collectives go through torch.distributed, which the Meter sees)."""
-    if args.mixed_precision:
-        return mixed_precision_formula(psi, world, args)
-    k = 8 if args.optim == "adamw" else 4  # the ZeRO paper's K: optimizer bytes per parameter
-    params_sharded = args.stage == 3
-    grads_sharded = args.stage >= 2
-    return dict(
-        param_bytes=4 * psi // world if params_sharded else 4 * psi,
-        grad_bytes=4 * psi // world if grads_sharded else 4 * psi,
-        optim_bytes=k * psi // world,
-        comm=dict(reduce_scatter=4 * psi, all_gather=(8 if args.stage == 3 else 4) * psi),
-        notes=dict(
-            param_bytes="4Ψ/W sharded" if params_sharded else "4Ψ replicated",
-            grad_bytes="4Ψ/W sharded" if grads_sharded else "4Ψ replicated",
-            optim_bytes=f"{k}Ψ/W sharded " + ("AdamW m, v" if k == 8 else "SGD momentum"),
-            reduce_scatter="the paper's Ψ gradients; DeepSpeed's own collectives beside",
-            all_gather="2Ψ: forward and backward" if args.stage == 3 else "Ψ updated parameters",
-        ),
-    )
+# DeepSpeed's defaults for the ds_config keys formula() reads (deepspeed/runtime/zero/config.py,
+# deepspeed/runtime/precision_config.py), where the config leaves them out
+PERSISTENCE_THRESHOLD = 100_000  # zero_optimization.stage3_param_persistence_threshold
+MODEL_PERSISTENCE_THRESHOLD = sys.maxsize  # zero_optimization.stage3_model_persistence_threshold
+# stage_1_and_2.py: nccl_start_alignment_factor = 2 elements, times the world, is what each flat
+# buffer of parameters is padded to, so that every rank's partition starts 4-byte aligned
+ALIGNMENT = 2
+INT64_BYTES = 8  # stage 3's check that every rank traced the same modules: int64 lists
 
 
-def mixed_precision_formula(psi, world, args):
-    """--mixed-precision, as the Meter reads DeepSpeed's storages after a step: the parameters are
-    the fp32 master partition (4Ψ/W, its ZeRO optimizer's) and the bf16 working copy, 2Ψ whole at
-    stages 1-2 (at stage 3 its bf16 partition is DeepSpeed's own tensor, not a parameter's
-    storage: not measured); the gradients the fp32 partition (4Ψ/W: the step freed the bf16 ones);
-    the optimizer state kΨ/W (with the master, the paper's K = 12 for AdamW). The gradients travel
-    in fp32 (4Ψ), the parameters in bf16 (2Ψ a gather)."""
-    k = 8 if args.optim == "adamw" else 4  # optimizer state bytes a parameter, the master apart
-    stage_3 = args.stage == 3
-    return dict(
-        param_bytes=4 * psi // world + (0 if stage_3 else 2 * psi),
-        grad_bytes=4 * psi // world,
-        optim_bytes=k * psi // world,
-        comm=dict(reduce_scatter=4 * psi, all_gather=(4 if stage_3 else 2) * psi),
-        notes=dict(
-            param_bytes="4Ψ/W fp32 master" + ("" if stage_3 else " + 2Ψ bf16 whole"),
-            grad_bytes="4Ψ/W fp32 partition",
-            optim_bytes=f"{k}Ψ/W sharded " + ("AdamW m, v" if k == 8 else "SGD momentum"),
-            reduce_scatter="Ψ fp32 gradients; DeepSpeed's own collectives beside",
-            all_gather="2Ψ bf16: forward and backward" if stage_3 else "Ψ bf16 parameters",
-        ),
+def flat_numel(psi, world):
+    """Stages 1-2: the elements of DeepSpeed's flat buffer of the model's parameters, Ψ padded to a
+    multiple of ALIGNMENT·W (stage_1_and_2.py, flatten_dense_tensors_aligned); a rank's partition
+    is 1/W of it."""
+    alignment = ALIGNMENT * world
+    return -(-psi // alignment) * alignment
+
+
+def partition_numel(sizes, world):
+    """Stage 3: the elements of a rank's partition, each parameter padded to a multiple of W on its
+    own (partition_parameters.py, _padding_size): Σ ceil(numel / W)."""
+    return sum(-(-numel // world) for numel in sizes)
+
+
+def persistent(model, config):
+    """The parameters DeepSpeed's stage 3 keeps whole on every rank once traced
+    (parameter_offload.py, mark_persistent_parameters): those of at most
+    stage3_param_persistence_threshold elements, while their sum stays within
+    stage3_model_persistence_threshold."""
+    zero = config["zero_optimization"]
+    threshold = zero.get("stage3_param_persistence_threshold", PERSISTENCE_THRESHOLD)
+    model_threshold = zero.get("stage3_model_persistence_threshold", MODEL_PERSISTENCE_THRESHOLD)
+    kept, total = [], 0
+    for param in model.parameters():
+        numel = ds_numel(param)
+        if numel + total > model_threshold:
+            continue
+        if numel <= threshold:
+            kept.append(param)
+            total += numel
+    return kept
+
+
+def ds_numel(param):
+    """A parameter's elements, also at stage 3, where its own tensor is empty between uses."""
+    return getattr(param, "ds_numel", param.numel())
+
+
+def formula(model, world, args, config, window):
+    """DeepSpeed's per-rank bytes, as the Meter reads them after the first step (memory) and counts
+    them over the `window` steps it watches (communication, per step): what DeepSpeed 0.19's
+    stage_1_and_2.py and stage3.py hold and send, padding included, with the ZeRO paper's own
+    figures beside (`paper`). `model` is the module the engine wraps, `config` the ds_config.
+    Exact for the common ViT; at stage 3 with --experts the trace rows are not (the experts a
+    forward runs vary)."""
+    sizes = [ds_numel(param) for param in model.parameters()]
+    psi = sum(sizes)
+    b = 2 if args.mixed_precision else 4  # bytes of a working parameter: bf16, or fp32
+    k = 8 if args.optim == "adamw" else 4  # optimizer state bytes a parameter: AdamW m, v; momentum
+    dtype = "bf16" if args.mixed_precision else "fp32"
+    notes = {}
+    if args.stage < 3:
+        # The model's parameters become views of one flat buffer of Ψ' = Ψ padded to ALIGNMENT·W
+        # elements, whole on every rank; the optimizer steps an fp32 copy of this rank's 1/W of
+        # it (cloned, also in fp32).
+        n = flat_numel(psi, world)
+        rows = dict(
+            param_bytes=b * n + 4 * n // world,
+            grad_bytes=4 * n // world,
+            optim_bytes=k * n // world,
+        )
+        role = (
+            "the master (in the paper's K)" if args.mixed_precision else "a copy the paper has not"
+        )
+        notes["param_bytes"] = (
+            f"{b}Ψ' {dtype} whole (the model's) + 4Ψ'/W fp32 partition, {role}; "
+            f"Ψ' = Ψ padded to {ALIGNMENT}W"
+        )
+        notes["grad_bytes"] = (
+            "4Ψ'/W: the averaged fp32 partition; the model's gradients are freed once reduced"
+            + ("; the paper's stage 1 keeps them whole" if args.stage == 1 else "")
+        )
+    else:
+        # Each parameter is cut into W pieces of its own; the optimizer steps an fp32 flat copy
+        # of this rank's pieces, and the pieces themselves (ds_tensor) stay beside it.
+        n = partition_numel(sizes, world)
+        rows = dict(
+            param_bytes=4 * n,
+            grad_bytes=4 * n,
+            optim_bytes=k * n,
+            working_bytes=b * n,
+        )
+        notes["param_bytes"] = "4Ψ'/W fp32 partition the optimizer steps, Ψ' = Σ ceil(numel/W)·W"
+        notes["working_bytes"] = f"{b}Ψ'/W: each parameter's own {dtype} piece (ds_tensor), " + (
+            "the paper's parameters" if args.mixed_precision else "a second fp32 copy"
+        )
+        notes["grad_bytes"] = "4Ψ'/W: the averaged fp32 partition"
+    notes["optim_bytes"] = f"{k}Ψ'/W sharded " + ("AdamW m, v" if k == 8 else "SGD momentum")
+    comm, comm_notes = communication(model, sizes, world, args, config, window)
+    notes.update(comm_notes)
+    paper, paper_notes = paper_figures(psi, world, args)
+    notes.update(paper_notes)
+    return dict(**rows, comm=comm, paper=paper, notes=notes)
+
+
+def communication(model, sizes, world, args, config, window):
+    """({kind: bytes a step}, {kind: note}) over the Meter's `window` steps, as it counts them:
+    the window's bytes floor-divided by its steps."""
+    b = 2 if args.mixed_precision else 4
+    dtype = "bf16" if args.mixed_precision else "fp32"
+    psi = sum(sizes)
+    micro_batches = window * args.grad_accum
+    # the gradients reach the optimizer in fp32: ds_config's communication_data_type under bf16
+    if args.stage < 3:
+        # One all-reduce of the unpadded gradients, each rank keeping its partition
+        # (use_multi_rank_bucket_allreduce): at the step's last micro-batch at stage 1, after
+        # every micro-batch's backward at stage 2, which keeps no whole gradient.
+        reductions = args.grad_accum if args.stage == 2 else 1
+        all_reduce = reductions * 4 * psi * window
+        overflow = args.mixed_precision and config["bf16"].get("check_grad_overflow", True)
+        all_reduce += window if overflow else 0  # a 1-byte flag a step: any inf or NaN?
+        offload = args.offload != "none"
+        all_reduce += 4 * window if offload else 0  # the offloaded gradients' norm (below)
+        comm = dict(all_reduce=all_reduce, all_gather=b * flat_numel(psi, world) * window)
+        notes = dict(
+            all_reduce=("" if reductions == 1 else f"{reductions}x ")
+            + "4Ψ fp32 gradients, where the paper reduce-scatters: DeepSpeed all-reduces and "
+            "keeps its partition"
+            + (" (after each micro-batch)" if reductions > 1 else "")
+            + (" + 1 B, the bf16 overflow check" if overflow else "")
+            + (" + 4 B, the offloaded gradients' norm" if offload else ""),
+            all_gather=f"{b}Ψ' {dtype}: the updated partitions into the flat buffer",
+        )
+        return {kind: total // window for kind, total in comm.items()}, notes
+    # Stage 3 gathers a parameter's W pieces whole (each padded to W) before a module uses it.
+    # The first forward and backward record the order of use (the trace) and gather every
+    # parameter for each use; once traced, the persistent ones stay whole, refreshed by one
+    # gather after each step, and the others are gathered once a micro-batch, in its forward
+    # (kept for backward: models under stage3_max_reuse_distance elements).
+    whole = b * world * partition_numel(sizes, world)
+    kept_params = persistent(model, config)
+    kept = b * world * partition_numel([ds_numel(param) for param in kept_params], world)
+    all_gather = 2 * whole + (micro_batches - 1) * (whole - kept) + window * kept
+    if args.grad_accum > 1:
+        # The first step's second micro-batch gathers in its forward the persistent parameters
+        # that the traced backward let go: all but those of the modules whose backward hook
+        # never fires, those reading the images (no gradient to them): the patch embedding's.
+        embedding = set(model.embed.parameters())
+        still_whole = [ds_numel(param) for param in kept_params if param in embedding]
+        all_gather += kept - b * world * partition_numel(still_whole, world)
+    # At the second micro-batch's forward every rank checks that it traced the same order:
+    # int64 lists of the modules used (forward and backward: 2M) and, for the parameters of
+    # each use, their ids and step ids (2 x 2P); the first forward checked an empty list.
+    modules = [m for m in model.modules() if not isinstance(m, torch.nn.ModuleList)]
+    params = sum(len(list(m.parameters(recurse=False))) for m in modules)
+    trace = INT64_BYTES * (2 * len(modules) + 4 * params) if micro_batches > 1 else 0
+    comm = dict(
+        reduce_scatter=args.grad_accum * 4 * world * partition_numel(sizes, world) * window,
+        all_gather=all_gather,
+        broadcast=trace,
     )
+    notes = dict(
+        reduce_scatter=("" if args.grad_accum == 1 else f"{args.grad_accum}x ")
+        + "4Ψ' fp32 gradients, after each backward",
+        all_gather=f"{b}Ψ' {dtype} a gather: 2 in the first (traced) step, then "
+        "the persistent parameters (stage3_param_persistence_threshold) after each step"
+        + ("" if kept == whole else ", the others in each forward")
+        + (", and once in the second micro-batch" if args.grad_accum > 1 else "")
+        + "; the paper: 2 a step",
+        broadcast="DeepSpeed's check that the ranks traced the same modules, once",
+    )
+    if args.offload != "none":
+        # The offloaded gradients' squared norm (for the clip, taken also without one), summed
+        # over the ranks as a 1-element fp32 tensor, at every stage; the device's is 0-d, which
+        # the Meter leaves out as bookkeeping.
+        comm["all_reduce"] = 4 * window
+        notes["all_reduce"] = "4 B: the squared norm of the offloaded gradients, summed"
+    return {kind: total // window for kind, total in comm.items()}, notes
+
+
+def paper_figures(psi, world, args):
+    """The ZeRO paper's per-rank bytes (https://arxiv.org/abs/1910.02054, §5 and Table 1) for this
+    run's dtypes and optimizer: parameters B, gradients B and K bytes of optimizer state a
+    parameter (mixed precision: 2 + 2 + K with the fp32 master in K, Table 1's K = 12 for Adam;
+    fp32: 4 + 4 + K, no master), sharded from stage 1 (state), 2 (gradients), 3 (parameters);
+    communication a step without accumulation: the gradients reduce-scattered once (B Ψ) and the
+    parameters all-gathered once (B Ψ), at stage 3 in forward and in backward."""
+    b = 2 if args.mixed_precision else 4
+    k = (8 if args.optim == "adamw" else 4) + (4 if args.mixed_precision else 0)
+    sharded = {1: (b + b) * psi + k * psi / world, 2: b * psi + (b + k) * psi / world}
+    states = sharded.get(args.stage, (b + b + k) * psi / world)
+    paper = dict(model_states=states, all_gather=(2 if args.stage == 3 else 1) * b * psi)
+    reduction = "reduce_scatter" if args.stage == 3 else "all_reduce"
+    paper[reduction] = b * psi
+    formulas = {1: f"{2 * b}Ψ + {k}Ψ/W", 2: f"{b}Ψ + {b + k}Ψ/W"}
+    source = "ZeRO Table 1" if k == 12 else "ZeRO §5's formulas"
+    dtype = "bf16" if args.mixed_precision else "fp32"
+    notes = dict(
+        model_states="the rows below: DeepSpeed's copies beside the paper's",
+        paper=f"{source}: {b} + {b} + K bytes a parameter, K = {k}, "
+        + formulas.get(args.stage, f"{2 * b + k}Ψ/W")
+        + f"; Ψ {dtype} gradients reduce-scattered (beside DeepSpeed's reduction) and Ψ "
+        + ("parameters all-gathered twice" if args.stage == 3 else "parameters all-gathered")
+        + " a step (https://arxiv.org/abs/1910.02054)",
+    )
+    return paper, notes
 
 
 def ds_config_from(args, world):
@@ -490,8 +652,12 @@ def run(args):
             f"({len(train_set)} train / {len(test_set)} test), "
             f"batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
         )
-        # the torch optimizer inside DeepSpeed's ZeRO optimizer: it holds the sharded state
-        with common.Meter(model, optimizer.optimizer, args, device=device) as meter:
+        # the torch optimizer inside DeepSpeed's ZeRO optimizer: it holds the sharded state; at
+        # stage 3 each parameter's own piece (ds_tensor) is held besides, not as a Parameter
+        held = {}
+        if args.stage == 3:
+            held["working_bytes"] = lambda: [p.ds_tensor for p in model.module.parameters()]
+        with common.Meter(model, optimizer.optimizer, args, device=device, held=held) as meter:
             out = train(model, optimizer, scheduler, loader, sampler, args, device)
         test_loader = common.test_loader(
             test_set, dp_rank, dp_world, pin_memory=device.type == "cuda"
@@ -516,7 +682,7 @@ def run(args):
             trained=out,
             test_acc=acc,
             meter=meter,
-            formula=formula(psi, world, args),
+            formula=formula(model.module, world, args, config, min(out["steps"], meter.steps)),
         )
     finally:
         cleanup()

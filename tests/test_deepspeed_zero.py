@@ -104,17 +104,34 @@ def padded(measured, exact):
     return exact <= measured <= 1.01 * exact
 
 
+def every_row_is_the_formula(res, case=""):
+    """Each row of the report (a RESULT): the measured per-rank bytes, of memory and of each kind
+    of collective a step, equal deepspeed_zero.formula's, DeepSpeed's own layout."""
+    formula = res["formula"]
+    rows = ("param_bytes", "grad_bytes", "optim_bytes", "working_bytes")
+    measured = {row: res.get(row) for row in rows}
+    assert measured == {row: formula.get(row) for row in rows}, case
+    kinds = set(res["comm"]) | set(formula["comm"])
+    measured = {kind: res["comm"].get(kind, 0) for kind in kinds}
+    assert measured == {kind: formula["comm"].get(kind) for kind in kinds}, case
+
+
 @needs_deepspeed
 @pytest.mark.parametrize("stage,world,optim", CASES)
 def test_meter_sees_deepspeeds_sharding(stage, world, optim, launched):
-    """The Meter reads DeepSpeed's storages and counts its collectives from outside: the sharded
-    optimizer state is the paper's kΨ/W; the gradients travel once (a reduce-scatter, or at stages
-    1-2 on Gloo an all-reduce) and the updated parameters through all-gathers: Ψ at stages 1-2,
-    at stage 3 between Ψ and 2Ψ (DeepSpeed keeps small parameters whole on every rank, and its
-    forward's gathers may serve backward)."""
+    """The Meter reads DeepSpeed's storages and counts its collectives from outside, and every row
+    is formula()'s (padding, DeepSpeed's fp32 partition beside the model's parameters, the
+    all-reduce at stages 1-2, stage 3's persistent parameters); next to it the paper's: the
+    sharded optimizer state is the paper's kΨ/W; the gradients travel once (a reduce-scatter, or
+    at stages 1-2 an all-reduce) and the updated parameters through all-gathers: Ψ at
+    stages 1-2, at stage 3 between Ψ and 2Ψ (DeepSpeed keeps small parameters whole on every
+    rank, gathered once after each step)."""
     res, _ = launched["deepspeed_zero", stage, world, optim]
+    every_row_is_the_formula(res)
     psi = res["params"]
     k = 8 if optim == "adamw" else 4
+    paper = {1: 8 * psi + k * psi / world, 2: 4 * psi + (4 + k) * psi / world}
+    assert res["paper"]["model_states"] == pytest.approx(paper.get(stage, (8 + k) * psi / world))
     assert padded(res["optim_bytes"], k * psi / world)
     gradients = res["comm"].get("reduce_scatter", 0) + res["comm"].get("all_reduce", 0)
     assert padded(gradients, 4 * psi)
@@ -133,7 +150,11 @@ def test_clip_load_offload_and_config(refs, tmp_path, tmp_path_factory):
     stage 3 with lr 0 saves it back bit for bit; --offload cpu at stage 3 (offload_optimizer and
     offload_param, with the torch optimizer) ends where ddp.py ends; a --ds-config of the user's
     that agrees with the flags trains as the flags would; --grad-accum 2 (two micro-batches of 6
-    a rank, the loss divided once, by the engine) ends where ddp.py's batches of 24 end."""
+    a rank, the loss divided once, by the engine) ends where ddp.py's batches of 24 end, at
+    stage 2 (with the user's config) and at stage 3. Every report row is formula()'s: at stage 2
+    the gradients all-reduced after each micro-batch, at stage 3 reduce-scattered after each and
+    the persistent parameters gathered once more, in the second micro-batch; with --offload cpu
+    the gradients' norm (4 B) all-reduced; --load's one-step run (no trace check)."""
     config = tmp_path / "ds_config.json"
     config.write_text(json.dumps({"train_batch_size": 24, "zero_optimization": {"stage": 2}}))
     names = ("clip", "load", "offload", "config", "accum")
@@ -147,10 +168,16 @@ def test_clip_load_offload_and_config(refs, tmp_path, tmp_path_factory):
             + ["--save", saved["load"]],
         ],
         ["deepspeed_zero", [*sgd, "--stage", 3, "--offload", "cpu", "--save", saved["offload"]]],
-        ["deepspeed_zero", [*sgd, "--stage", 2, "--ds-config", config, "--save", saved["config"]]],
-        ["deepspeed_zero", [*sgd, "--stage", 2, "--grad-accum", 2, "--save", saved["accum"]]],
+        [
+            "deepspeed_zero",
+            [*sgd, "--stage", 2, "--grad-accum", 2, "--ds-config", config]
+            + ["--save", saved["config"]],
+        ],
+        ["deepspeed_zero", [*sgd, "--stage", 3, "--grad-accum", 2, "--save", saved["accum"]]],
     ]
-    launch_each(2, argv)
+    results = dict(zip(names, launch_each(2, argv), strict=True))
+    for name in names:
+        every_row_is_the_formula(results[name][0], name)
     clipped = ddp_reference(tmp_path_factory, [*CFG, "--clip", CLIP], "sgd")
     assert max_diff(clipped, refs["sgd"]) > 100 * TOL["sgd"]  # the clip bit
     assert max_diff(saved["clip"], clipped) <= TOL["sgd"]
@@ -170,8 +197,7 @@ def test_mixed_precision_ends_where_zero_mixed_precision_ends(initial, tmp_path)
     weights: both start here from weights that bf16 holds exactly. The all-gathers move bf16
     (at most 2 bytes a parameter, twice a step: fp32 moved more than 4Ψ), the reduce-scatters
     fp32 (4Ψ: DeepSpeed's default for bf16 would move 2Ψ), and the save is the fp32 master.
-    (Stages 1-2 at W=3, AdamW, measured by hand: parameters 2Ψ + 4Ψ/W, gradients 4Ψ/W, state
-    8Ψ/W, all-gathers 2Ψ, all-reduces 4Ψ: mixed_precision_formula's.)"""
+    Every row is formula()'s (stages 1-2 and accumulation: test_every_row_is_the_formula)."""
     weights = torch.load(initial, weights_only=True)
     start = tmp_path / "bf16_exact.pt"
     torch.save({k: v.to(torch.bfloat16).float() for k, v in weights.items()}, start)
@@ -185,9 +211,47 @@ def test_mixed_precision_ends_where_zero_mixed_precision_ends(initial, tmp_path)
     psi = res["params"]
     assert 2 * psi < res["comm"]["all_gather"] <= 1.01 * 4 * psi
     assert padded(res["comm"]["reduce_scatter"], 4 * psi)
-    # the report's formula, measured: the fp32 master and its gradient, 4Ψ/W each
+    # the fp32 master and its gradient, 4Ψ/W each, and each parameter's bf16 piece, 2Ψ/W
     assert padded(res["param_bytes"], 4 * psi / 2) and padded(res["grad_bytes"], 4 * psi / 2)
-    assert res["formula"]["comm"]["all_gather"] == 4 * psi
+    assert padded(res["working_bytes"], 2 * psi / 2)
+    every_row_is_the_formula(res)
+    assert res["paper"]["model_states"] == pytest.approx((2 + 2 + 8) * psi / 2)  # SGD: K = 8
+
+
+# formula()'s grid: stages, W, --mixed-precision, --grad-accum; and stage 3 at a width whose MLP
+# weights (160 x 640) exceed stage3_param_persistence_threshold (1e5): gathered in each forward
+WIDE = "--dim 160 --heads 2 --limit 480"
+FORMULA_GRID = [
+    (stage, world, mixed, accum, "")
+    for stage in (1, 2, 3)
+    for world in (2, 3)
+    for mixed in (False, True)
+    for accum in (1, 2)
+] + [(3, 2, False, 1, WIDE), (3, 2, True, 2, WIDE)]
+
+
+@needs_deepspeed
+@pytest.mark.full  # 26 launches: the quick tests assert the rows on the launches they make
+@pytest.mark.parametrize("stage,world,mixed,accum,extra", FORMULA_GRID)
+def test_every_row_is_the_formula(stage, world, mixed, accum, extra):
+    """Every report row is formula()'s, AdamW, on shapes W does not divide (DeepSpeed's padding):
+    fp32 and --mixed-precision (bf16 gathers, fp32 reductions, at stages 1-2 the bf16 overflow
+    check's byte), --grad-accum 1 and 2 (stage 1 reduces once a step, stage 2 after each
+    micro-batch; stage 3's second micro-batch gathers the persistent parameters once more), and
+    stage 3 with parameters over the persistence threshold. Beside it the paper's model states:
+    Table 1 under --mixed-precision (2 + 2 + 12), 4 + 4 + 8 in fp32."""
+    flags = [*CFG, *extra.split(), "--optim", "adamw", "--stage", stage, "--grad-accum", accum]
+    if mixed:
+        flags.append("--mixed-precision")
+    [(res, _)] = launch_each(world, [["deepspeed_zero", flags]])
+    assert (res["world_size"], res["steps"]) == (world, 6)
+    every_row_is_the_formula(res)
+    psi = res["params"]
+    b, k = (2, 12) if mixed else (4, 8)
+    paper = {1: 2 * b * psi + k * psi / world, 2: b * psi + (b + k) * psi / world}
+    assert res["paper"]["model_states"] == pytest.approx(
+        paper.get(stage, (2 * b + k) * psi / world)
+    )
 
 
 @needs_deepspeed
