@@ -1337,7 +1337,7 @@ def mixed_precision_formula(psi, world, args, dtype=torch.float32, tied=0, backw
     # The paper's Table 1 (https://arxiv.org/abs/1910.02054): 2 bytes a parameter, 2 a gradient
     # and K = 12 of Adam's state (the fp32 master, momentum, variance), each sharded from its stage
     # on. This recipe differs in one place: its gradients are fp32 (+2 bytes each held), reduced
-    # in fp32 as FSDP2's reduce_dtype and DeepSpeed's bf16 optimizer do.
+    # in fp32 as FSDP2's reduce_dtype=float32 and torchtitan's default do.
     paper_bytes = {1: 4 * psi + 12 * psi / world, 2: 2 * psi + 14 * psi / world}
     paper = dict(model_states=paper_bytes.get(args.stage, 16 * psi / world))
     return dict(

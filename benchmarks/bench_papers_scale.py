@@ -17,12 +17,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 GB = 1e9  # the papers' gigabyte
-ZERO = "ZeRO Table 1 (https://arxiv.org/abs/1910.02054)"
-MEGATRON = "Megatron-LM §3 (https://arxiv.org/abs/1909.08053)"
-GPT3 = "GPT-3 175B on 1,536 GPUs, t = 8, p = 16 (https://arxiv.org/abs/2104.04473, Table 1)"
-ZERO_DP = "ZeRO §7.2.1: stage 1 moves 2Ψ a step, as data parallelism does"
-GPIPE = "GPipe §2.3 (https://arxiv.org/abs/1811.06965): (p-1)/(m+p-1)"
-INTERLEAVED = "Narayanan et al. §2.2.2 (https://arxiv.org/abs/2104.04473): (p-1)/(v·m) of compute"
+# the papers, as the table names them
+SOURCES = {
+    "ZeRO": "Rajbhandari et al. 2020, https://arxiv.org/abs/1910.02054",
+    "Megatron-LM": "Shoeybi et al. 2019, https://arxiv.org/abs/1909.08053",
+    "GPipe": "Huang et al. 2019, https://arxiv.org/abs/1811.06965",
+    "Narayanan": "Narayanan et al. 2021, https://arxiv.org/abs/2104.04473",
+}
+ZERO = "ZeRO, Table 1"
+MEGATRON = "Megatron-LM, §3"
+GPT3 = "Narayanan, Table 1"  # GPT-3 175B on 1,536 GPUs: t = 8, p = 16, d = 12
+ZERO_DP = "ZeRO, §7.2.1"  # stage 1 moves 2Ψ a step, as data parallelism does
+GPIPE = "GPipe, §2.3"  # (p-1)/(m+p-1)
+INTERLEAVED = "Narayanan, §2.2.2"  # (p-1)/(v·m) of the compute time
 # ZeRO's Table 1 model: 7.5B parameters, mixed precision, Adam (K = 12); here Ψ = 7.45B
 TABLE_1 = [*"--mixed-precision --dim 4096 --depth 37 --heads 32 --batch-size 1024".split()]
 # GPT-3 175B's layout (Narayanan et al. 2021, Table 1) on the common ViT at GPT-3's width and depth
@@ -33,8 +40,8 @@ MEMORY_ROWS = ("param_bytes", "grad_bytes", "optim_bytes", "working_bytes")
 
 def model_states(fields):
     """Parameters, gradients, optimizer state and working copy a rank holds, in GB, the gradients
-    counted at the paper's 2 bytes: zero.py's are fp32 (reduced in fp32, as FSDP2's reduce_dtype
-    and DeepSpeed's bf16 optimizer do), 2 bytes more for each one held."""
+    counted at the paper's 2 bytes: zero.py's are fp32 (reduced in fp32, as FSDP2's
+    reduce_dtype=float32 and torchtitan's default do), 2 bytes more for each one held."""
     held = sum(fields.get(row) or 0 for row in MEMORY_ROWS)
     return (held - fields["grad_bytes"] / 2) / GB
 
@@ -83,27 +90,27 @@ def formula_data_parallel_traffic(fields):
 ROWS = [
     *[
         (
-            f"ZeRO stage {stage}, 7.5B, N_d = {world}",
+            f"ZeRO-{stage}, 7.5B, N_d = {world}",
             "zero.py",
             world,
             ["--stage", str(stage), *TABLE_1],
             model_states,
             lambda fields: model_states(fields["formula"]),
             paper,
-            "GB model states a rank, fp16-sized gradients",
+            "GB a rank, 2-byte gradients",
             ZERO,
         )
         for world, stage, paper in ((64, 1, 31.4), (64, 2, 16.6), (64, 3, 1.88), (1024, 3, 0.12))
     ],
     (
-        "Megatron TP, T = 8, 72 layers",
+        "Megatron TP, t = 8, 72 layers",
         "tensor_parallel.py",
         8,
         [*"--dim 1024 --depth 72 --heads 16 --batch-size 8".split()],
         all_reduces_a_layer,
         formula_all_reduces_a_layer,
         4,
-        "all-reduces a layer a step",
+        "all-reduces a layer",
         MEGATRON,
     ),
     (
@@ -114,11 +121,11 @@ ROWS = [
         bubble,
         formula_bubble,
         round(7 / 15, 4),
-        "idle fraction of the stages' time",
+        "idle fraction",
         GPIPE,
     ),
     (
-        "interleaved 1F1B, p = 8, v = 2, m = 8",
+        "interleaved, p = 8, v = 2, m = 8",
         "pipeline_schedules.py",
         8,
         [*"--schedule interleaved --virtual-stages 2 --microbatches 8 --depth 16".split()]
@@ -126,29 +133,29 @@ ROWS = [
         bubble,
         formula_bubble,
         round(7 / 23, 4),  # an idle fraction f: f / (1 - f) = (p-1)/(v·m) = 7/16
-        "idle fraction of the stages' time",
+        "idle fraction",
         INTERLEAVED,
     ),
     (
-        "GPT-3 175B layout, t8 x p16 x d12",
+        "GPT-3 175B, t8 p16 d12",
         "hybrid_parallel.py",
         1536,
         GPT3_LAYOUT,
         billions_of_parameters,
         formula_billions_of_parameters,
         round(175 / (8 * 16), 3),
-        "billion parameters a rank (Ψ/(t·p))",
+        "10^9 parameters a rank",
         GPT3,
     ),
     (
-        "GPT-3 175B layout, ZeRO-1 over d = 12",
+        "GPT-3 175B, ZeRO-1 over d",
         "hybrid_parallel.py",
         1536,
         GPT3_LAYOUT,
         data_parallel_traffic,
         formula_data_parallel_traffic,
         2,
-        "data-parallel bytes a step, in a rank's parameter bytes",
+        "dp bytes / parameter bytes",
         ZERO_DP,
     ),
 ]
@@ -170,16 +177,35 @@ def main():
     parser.add_argument("--only", default=None, help="only the rows whose label matches a regex")
     args = parser.parse_args()
     rows = [row for row in ROWS if args.only is None or re.search(args.only, row[0])]
-    print("| setting | command | measured | formula | paper | unit | paper's source |")
-    print("|---|---|---|---|---|---|---|")
+    print("| setting | measured | formula | paper | unit | paper's |")
+    print("|---|---|---|---|---|---|")
+    commands = []
     for label, script, world, flags, measured, formula, paper, unit, source in rows:
         fields = simulate(script, world, tuple(flags))
-        command = f"`python {script} --simulate {world} {' '.join(flags)}`"
         print(
-            f"| {label} | {command} | {measured(fields):.3g} | {formula(fields):.3g} | {paper} "
-            f"| {unit} | {source} |",
+            f"| {label} | {measured(fields):.3g} | {formula(fields):.3g} | {paper} | {unit} "
+            f"| {source} |",
             flush=True,
         )
+        commands.append(f"python {script} --simulate {world} {' '.join(flags)}")
+    print()
+    for name, where in SOURCES.items():
+        print(f"- {name}: {where}")
+    print("\n```bash")
+    for command in dict.fromkeys(commands):  # each once, in the rows' order
+        print(wrapped(command))
+    print("```")
+
+
+def wrapped(command, width=96):
+    """The command on lines of at most `width` characters, each flag with its value, continued
+    by a backslash."""
+    lines = [""]
+    for flag in re.split(r" (?=--)", command):
+        if lines[-1] and len(lines[-1]) + 1 + len(flag) > width:
+            lines.append("   ")
+        lines[-1] += (" " if lines[-1] else "") + flag
+    return " \\\n".join(lines)
 
 
 if __name__ == "__main__":
