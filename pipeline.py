@@ -515,15 +515,18 @@ def every_stage_order(args, loader, world, device):
     return orders
 
 
-def formula(psi, world, args):
-    """Rank 0's promises, psi its stage's parameters: its bytes; per step m activations out and m
-    gradients in (B/m·T·D fp32 each); the schedule's idle fraction of the slots; each stage's peak
+def formula(psi, world, args, rank=0):
+    """Stage `rank`'s promises, psi its parameters: its bytes; per step m activations and m
+    gradients (B/m·T·D fp32 each), an end stage one of each kind out and the other in, a stage
+    between the ends both each way; the schedule's idle fraction of the slots; each stage's peak
     of micro-batches in flight, whose activations it holds."""
     optim_per_param = 8 if args.optim == "adamw" else 4
     m = args.microbatches
     tokens = (common.IMAGE // args.patch) ** 2
-    # m messages of B/m·T·D fp32 each way: 4·B·T·D bytes (none in a world of one)
-    bytes_each_way = 4 * args.batch_size * tokens * args.dim if world > 1 else 0
+    between = 0 < rank < world - 1  # a neighbour on each side: activations and gradients each way
+    # m messages of B/m·T·D fp32 each way: 4·B·T·D bytes, twice between (none in a world of one)
+    bytes_each_way = 4 * args.batch_size * tokens * args.dim * (2 if between else 1)
+    bytes_each_way = bytes_each_way if world > 1 else 0
     if args.schedule == "naive":
         bubble = (world - 1) / world
         bubble_text = "(p-1)/p"
@@ -546,8 +549,12 @@ def formula(psi, world, args):
             param_bytes="4Ψ_s: this stage's",
             grad_bytes="4Ψ_s",
             optim_bytes=f"{optim_per_param}Ψ_s",
-            send="m activations of B/m·T·D fp32",
-            recv="m gradients of B/m·T·D fp32",
+            send="m activations and m gradients of B/m·T·D fp32"
+            if between
+            else f"m {'gradients' if rank else 'activations'} of B/m·T·D fp32",
+            recv="m activations and m gradients of B/m·T·D fp32"
+            if between
+            else f"m {'activations' if rank else 'gradients'} of B/m·T·D fp32",
             bubble=bubble_text,
         ),
     )
@@ -692,7 +699,7 @@ def run(args):
                 common.save_checkpoint(state, args.save)
                 common.log(f"saved {args.save}")
         psi_stage = sum(p.numel() for p in model.parameters())  # Ψ_s: this rank's stage only
-        promised = formula(psi_stage, world, args)
+        promised = formula(psi_stage, world, args, rank)
         orders = None  # every rank's, gathered by pipeline_timeline
         if args.simulate:  # the other ranks do not exist: their stages run here, one by one
             orders = every_stage_order(args, loader, world, device)

@@ -652,16 +652,17 @@ def every_stage_order(args, loader, world, device):
     return orders
 
 
-def formula(psi, world, args):
-    """Rank 0's promises, psi its stage's parameters: its bytes; per micro-batch an activation out
-    of each of its V chunks and a gradient out of each but the first (2V-1 messages), as many in;
-    the schedule's idle fraction of the slots; each stage's peak of micro-batch chunks in flight."""
+def formula(psi, world, args, rank=0):
+    """Stage `rank`'s promises, psi its parameters: its bytes; per micro-batch an activation out
+    of each of its V chunks but the model's last and a gradient out of each but the model's first
+    (2V-1 messages on an end stage, 2V between), as many in; the schedule's idle fraction of the
+    slots; each stage's peak of micro-batch chunks in flight."""
     optim_per_param = 8 if args.optim == "adamw" else 4
     m = args.microbatches
     V = args.virtual_stages
     tokens = (common.IMAGE // args.patch) ** 2
-    per_micro_batch = 2 * V - 1  # messages each way
-    # m·(2V-1) messages of B/m·T·D fp32 each way (none in a world of one)
+    per_micro_batch = 2 * V if 0 < rank < world - 1 else 2 * V - 1  # messages each way
+    # m·(2V-1) messages of B/m·T·D fp32 each way, m·2V between (none in a world of one)
     bytes_each_way = 4 * args.batch_size * tokens * args.dim * per_micro_batch if world > 1 else 0
     if args.schedule == "interleaved":
         bubble = (world - 1) / (V * m + world - 1)
@@ -842,7 +843,7 @@ def run(args):
                 common.save_checkpoint(state, args.save)
                 common.log(f"saved {args.save}")
         psi_stage = sum(p.numel() for p in model.parameters())  # Ψ_s: this rank's chunks only
-        promised = formula(psi_stage, world, args)
+        promised = formula(psi_stage, world, args, rank)
         orders = None  # every rank's, gathered by pipeline_timeline
         if args.simulate:  # the other ranks do not exist: their stages run here, one by one
             orders = every_stage_order(args, loader, world, device)

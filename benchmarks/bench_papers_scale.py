@@ -46,14 +46,23 @@ def model_states(fields):
     return (held - fields["grad_bytes"] / 2) / GB
 
 
-def all_reduces_a_layer(fields, depth=72):
+# Megatron's row: T = 8 ranks, a deep stack of layers, the common ViT's 16 tokens (patch 7)
+MEGATRON_MODEL = dict(dim=1024, depth=72, heads=16, batch_size=8)
+MEGATRON_FLAGS = []  # --dim 1024 --depth 72 ...
+for key, value in MEGATRON_MODEL.items():
+    MEGATRON_FLAGS += [f"--{key.replace('_', '-')}", str(value)]
+TOKENS = 16
+
+
+def all_reduces_a_layer(fields):
     """Calls a layer in one step, as measured."""
-    return fields["comm_calls"].get("all_reduce", 0) / depth
+    return fields["comm_calls"].get("all_reduce", 0) / MEGATRON_MODEL["depth"]
 
 
-def formula_all_reduces_a_layer(fields, depth=72, batch=8, tokens=16, dim=1024):
+def formula_all_reduces_a_layer(fields):
     """The formula's all-reduce bytes in whole [B, T, D] fp32 activations, a layer."""
-    return fields["formula"]["comm"]["all_reduce"] / (depth * batch * tokens * dim * 4)
+    depth, batch, dim = (MEGATRON_MODEL[key] for key in ("depth", "batch_size", "dim"))
+    return fields["formula"]["comm"]["all_reduce"] / (depth * batch * TOKENS * dim * 4)
 
 
 def bubble(fields):
@@ -106,7 +115,7 @@ ROWS = [
         "Megatron TP, t = 8, 72 layers",
         "tensor_parallel.py",
         8,
-        [*"--dim 1024 --depth 72 --heads 16 --batch-size 8".split()],
+        MEGATRON_FLAGS,
         all_reduces_a_layer,
         formula_all_reduces_a_layer,
         4,

@@ -214,6 +214,9 @@ def check_simulation(args):
     uses: the fake backend (pick_backend, init_process_group) and one step of meta batches."""
     W, r = args.simulate, args.simulate_rank
     check(W >= 1, f"--simulate must be >= 1 (the simulated world size), got {W}")
+    check(
+        args.backend == "auto", f"--simulate runs on the fake backend, not --backend {args.backend}"
+    )
     check(0 <= r < W, f"--simulate-rank must be in [0, {W}), got {r}")
     check(
         int(os.environ.get("WORLD_SIZE", "1")) == 1 and (args.nproc or 1) == 1,
@@ -339,17 +342,9 @@ def launch(run, args):
     import torch.multiprocessing as mp
 
     if args.simulate:  # one process as rank r of W (common/simulate.py)
-        os.environ.update(
-            RANK=str(args.simulate_rank),
-            LOCAL_RANK="0",
-            WORLD_SIZE=str(args.simulate),
-            LOCAL_WORLD_SIZE="1",
-        )
-        from common import messages
-        from common.simulate import MetaValues
+        from common.simulate import simulated_rank
 
-        messages.ALONE = True
-        with MetaValues():
+        with simulated_rank(args.simulate_rank, args.simulate):
             run_and_collect(run, args)
         return
     launched = "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1

@@ -35,7 +35,7 @@ def fail(message, code=2):
     silence leaves the others waiting in the rendezvous: so each node's local rank 0 says it, and
     names its host when it is not rank 0's."""
     if dist.is_available() and dist.is_initialized():
-        speaks = dist.get_rank() == 0
+        speaks = dist.get_rank() == 0 or ALONE
     else:
         speaks = int(os.environ.get("LOCAL_RANK", "0")) == 0
     if speaks:

@@ -201,7 +201,8 @@ class Meter:
     --profile records those steps with torch.profiler, one Chrome/Perfetto trace per rank.
     Deleting it from a script changes nothing the technique does. `parts={"attention": [modules]}`
     adds a row act_bytes_attention: what those modules' forwards saved for backward in the first
-    forward. `held={"working_bytes": f}` adds a row: the bytes of the tensors f() returns.
+    forward. `held={"working_bytes": f}`: the bytes of the tensors f() returns, the report's
+    "working copy" row (the one key it prints; any other reaches the RESULT line only).
 
     `device` is the script's: the clock synchronizes its stream, the CUDA peak is its. Left out:
     the GPU torch.cuda.set_device chose under NCCL (also where the parameters live on the CPU, as

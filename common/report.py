@@ -79,9 +79,14 @@ def report(
     machine-readable line `RESULT {json}` that run_all.sh and the tests read.
 
     `formula` maps param_bytes / grad_bytes / optim_bytes / comm (a {kind: bytes} dict) to the
-    paper's value (None where it makes no promise), and `notes` to the formula's text. `data` names
-    the data source, `params` is Ψ, `trained` is train()'s dict (steps, loss), `test_acc`
-    evaluate()'s accuracy; `extra` goes into the RESULT line as it is."""
+    script's promise (None where it makes none), optionally optim_peak_bytes and working_bytes
+    (rows of their own, working_bytes where the Meter measured it: its `held=`), and `notes` to
+    the formula's text. `paper` (optional): the paper's own formula at this run's size, printed in
+    a column of its own: {"model_states": bytes} adds a "model states, all" row (parameters,
+    gradients, optimizer state and working copy), a comm kind goes on its row; notes["paper"]
+    names the paper. `data` names the data source, `params` is Ψ, `trained` is train()'s dict
+    (steps, loss), `test_acc` evaluate()'s accuracy (None under --simulate); `extra` goes into
+    the RESULT line as it is."""
     notes = formula.pop("notes", {})
     comm, calls, counted = meter.comm()
     rows = [
@@ -126,8 +131,8 @@ def report(
                 notes.get(kind, "") + f" ({calls.get(kind, 0)} calls in {counted} steps)",
             )
         )
-    # The paper's own number where it gives one (the model states of ZeRO's Table 1): a column
-    # of its own, between this recipe's formula and the formula's text.
+    # The paper's formula where the script gives it (ZeRO's Table 1 for the model states, its
+    # traffic): a column of its own, between this recipe's formula and the formula's text.
     paper_keys = {"model states, all": "model_states"}
     paper_keys.update({f"{kind.replace('_', '-')} per step": kind for kind in comm})
     log("\nper-rank memory and communication (measured from outside the technique)")

@@ -14,6 +14,9 @@ offers the flag (`common.get_parser(..., simulates=True)`) and leaves out its ev
 (`if not args.simulate`). FSDP2 refuses meta parameters at its first forward: fsdp.py does not
 offer it."""
 
+import contextlib
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -22,14 +25,40 @@ import torch.distributed as dist
 import torch.testing._internal.distributed.fake_pg  # noqa: F401
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from common import messages
 from common.model import IMAGE
 
 DEVICE = torch.device("meta")
+# what torchrun would give rank r of W: env_rank() and init_process_group read them
+VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+
+
+@contextlib.contextmanager
+def simulated_rank(rank, world):
+    """This process as rank `rank` of `world` for one run (common.launch): torchrun's variables,
+    log() and fail() speaking whichever rank it plays (messages.ALONE), and meta tensors' .item()
+    readable (MetaValues). Restored afterwards, so that nothing of the simulated world outlives
+    the run: a later launch in this process would wait for W ranks that never come."""
+    saved = {name: os.environ.get(name) for name in VARIABLES}
+    os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world), LOCAL_WORLD_SIZE="1")
+    messages.ALONE = True
+    try:
+        with MetaValues():
+            yield
+    finally:
+        messages.ALONE = False
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def init_fake_process_group(rank, world):
-    """Rank `rank` of `world` on the fake backend, for CPU and meta tensors alike. An in-memory
-    HashStore is its store: there is nobody to meet."""
+    """Rank `rank` of `world` on the fake backend, for CPU and meta tensors alike (named for
+    meta too: point-to-point ops look their backend up by the tensor's device). An in-memory
+    HashStore is its store: there is nobody to meet. (torch 2.11 warns "No backend of type 0
+    found" as such a group is destroyed: harmless.)"""
     dist.init_process_group(
         "cpu:fake,meta:fake", store=dist.HashStore(), rank=rank, world_size=world
     )
@@ -49,10 +78,17 @@ def meta_data(args):
 
 
 class MetaValues(TorchDispatchMode):
-    """A meta tensor has no value to read: `.item()` on one (the skeleton's logged loss) reads NaN
-    (0 for an integer) instead of failing, so the script's train() runs as written."""
+    """A meta tensor has no value to read: `.item()` of a floating-point one (the skeleton's
+    logged loss) reads NaN instead of failing, so the script's train() runs as written. An integer
+    or a bool (a count, a mask's any(), a found-inf check) would steer the run: that fails, saying
+    so, rather than take one branch silently."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default and args[0].device == DEVICE:
-            return float("nan") if args[0].is_floating_point() else 0
+            if not args[0].is_floating_point():
+                raise RuntimeError(
+                    "--simulate: this reads the value of a meta tensor, which has none: leave it "
+                    "out of the simulated path (`if not args.simulate`)"
+                )
+            return float("nan")
         return func(*args, **(kwargs or {}))

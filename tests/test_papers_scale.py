@@ -14,7 +14,7 @@ from helpers import ROOT, fork_launch, ok
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_papers_scale  # noqa: E402
-from bench_papers_scale import MEMORY_ROWS, ROWS  # noqa: E402
+from bench_papers_scale import GB, MEMORY_ROWS, ROWS, model_states  # noqa: E402
 
 
 @functools.cache  # two rows may read one run
@@ -35,6 +35,10 @@ def test_measured_equals_formula_and_meets_the_paper(row):
             assert result[memory_row] == result["formula"][memory_row], (memory_row, result)
     assert result["comm"] == result["formula"]["comm"], result
     assert measured(result) == pytest.approx(formula(result)), (label, result)
+    if "model_states" in result["paper"]:  # the paper's formula at this Ψ, exactly
+        states = model_states(result) * GB
+        assert states == pytest.approx(result["paper"]["model_states"]), (label, result)
+    # the number the paper prints, for its own Ψ and rounded: within 3%
     assert measured(result) == pytest.approx(paper, rel=0.03), f"{label}: {unit}, {source}"
 
 

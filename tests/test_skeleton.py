@@ -80,7 +80,9 @@ MAX_DIFF = {
     # subclasses built through StageClass; the tie's wrappers of parallelize and train_step)
     # issue 44: + --simulate (evaluation and save under `if not args.simulate`, +19; each stage's
     # order run in the one process, every_stage_order, +27; its launch command, +1)
-    "pipeline.py": 647,
+    # + formula() the reporting stage's (--simulate-rank): a stage between the ends sends and
+    # receives activations and gradients both (+13)
+    "pipeline.py": 660,
     "dp.py": 342,
     # core first: 660 + the ring's messages by name, causal and zig-zag out of RingAttention into
     # helpers of their own, Ulysses in its own part, the part headers
@@ -120,7 +122,7 @@ MAX_DIFF = {
     # pipeline.py's reshaping, its schedule sketch, the group; issues 40, 41, 42 as pipeline.py;
     # the core's schedule is 1f1b alone, interleaved and zb-h1 each wrap it from their part (+21)
     # issue 44: + --simulate as pipeline.py (+48)
-    "pipeline_schedules.py": 804,
+    "pipeline_schedules.py": 811,  # + formula() the reporting stage's, as pipeline.py's
     # pipeline.py's reshaping, its tie refusal as a part, the group; issues 40, 41, 42 as
     # pipeline.py (the refusal wraps parallelize); issue 44: + --simulate as pipeline.py's, each
     # stage run over the two batches PipeDream's bubble is defined on, with its own optimizer
@@ -147,7 +149,7 @@ VARIANTS = {
         # issue 42: the subclasses' chunked forwards and signatures (num_chunks); the core's
         # schedule is 1f1b alone, interleaved and zb-h1 each wrap it from their part (+21)
         # issue 44: every_stage_order's chunks and zb-h1's W recorded, the launch command (+7)
-        457,
+        465,  # issue 44: + formula() the reporting stage's (2V messages between the ends)
         ("def p2p(", "def full_state_dict(", "def train(", "def evaluate(", "def setup("),
     ),
     "pipeline_pipedream.py": (
@@ -157,7 +159,7 @@ VARIANTS = {
         # issue 42: the refusal a wrapper of parallelize
         # issue 44: --simulate as pipeline.py's, but each stage over two batches with its own
         # optimizer, stepped every micro-batch (+12)
-        353,
+        364,  # + pipeline.py's formula() taking the reporting stage, which this one does not
         ("def p2p(", "def infer(", "def full_state_dict(", "def evaluate(", "def setup("),
     ),
     "zero_offload.py": (
