@@ -431,24 +431,20 @@ def every_stage_order(args, loader, world, device):
     group's rank is fixed when it starts: so it is started again as each rank s in turn, and the
     script's own parallelize and train_step run stage s on a new meta model and a meta batch,
     recorded as on the real path. After the Meter: the report's rows stay this rank's."""
-    from common.simulate import init_fake_process_group
+    from common.simulate import playing_rank
 
-    rank = dist.get_rank()
     x, y = next(iter(loader))
     orders = []
     for s in range(world):
-        dist.destroy_process_group()
-        init_fake_process_group(s, world)
-        model = common.build_model(args, forwards_per_step=args.microbatches)
-        stage = parallelize(model, device)  # stage s
-        optimizer = common.make_optimizer(stage.parameters(), args)
-        recorder = common.record_pipeline_order(stage, 2 * args.microbatches, optimizer)
-        # The formula's two batches: the stream runs through their boundary, the second drains.
-        train_step(stage, x, y, args.microbatches, optimizer)
-        train_step(stage, x, y, args.microbatches, optimizer, final=True)
-        orders.append(recorder.recorded()["order"])
-    dist.destroy_process_group()
-    init_fake_process_group(rank, world)
+        with playing_rank(s, world):
+            model = common.build_model(args, forwards_per_step=args.microbatches)
+            stage = parallelize(model, device)  # stage s
+            optimizer = common.make_optimizer(stage.parameters(), args)
+            recorder = common.record_pipeline_order(stage, 2 * args.microbatches, optimizer)
+            # The formula's two batches: the stream runs through their boundary, the second drains.
+            train_step(stage, x, y, args.microbatches, optimizer)
+            train_step(stage, x, y, args.microbatches, optimizer, final=True)
+            orders.append(recorder.recorded()["order"])
     return orders
 
 

@@ -633,22 +633,18 @@ def every_stage_order(args, loader, world, device):
     group's rank is fixed when it starts: so it is started again as each rank s in turn, and the
     script's own parallelize and train_step run stage s on a new meta model and a meta batch,
     recorded as on the real path. After the Meter: the report's rows stay this rank's."""
-    from common.simulate import init_fake_process_group
+    from common.simulate import playing_rank
 
-    rank = dist.get_rank()
     x, y = next(iter(loader))
     zero_bubble = args.schedule == "zb-h1"
     orders = []
     for s in range(world):
-        dist.destroy_process_group()
-        init_fake_process_group(s, world)
-        model = common.build_model(args, forwards_per_step=args.microbatches)
-        stage = parallelize(model, device, args.virtual_stages)  # stage s's chunks
-        recorder = common.record_pipeline_order(stage, args.microbatches, weights=zero_bubble)
-        train_step(stage, x, y, args.schedule, args.microbatches)
-        orders.append(recorder.recorded()["order"])
-    dist.destroy_process_group()
-    init_fake_process_group(rank, world)
+        with playing_rank(s, world):
+            model = common.build_model(args, forwards_per_step=args.microbatches)
+            stage = parallelize(model, device, args.virtual_stages)  # stage s's chunks
+            recorder = common.record_pipeline_order(stage, args.microbatches, weights=zero_bubble)
+            train_step(stage, x, y, args.schedule, args.microbatches)
+            orders.append(recorder.recorded()["order"])
     return orders
 
 

@@ -64,6 +64,21 @@ def init_fake_process_group(rank, world):
     )
 
 
+@contextlib.contextmanager
+def playing_rank(rank, world):
+    """The fake group restarted as rank `rank` of `world` for the block (its rank is fixed when it
+    starts), then as the rank it was: to run another rank's part of a step in this process (the
+    pipelines' every_stage_order)."""
+    was = dist.get_rank()
+    dist.destroy_process_group()
+    init_fake_process_group(rank, world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        init_fake_process_group(was, world)
+
+
 def meta_data(args):
     """(train_set, test_set): one global batch of meta images and labels, so that each
     data-parallel rank draws its batch/dp of them for one step, and no test samples."""
