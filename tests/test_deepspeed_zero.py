@@ -49,7 +49,7 @@ def selected(request):
     """The (stage, world, optim) cases this session's selected tests of this module read."""
     cases = set()
     for item in request.session.items:
-        if item.module is request.module:
+        if item.module is request.module and "launched" in item.fixturenames:
             params = getattr(getattr(item, "callspec", None), "params", {})
             if "world" in params:
                 cases.add((params["stage"], params["world"], params["optim"]))
