@@ -289,7 +289,7 @@ def formula(model, world, args, config, window):
             optim_bytes=k * n,
             working_bytes=b * n,
         )
-        notes["param_bytes"] = "4Ψ'/W fp32 partition the optimizer steps, Ψ' = Σ ceil(numel/W)·W"
+        notes["param_bytes"] = "4Ψ'/W fp32 partition the optimizer steps, Ψ' = Σ ceil(n/W)·W"
         notes["working_bytes"] = f"{b}Ψ'/W: each parameter's own {dtype} piece (ds_tensor), " + (
             "the paper's parameters" if args.mixed_precision else "a second fp32 copy"
         )

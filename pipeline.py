@@ -520,7 +520,7 @@ def formula(psi, world, args, rank=0):
     m = args.microbatches
     tokens = (common.IMAGE // args.patch) ** 2
     between = 0 < rank < world - 1  # a neighbour on each side: activations and gradients each way
-    # m messages of B/m·T·D fp32 each way: 4·B·T·D bytes, twice between (none in a world of one)
+    # m messages of B/m·T·D fp32 each way (4·B·T·D bytes), twice between; none at W = 1
     bytes_each_way = 4 * args.batch_size * tokens * args.dim * (2 if between else 1)
     bytes_each_way = bytes_each_way if world > 1 else 0
     if args.schedule == "naive":

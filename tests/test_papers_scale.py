@@ -2,8 +2,8 @@
 torch's fake process group, every tensor on the meta device; common/simulate.py): at the papers'
 sizes every measured row equals the script's formula, and the measurement meets the number the
 paper prints, within 3% (the papers round, and their models differ from ours by a few layers'
-worth of Ψ). The rows, with the papers' numbers and sources, are benchmarks/bench_papers_scale.py's,
-which prints them as the table in docs/measured.md."""
+worth of Ψ). The rows, with the papers' numbers and sources, are
+benchmarks/bench_papers_scale.py's, which prints them as the table in docs/measured.md."""
 
 import functools
 import sys
