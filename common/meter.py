@@ -254,7 +254,7 @@ class Meter:
         # The optimizer state's peak in the first step: its bytes after that step, and after each
         # optimizer a technique steps inside it (zero_offload.py --offload disk steps one per
         # unit, holding its state only while it steps). Not after every op: at 72 layers reading
-        # every state tensor after every op made a step 50 times slower.
+        # every state tensor after every op made a simulated step 23 times slower (156 s, 6.8 s).
         self.inner_hook = register_optimizer_step_post_hook(self._inner_step)
         self.hook = optimizer.register_step_post_hook(lambda *_: self._after_step())
         self.parts = parts or {}
