@@ -855,11 +855,14 @@ class MixedPrecision(Engine):
 
     @torch.no_grad()
     def after_step(self):
-        """The stepped fp32 master rounded into the bf16 shard, which the all-gathers read."""
         if self.mixed_precision:
-            for unit in self.units:
-                unit.shard.copy_(unit.master)
+            self.refresh_working_copy()
         super().after_step()
+
+    def refresh_working_copy(self):
+        """The stepped fp32 master rounded into the bf16 shard, which the all-gathers read."""
+        for unit in self.units:
+            unit.shard.copy_(unit.master)
 
     def gather_parameters(self):
         """The fp32 master weights, whole, as one process holds them (not their bf16 copy)."""

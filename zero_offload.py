@@ -15,6 +15,8 @@ Memory per rank, besides the stage's parameters and whole gradients on the devic
                      of state while it steps, the next unit's file being read; DIR: (4+K)Ψ'/W
 Traffic per step, besides the stage's collectives: 4Ψ'/W device -> CPU and 4Ψ'/W CPU -> device,
 on a GPU on a stream of their own; --offload disk also reads and writes (4+K)Ψ'/W of files.
+--mixed-precision (the papers' setting): the device's parameters are bf16 (2 bytes an element)
+and the fp32 master is the CPU's or the file's, rounded there: 2Ψ'/W bytes go to the device.
 Papers: Ren et al. 2021, "ZeRO-Offload", https://arxiv.org/abs/2101.06840; Rajbhandari et al.
 2021, "ZeRO-Infinity", https://arxiv.org/abs/2104.07857. More: docs/techniques.md (ZeRO-Offload).
 
@@ -855,11 +857,14 @@ class MixedPrecision(Engine):
 
     @torch.no_grad()
     def after_step(self):
-        """The stepped fp32 master rounded into the bf16 shard, which the all-gathers read."""
         if self.mixed_precision:
-            for unit in self.units:
-                unit.shard.copy_(unit.master)
+            self.refresh_working_copy()
         super().after_step()
+
+    def refresh_working_copy(self):
+        """The stepped fp32 master rounded into the bf16 shard, which the all-gathers read."""
+        for unit in self.units:
+            unit.shard.copy_(unit.master)
 
     def gather_parameters(self):
         """The fp32 master weights, whole, as one process holds them (not their bf16 copy)."""
@@ -968,8 +973,6 @@ class ZeROOffload(Engine):
     def __init__(
         self, model, device, stage, modules, group=None, offload="none", directory=None, **options
     ):
-        if offload == "disk" and options.get("mixed_precision"):
-            raise ValueError("offload disk with mixed_precision is not written yet")
         self.offload = offload  # make_unit reads it
         # the CPU the masters go to; under --simulate the meta device, which holds no values either
         self.host = torch.device("meta" if device.type == "meta" else "cpu")
@@ -989,10 +992,22 @@ class ZeROOffload(Engine):
         """--offload cpu: the unit's master moved to the CPU, its pieces the optimizer's (and the
         module's, as ZeRO then lists them)."""
         unit = super().make_unit(model, module, name)
+        pin_memory = self.device.type == "cuda"
         if self.offload == "cpu":
             # mixed precision: the fp32 master moves, the bf16 shard stays the working copy
             source = unit.master if self.mixed_precision else unit.shard
-            move_master_to_cpu(unit, source, self.host, pin_memory=self.device.type == "cuda")
+            move_master_to_cpu(unit, source, self.host, pin_memory)
+        if self.offload == "cpu" and self.mixed_precision:
+            # ZeRO-Offload's Float2Half on the CPU: the stepped master is rounded to bf16 here, so
+            # that 2 bytes an element cross to the device, not 4
+            unit.rounded = torch.empty_like(unit.shard, device=self.host, pin_memory=pin_memory)
+        if self.offload == "disk" and self.mixed_precision:
+            # The optimizer steps nothing under --offload disk (step_on_disk steps the files), so
+            # its pieces are cut from the bf16 shard, as they are from the shard without mixed
+            # precision; the fp32 master leaves the device once it is in its file.
+            unit.pieces = [
+                (group, own, nn.Parameter(unit.shard[own])) for group, own, _ in unit.pieces
+            ]
         return unit
 
     def hook(self, optimizer):
@@ -1057,6 +1072,27 @@ class ZeROOffload(Engine):
                     self.on_cpu.discard(unit)  # the next step's first backward overwrites it
         super().before_step()
 
+    def refresh_working_copy(self):
+        """Mixed precision: masters_to_device, the step's post-hook before this one, has rounded
+        the stepped masters into the bf16 shards already, from the CPU or the files."""
+        if self.offload == "none":
+            super().refresh_working_copy()
+
+    @torch.no_grad()
+    def gather_parameters(self):
+        """--offload disk under mixed precision: the fp32 masters, which the mixed-precision part
+        gathers, are in the files. Read back onto the device for the gather, they take 4Ψ'/W
+        there, what the gradient shards took in training."""
+        if not (self.offload == "disk" and self.mixed_precision):
+            return super().gather_parameters()
+        for unit in self.on_disk():
+            unit.master = torch.load(unit.path, weights_only=True)["master"].to(self.device)
+        try:
+            return super().gather_parameters()
+        finally:
+            for unit in self.on_disk():
+                unit.master = None
+
     @torch.no_grad()
     def masters_to_device(self, optimizer):
         """After the step: --offload disk steps the units from their files here, and the stepped
@@ -1065,8 +1101,12 @@ class ZeROOffload(Engine):
             self.step_on_disk(optimizer)
         if self.offload == "cpu":
             for unit in self.units:
+                source = unit.master
+                if self.mixed_precision:
+                    unit.rounded.copy_(unit.master)  # before_step saw its last copy done
+                    source = unit.rounded
                 # on a GPU the host goes on at once; the next step waits before it writes the master
-                unit.to_device = self.copies.copy(unit.shard, unit.master)
+                unit.to_device = self.copies.copy(unit.shard, source)
             for unit in self.units:
                 self.wait_for_master_copy(unit)
 
@@ -1079,7 +1119,8 @@ class ZeROOffload(Engine):
             unit.to_cpu = None
 
     def wait_for_master_copy_on_host(self, unit):
-        """The host, before the step writes the unit's master: its copy to the shard has read it."""
+        """The host, before the step writes the unit's master (and, after the step, its rounded
+        copy): the copy to the shard has read it."""
         if unit.to_device is not None:
             unit.to_device.synchronize()
             unit.to_device = None
@@ -1102,11 +1143,15 @@ class ZeROOffload(Engine):
         `optimizer`'s class over it, a group per piece (made here, unstepped, only for its
         state_dict)."""
         for unit in self.on_disk():
-            master = unit.shard.to(self.host, copy=True)
+            # mixed precision: the fp32 master, which then leaves the device; else the shard
+            source = unit.master if self.mixed_precision else unit.shard
+            master = source.to(self.host, copy=True)
             pieces = [nn.Parameter(master[own]) for _, own, _ in unit.pieces]
             empty_optimizer = type(optimizer)([{"params": [piece]} for piece in pieces])
             state = dict(master=master, optimizer=empty_optimizer.state_dict())
             save_atomically(state, unit.path)
+            if self.mixed_precision:
+                unit.master = None
 
     def step_on_disk(self, optimizer):
         """ZeRO-Infinity's step, after `optimizer.step()` has stepped nothing: none of its
@@ -1145,7 +1190,7 @@ class ZeROOffload(Engine):
         unit_optimizer.step()
         state = dict(master=master, optimizer=unit_optimizer.state_dict())
         save_atomically(state, unit.path)
-        unit.shard.copy_(master)
+        unit.shard.copy_(master)  # rounded to bf16 under mixed precision
 
 
 Engine = ZeROOffload
@@ -1227,7 +1272,9 @@ def formula(psi, world, args, dtype=torch.float32, tied=0, backwards=1, largest_
     largest_shard); the gradient shards wait in the engine, which the Meter (reading .grad) does
     not see. --mixed-precision: zero.py's formula without offload; with --offload cpu the master
     and its gradient are the model's dtype on the CPU, the device keeps the bf16 working copy
-    (working_bytes), the all-gathers move bf16, the reduce-scatters fp32."""
+    (working_bytes); with --offload disk the master is in the files and the optimizer's
+    parameters are the bf16 copy itself (param_bytes, 2 bytes an element); the all-gathers move
+    bf16, the reduce-scatters fp32."""
     if args.mixed_precision and args.offload == "none":
         return mixed_precision_formula(psi, world, args, dtype, tied, backwards)
     b = dtype.itemsize  # B: bytes an element
@@ -1235,6 +1282,8 @@ def formula(psi, world, args, dtype=torch.float32, tied=0, backwards=1, largest_
     cpu = args.offload == "cpu"
     disk = args.offload == "disk"
     params_sharded = args.stage == 3 or cpu
+    # --mixed-precision --offload disk: the parameters the Meter reads are the bf16 copy
+    param_b = 2 if args.mixed_precision and disk else b
     grads_sharded = args.stage >= 2 or cpu
     reductions = backwards if args.stage >= 2 else 1  # reduce-scatters of every unit a step
     # elements all-gathered a step: stage 3 gathers in every forward and backward
@@ -1246,18 +1295,23 @@ def formula(psi, world, args, dtype=torch.float32, tied=0, backwards=1, largest_
     cpu_note = " (CPU)" if cpu else ""
     state_note = " in files" if disk else cpu_note
     return dict(
-        param_bytes=b * psi // world if params_sharded else b * psi,
+        param_bytes=param_b * psi // world if params_sharded else param_b * psi,
         grad_bytes=None if disk else (b * psi // world if grads_sharded else b * psi),
         optim_bytes=0 if disk else k * psi // world,
         optim_peak_bytes=k * largest_shard if disk else None,
-        working_bytes=2 * copy_numel if args.mixed_precision else None,
+        working_bytes=2 * copy_numel if args.mixed_precision and not disk else None,
         comm=dict(
             reduce_scatter=reductions * reduced.itemsize * psi,
             all_gather=working.itemsize * gathered,
         ),
         notes=dict(
-            param_bytes=(f"{b}Ψ'/W sharded" if params_sharded else f"{b}Ψ' replicated")
+            param_bytes=(f"{param_b}Ψ'/W sharded" if params_sharded else f"{param_b}Ψ' replicated")
             + cpu_note
+            + (
+                "; the bf16 copy forward reads, the fp32 master in the files"
+                if param_b != b
+                else ""
+            )
             + (
                 "; about two units whole besides, the one computing and the next"
                 if args.stage == 3
@@ -1369,10 +1423,6 @@ def mixed_precision_formula(psi, world, args, dtype=torch.float32, tied=0, backw
 
 
 def check_args(args, world):
-    common.check(
-        not (args.mixed_precision and args.offload == "disk"),
-        "--mixed-precision with --offload disk is not written yet (--offload cpu or none)",
-    )
     if args.offload == "disk":
         directory = args.offload_dir
         writable = (
@@ -1514,7 +1564,9 @@ def run(args):
             f"batch {args.batch_size} = {dp_world} x {args.batch_size // dp_world}"
         )
         # --mixed-precision: the bf16 copy forward reads is not a Parameter; the Meter reads it too
-        held = dict(working_bytes=lambda: working_copy(model)) if args.mixed_precision else {}
+        # (with --offload disk it is: the optimizer's parameters, the fp32 master in the files)
+        separate_copy = args.mixed_precision and args.offload != "disk"
+        held = dict(working_bytes=lambda: working_copy(model)) if separate_copy else {}
         with common.Meter(model, optimizer, args, device=device, held=held) as meter:
             out = train(model, optimizer, scheduler, loader, sampler, args, device)
         acc = None

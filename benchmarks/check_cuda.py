@@ -78,6 +78,11 @@ CASES = [
         "fsdp.py --mixed-precision",
         None,
     ),
+    (
+        "zero_offload.py --stage 2 --offload disk --mixed-precision",
+        "fsdp.py --mixed-precision",
+        None,
+    ),
     ("fsdp_resume.py", "ddp.py", None),
     ("tensor_parallel.py", "ddp.py", None),
     ("tensor_parallel.py --sequence-parallel", "ddp.py", None),

@@ -66,14 +66,22 @@ OFFLOAD_READ_BY = {
 }
 
 
+def selected(request, names):
+    """(test name, its parameters) of this session's selected tests of this module named in
+    `names`: every one in a whole run, one when a single test is asked for (as
+    tests/test_mutants.py does)."""
+    return [
+        (item.originalname, item.callspec.params)
+        for item in request.session.items
+        if item.module is request.module and item.originalname in names
+    ]
+
+
 def needed(request):
-    """The (stage, optim, offload) runs this session's selected tests of this module read: every
-    one in a whole run, one when a single test is asked for (as tests/test_mutants.py does)."""
+    """The (stage, optim, offload) runs this session's selected tests of this module read."""
     cases = set()
-    for item in request.session.items:
-        if item.module is request.module and item.originalname in OFFLOAD_READ_BY:
-            params = item.callspec.params
-            cases.add((params["stage"], params["optim"], OFFLOAD_READ_BY[item.originalname]))
+    for name, params in selected(request, OFFLOAD_READ_BY):
+        cases.add((params["stage"], params["optim"], OFFLOAD_READ_BY[name]))
     every = [(stage, optim, "cpu") for stage, optim in CPU_CASES]
     every += [(stage, optim, "disk") for stage, optim in DISK_GRID]
     return [case for case in every if case in cases]
@@ -202,8 +210,8 @@ class FakeEvent:
 
 
 class LogOffloadTraffic(TorchDispatchMode):
-    """Every copy into (and addition to) a unit's master_grad or shard, with the stream current,
-    and every write of a gradient into a unit's flat gradient ("fill")."""
+    """Every copy into (and addition to) a unit's master_grad or shard, with the stream current
+    and the source's dtype, and every write of a gradient into a unit's flat gradient ("fill")."""
 
     def __init__(self, log, current_stream, targets, units):
         super().__init__()
@@ -216,7 +224,7 @@ class LogOffloadTraffic(TorchDispatchMode):
         kinds = {torch.ops.aten.copy_.default: "copy", torch.ops.aten.add_.Tensor: "add"}
         target = self.targets.get(args[0].data_ptr()) if func in kinds else None
         if target is not None:
-            self.log.append((kinds[func], target, self.current_stream().name))
+            self.log.append((kinds[func], target, self.current_stream().name, args[1].dtype))
         elif func is torch.ops.aten.copy_.default:
             storage = args[0].untyped_storage().data_ptr()
             for index, unit in enumerate(self.units):
@@ -225,7 +233,7 @@ class LogOffloadTraffic(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def train_offloaded(stage, fake, monkeypatch):
+def train_offloaded(stage, mixed_precision, fake, monkeypatch):
     """W=1 in this process: --offload cpu, 2 steps of 2 backward passes, then a forward; with
     torch.cuda's streams and events replaced by `fake`'s, or the CPU path when fake is None.
     Returns (the log, full_state_dict)."""
@@ -236,7 +244,9 @@ def train_offloaded(stage, fake, monkeypatch):
     try:
         model = build()
         units = [model.embed, *model.blocks, model.head]
-        model = zero_offload.parallelize(model, CPU, stage, offload="cpu", units=units)
+        model = zero_offload.parallelize(
+            model, CPU, stage, offload="cpu", units=units, mixed_precision=mixed_precision
+        )
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
         zero_offload.hook_optimizer(model, optimizer)
         optimizer.register_step_pre_hook(lambda *args: log.append(("step",)))
@@ -268,18 +278,19 @@ def train_offloaded(stage, fake, monkeypatch):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_offload_cpu_copies_run_on_a_side_stream(stage, monkeypatch):
+@pytest.mark.parametrize("stage,mixed_precision", [(1, False), (3, False), (3, True)])
+def test_offload_cpu_copies_run_on_a_side_stream(stage, mixed_precision, monkeypatch):
     """Issue 33 item 3, by construction (no GPU here): with torch.cuda's streams and events faked,
     every copy of a gradient shard to the CPU and of a stepped master to the device runs on the
     copy stream, right after that stream waited for the compute stream, and records an event; the
     host waits for each such event before the step (which reads master_grad and writes master)
     and before adding a later backward's gradient to master_grad; the compute stream waits for a
     master's event before the all-gather that reads its shard, and at stage 1 for a gradient's
-    before the next backward fills the flat gradient it was copied from. The parameters are those
-    of the same run on the CPU path."""
-    log, state = train_offloaded(stage, FakeCuda(), monkeypatch)
-    _, expected = train_offloaded(stage, None, monkeypatch)
+    before the next backward fills the flat gradient it was copied from. Under mixed precision
+    the bf16 shard takes each stepped master once, by the copy stream, from a copy rounded on the
+    host. The parameters are those of the same run on the CPU path."""
+    log, state = train_offloaded(stage, mixed_precision, FakeCuda(), monkeypatch)
+    _, expected = train_offloaded(stage, mixed_precision, None, monkeypatch)
     assert state.keys() == expected.keys()
     assert all(torch.equal(state[key], expected[key]) for key in state)
     copied = {}  # event number -> (what was copied into, its place in the log)
@@ -292,6 +303,10 @@ def test_offload_cpu_copies_run_on_a_side_stream(stage, monkeypatch):
     units = len(build().blocks) + 2
     kinds = [target[0] for target, _ in copied.values()]
     assert kinds.count("grad") == kinds.count("shard") == 2 * units  # 2 steps
+    # under mixed precision the master crosses rounded (2 bytes an element), the gradient in fp32
+    crossing = {log[at][1][0]: log[at][3] for _, at in copied.values()}
+    master_dtype = torch.bfloat16 if mixed_precision else torch.float32
+    assert crossing == {"grad": torch.float32, "shard": master_dtype}
     adds = [at for at, entry in enumerate(log) if entry[0] == "add"]
     assert len(adds) == 2 * units  # the second backward of each step adds on the host
     for number, (target, at) in copied.items():
@@ -389,30 +404,71 @@ def test_killed_mid_write_leaves_every_state_file_whole(tmp_path):
         assert steps == expected if expected else set(steps) <= {2.0, 3.0}, (rank, steps)
 
 
-def test_offload_cpu_mixed_precision_equals_zero_mixed_precision(sizes, tmp_path):
-    """--offload cpu --mixed-precision (the seeds' ZeRO-Offload: the fp32 master and the optimizer
-    state on the CPU, bf16 on the device) ends where zero.py --mixed-precision ends, stages 2 and 3
-    at W=2 with SGD, in ONE launch; the master and its gradient are the CPU's 4Ψ'/W each, the
-    all-gathers bf16 (2Ψ' a gather of every unit)."""
-    pad = padded(sizes, WORLD)
-    flags = [*CFG, "--optim", "sgd", "--mixed-precision"]
+# --mixed-precision offloaded, against zero.py --mixed-precision: every stage with each offload in
+# the full tier; the quick suite takes each offload at stage 3 and one more stage each.
+MIXED_GRID = [(stage, offload) for stage in (1, 2, 3) for offload in ("cpu", "disk")]
+MIXED_CASES = tiered(MIXED_GRID, [(2, "cpu"), (3, "cpu"), (1, "disk"), (3, "disk")])
+
+
+@pytest.fixture(scope="module")
+def mixed_launched(request, tmp_path_factory):
+    """{(script, stage, offload): (RESULT, its directory)}: zero_offload.py --mixed-precision for
+    the selected cases, and zero.py --mixed-precision (offload "none") at their stages, at W=2
+    with SGD on CFG, in ONE launch; each run saves to out.pt in its directory, --offload disk
+    keeps its unit files there."""
+    chosen = selected(request, ["test_offload_mixed_precision_equals_zero_mixed_precision"])
+    cases = [case for case in MIXED_GRID if case in {(p["stage"], p["offload"]) for _, p in chosen}]
+    stages = sorted({stage for stage, _ in cases})
+    runs = [("zero", stage, "none") for stage in stages]
+    runs += [("zero_offload", stage, offload) for stage, offload in cases]
+    directories = [
+        tmp_path_factory.mktemp(f"{script}-{stage}-{offload}") for script, stage, offload in runs
+    ]
     argv = []
-    for stage in (2, 3):
-        offload = ["--stage", stage, "--offload", "cpu", "--save", tmp_path / f"offload{stage}.pt"]
-        argv.append(["zero_offload", [*flags, *offload]])
-        argv.append(["zero", [*flags, "--stage", stage, "--save", tmp_path / f"zero{stage}.pt"]])
-    results = launch_cases(WORLD, argv, timeout=600)
-    for index, stage in enumerate((2, 3)):
-        res, _ = results[2 * index]
-        diff = max_diff(tmp_path / f"offload{stage}.pt", tmp_path / f"zero{stage}.pt")
-        print(f"--offload cpu --mixed-precision stage {stage}: vs zero.py {diff:.2e}")
-        assert diff <= 1e-5
+    for (script, stage, offload), directory in zip(runs, directories, strict=True):
+        flags = [*CFG, "--optim", "sgd", "--mixed-precision", "--stage", stage]
+        flags += ["--save", directory / "out.pt"]
+        if script == "zero_offload":
+            flags += ["--offload", offload, "--offload-dir", directory]
+        argv.append([script, flags])
+    results = launch_cases(WORLD, argv, timeout=max(300, 120 * len(argv)))
+    return {
+        run: (result, directory)
+        for run, directory, (result, _) in zip(runs, directories, results, strict=True)
+    }
+
+
+@pytest.mark.parametrize("stage,offload", MIXED_CASES)
+def test_offload_mixed_precision_equals_zero_mixed_precision(stage, offload, sizes, mixed_launched):
+    """--offload cpu or disk --mixed-precision (the seeds' ZeRO-Offload and ZeRO-Infinity: the
+    fp32 master and the optimizer state on the CPU or in the files, bf16 on the device) ends where
+    zero.py --mixed-precision ends, at W=2 with SGD. The all-gathers move bf16 (2Ψ' a gather of
+    every unit), the reduce-scatters fp32. --offload cpu: the master and its gradient are the
+    CPU's 4Ψ'/W each, the bf16 working copy the device's (whole at stages 1-2, its shard at stage
+    3). --offload disk: the optimizer's parameters are the bf16 copy itself, nothing fp32 stays
+    on the device, and the files hold the fp32 masters."""
+    pad = padded(sizes, WORLD)
+    res, directory = mixed_launched["zero_offload", stage, offload]
+    _, reference = mixed_launched["zero", stage, "none"]
+    diff = max_diff(directory / "out.pt", reference / "out.pt")
+    print(f"--offload {offload} --mixed-precision stage {stage}: vs zero.py {diff:.2e}")
+    assert res["offload"] == offload and res["steps"] == 6 and diff <= 1e-5
+    assert res["comm"]["all_gather"] == (4 if stage == 3 else 2) * pad
+    assert res["comm"]["reduce_scatter"] == 4 * pad
+    assert res["comm"] == res["formula"]["comm"]
+    copy_bytes = 2 * pad // (WORLD if stage == 3 else 1)  # bf16: whole at 1-2, the shard at 3
+    if offload == "cpu":
         assert res["param_bytes"] == res["grad_bytes"] == 4 * pad // WORLD
-        assert res["comm"]["all_gather"] == (4 if stage == 3 else 2) * pad
-        assert res["comm"] == res["formula"]["comm"]
-        # the bf16 working copy stays on the device: whole at stage 2, its shard at stage 3
-        assert res["working_bytes"] == res["formula"]["working_bytes"]
-        assert res["working_bytes"] == 2 * pad // (WORLD if stage == 3 else 1)
+        assert res["working_bytes"] == res["formula"]["working_bytes"] == copy_bytes
+    else:
+        assert "working_bytes" not in res
+        assert res["param_bytes"] == res["formula"]["param_bytes"] == copy_bytes
+        shards = [-(-n // WORLD) for n in sizes]
+        assert (res["optim_bytes"], res["optim_peak_bytes"]) == (0, 4 * max(shards))  # momentum
+        for rank in range(WORLD):
+            for index, shard in enumerate(shards):
+                file = torch.load(directory / f"zero-rank{rank}-unit{index}.pt", weights_only=True)
+                assert file["master"].dtype == torch.float32 and file["master"].numel() == shard
 
 
 # Issue 44 on the offload: zero.py's stage 1 reduce-scatters once a step under gradient
@@ -476,8 +532,9 @@ def test_stage1_accumulation_offloaded_equals_plain_torch(offload, told, world_o
         (3, "cpu", torch.bfloat16, False),
         (3, "cpu", torch.float32, True),
         (3, "disk", torch.float32, False),
+        (2, "disk", torch.float32, True),
     ],
-    ids=["1-cpu", "3-cpu-bf16", "3-cpu-mixed", "3-disk"],
+    ids=["1-cpu", "3-cpu-bf16", "3-cpu-mixed", "3-disk", "2-disk-mixed"],
 )
 def test_formula_on_a_tied_model_offloaded(stage, offload, dtype, mixed_precision, tmp_path):
     """nanoGPT (wte tied to lm_head) on torch's fake group at W=4, two backward passes a step,
@@ -520,6 +577,8 @@ def test_formula_on_a_tied_model_offloaded(stage, offload, dtype, mixed_precisio
         rows = ("param_bytes", "optim_bytes") if offload == "disk" else held
         for row in rows:
             assert held[row] == expected[row], row
+        if offload == "disk" and mixed_precision:  # the fp32 masters are the files' alone
+            assert all(unit.master is None for unit in engine.on_disk())
         assert counter.bytes == expected["comm"]
         units = len(engine.units)
         reductions = units if stage == 1 else backwards * units
@@ -534,8 +593,9 @@ def test_formula_on_a_tied_model_offloaded(stage, offload, dtype, mixed_precisio
         ["--stage", "1", "--offload", "cpu", "--mixed-precision"],
         ["--stage", "3", "--offload", "cpu"],
         ["--stage", "3", "--offload", "disk"],
+        ["--stage", "3", "--offload", "disk", "--mixed-precision"],
     ],
-    ids=["1-cpu-mixed", "3-cpu", "3-disk"],
+    ids=["1-cpu-mixed", "3-cpu", "3-disk", "3-disk-mixed"],
 )
 def test_simulated_rows_equal_the_formula(flags, tmp_path, monkeypatch, capsys):
     """`zero_offload.py --simulate 64` in this process (rank 0 of 64 on the fake group, the model
@@ -556,7 +616,8 @@ def test_simulated_rows_equal_the_formula(flags, tmp_path, monkeypatch, capsys):
     rows = ("param_bytes", "grad_bytes", "optim_bytes", "optim_peak_bytes", "working_bytes")
     for row in rows:
         assert formula.get(row) is None or res[row] == formula[row], row
-    assert ("working_bytes" in res) == ("--mixed-precision" in flags)
-    assert res["comm"] == formula["comm"]
     disk = "disk" in flags
+    # the bf16 copy is a row of its own where it is not the optimizer's parameters (disk)
+    assert ("working_bytes" in res) == ("--mixed-precision" in flags and not disk)
+    assert res["comm"] == formula["comm"]
     assert res["optim_bytes"] == (0 if disk else 8 * res["params_padded"] // 64)
