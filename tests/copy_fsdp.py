@@ -71,18 +71,23 @@ def clip_sharded(parameters, max_norm):
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
-def run_nanogpt_fsdp(optim, rank, world):
+def run_nanogpt_fsdp(optim, rank, world, mixed_precision=False, clips=True):
     """Each of nanoGPT's blocks a unit; the root holds wte, wpe, ln_f and lm_head, so the tie
-    stays in one unit. configure_optimizers runs after parallelize, on the shards."""
+    stays in one unit. configure_optimizers runs after parallelize, on the shards.
+    `mixed_precision`: fsdp.py's MixedPrecisionPolicy (the peer of zero.py's). clips=False: the
+    recipe without clipping."""
     model = nanogpt_model.model()
-    model = fsdp.parallelize(model, CPU, model.transformer.h)
+    model = fsdp.parallelize(model, CPU, model.transformer.h, mixed_precision=mixed_precision)
     optimizer = nanogpt_model.make_optimizer(model, optim)
     batches = nanogpt_model.batches()
-    losses, norms = nanogpt_model.train(model, optimizer, batches, rank, world, clip_sharded)
+    compute_dtypes = nanogpt_model.record_compute_dtypes(model)
+    clip = clip_sharded if clips else None
+    losses, norms = nanogpt_model.train(model, optimizer, batches, rank, world, clip)
     proof = dict(
         tied=model.lm_head.weight is model.transformer.wte.weight,
         losses=losses,
         norms=norms,
+        compute_dtypes=compute_dtypes,
         blocks_sharded=all(
             isinstance(param, DTensor) for param in model.transformer.h.parameters()
         ),

@@ -11,6 +11,7 @@ import nanogpt_model
 import torch
 import torch.distributed as dist
 from causal_lm import ACCUMULATE, OPTIMS, CausalLM, make_optimizer, param_groups, train
+from copy_fsdp import run_nanogpt_fsdp
 from torch.nn.utils import clip_grad_norm_
 
 import ddp
@@ -156,6 +157,19 @@ def group_cases(batches, group, folder):
 # above tell it none, so that stage 1 reduce-scatters every backward there), clipping before
 # every step.
 
+# Mixed precision (the sections' mixed_precision=True: bf16 compute from fp32 master shards, fp32
+# reduce-scatters, the fp32 step) on nanoGPT. No process in fp32 rounds as they do, so each case
+# is checked against its peer, fsdp.py's MixedPrecisionPolicy on the same recipe (the same math),
+# run in the launch. With AdamW the recipe does not clip (nanoGPT's grad_clip = 0.0): the two sum
+# the norm's squares in different orders, so a master may end an fp32 ulp apart, its bf16 copy
+# then one of bf16's (2^-8 relative), and AdamW carries that on (5e-4 apart after 4 steps, where
+# without the clip they end equal); with SGD it clips, as in every other case.
+NANOGPT_BF16_CASES = {  # case: its peer
+    "zero1-bf16-adamw": "fsdp-bf16-adamw",
+    "zero3-bf16-adamw": "fsdp-bf16-adamw",
+    "zero_offload-disk2-bf16-sgd": "fsdp-bf16-sgd",
+}
+
 NANOGPT_CASES = [
     "ddp-sgd",
     "ddp-adamw",
@@ -184,11 +198,11 @@ def nanogpt_units(model):
     return [transformer.wte, transformer.wpe, *transformer.h, transformer.ln_f, model.lm_head]
 
 
-def run_nanogpt_zero(script, optim, rank, world, **zero_args):
+def run_nanogpt_zero(script, optim, rank, world, clips=True, **zero_args):
     """ZeRO takes nanoGPT as it is: its units listed, its own optimizer (configure_optimizers'
     groups) rebuilt with its own class over the shards and the old one dropped, as ZeRO-3's memory
     needs, and the section's clip_grad_norm_ where nanoGPT clips (torch's would see no gradient:
-    the shards get theirs from the section)."""
+    the shards get theirs from the section). clips=False: the recipe without clipping."""
     model = nanogpt_model.model()
     optimizer = nanogpt_model.make_optimizer(model, optim)
     units = nanogpt_units(model)
@@ -201,8 +215,9 @@ def run_nanogpt_zero(script, optim, rank, world, **zero_args):
     def clip(parameters, max_norm):  # nanoGPT's call, clip_grad_norm_(model.parameters(), limit)
         return script.clip_grad_norm_(model, max_norm)
 
+    compute_dtypes = nanogpt_model.record_compute_dtypes(model)
     losses, norms = nanogpt_model.train(
-        model, optimizer, nanogpt_model.batches(), rank, world, clip=clip
+        model, optimizer, nanogpt_model.batches(), rank, world, clip=clip if clips else None
     )
     tied = model.lm_head.weight is model.transformer.wte.weight
     # the split: this rank holds 1/W of each unit (padded), and lm_head nothing of its own
@@ -211,7 +226,7 @@ def run_nanogpt_zero(script, optim, rank, world, **zero_args):
     # stage 3: no unit left whole after the step (the others keep every unit whole)
     whole = sum(unit.is_whole() for unit in model.zero.units if unit.params)
     proof = dict(tied=tied, losses=losses, norms=norms, held=held, lm_head_held=lm_head_held)
-    proof["whole_units"] = whole
+    proof.update(whole_units=whole, compute_dtypes=compute_dtypes)
     return model, script.full_state_dict(model), proof
 
 
@@ -233,6 +248,26 @@ def nanogpt_cases(rank, world, folder):
             zero_args = dict(stage=stage, offload=offload, directory=directory)
             case = run_nanogpt_zero(zero_offload, optim, rank, world, **zero_args)
             yield f"zero_offload-{offload}{stage}-{optim}", optim, *case
+    # mixed precision: the peers first, then each case that must end where its peer ends
+    for optim in OPTIMS:
+        clips = optim == "sgd"
+        peer = run_nanogpt_fsdp(optim, rank, world, mixed_precision=True, clips=clips)
+        yield f"fsdp-bf16-{optim}", optim, *peer
+    directory = folder / "nanogpt-zero_offload-disk-bf16-files"
+    directory.mkdir(exist_ok=True)
+    sections = {
+        "zero1-bf16-adamw": (zero, dict(stage=1, gradient_accumulation_steps=accumulate)),
+        "zero3-bf16-adamw": (zero, dict(stage=3)),
+        "zero_offload-disk2-bf16-sgd": (
+            zero_offload,
+            dict(stage=2, offload="disk", directory=directory),
+        ),
+    }
+    for case, (script, zero_args) in sections.items():
+        optim = case.split("-")[-1]
+        zero_args.update(mixed_precision=True, clips=optim == "sgd")
+        run = run_nanogpt_zero(script, optim, rank, world, **zero_args)
+        yield case, NANOGPT_BF16_CASES[case], *run
 
 
 # The models as torchtitan's Llama 3 (tests/llama_model.py) and HuggingFace's GPT2LMHeadModel

@@ -232,10 +232,24 @@ def held_out():
     return last_step[0]
 
 
+def record_compute_dtypes(model):
+    """A dict that block 0's c_fc fills at its first forward: the dtypes of the weight it
+    multiplies by and of its input, as names ("torch.bfloat16" under mixed precision)."""
+    seen = {}
+
+    def hook(module, args):
+        seen.setdefault("weight", str(module.weight.dtype))
+        seen.setdefault("input", str(args[0].dtype))
+
+    model.transformer.h[0].mlp.c_fc.register_forward_pre_hook(hook)
+    return seen
+
+
 def train(model, optimizer, step_batches, rank=0, world=1, clip=torch.nn.utils.clip_grad_norm_):
     """nanoGPT's loop: per step ACCUMULATE backward passes of loss / ACCUMULATE on this rank's
     slice (rank of world) of each micro-batch, `clip(model.parameters(), CLIP)`, the step.
-    Returns (the micro-batches' losses, the gradient norm each clip returned)."""
+    Returns (the micro-batches' losses, the gradient norm each clip returned). clip=None: no
+    clipping (nanoGPT's grad_clip = 0.0), and no norms."""
     losses = []
     norms = []
     for micro_batches in step_batches:
@@ -243,7 +257,8 @@ def train(model, optimizer, step_batches, rank=0, world=1, clip=torch.nn.utils.c
             _, loss = model(x.chunk(world)[rank], y.chunk(world)[rank])
             (loss / ACCUMULATE).backward()
             losses.append(loss.item())
-        norms.append(float(clip(model.parameters(), CLIP)))
+        if clip is not None:
+            norms.append(float(clip(model.parameters(), CLIP)))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return losses, norms

@@ -68,12 +68,14 @@ def copies(request, tmp_path_factory):
         return folder, json.load(f)
 
 
-def max_parameter_diff(folder, case, reference_name):
-    """The largest |Δ| between the case's saved parameters and one process's, over what
-    nanogpt_model.compared_keys compares (with AdamW, not the key bias: see KEY_BIAS)."""
+def max_parameter_diff(folder, case, reference_name, peer=None):
+    """The largest |Δ| between the case's saved parameters and one process's (or, given, the
+    peer case's), over what nanogpt_model.compared_keys compares (with AdamW, not the key bias:
+    see KEY_BIAS)."""
     optim = reference_name.split("-")[-1]
     state = torch.load(folder / f"{case}.pt", weights_only=True)
-    reference = torch.load(folder / f"reference-{reference_name}.pt", weights_only=True)
+    reference_file = f"{peer}.pt" if peer else f"reference-{reference_name}.pt"
+    reference = torch.load(folder / reference_file, weights_only=True)
     assert state.keys() == reference.keys()
     diffs = [
         (state[key][index] - reference[key][index]).abs().max().item()
@@ -207,3 +209,29 @@ def test_zero_sharded_the_units(copies, module, case):
     assert proof["held"] == sum(-(-size // 2) for size in sizes)
     assert proof["lm_head_held"] == 0
     assert proof["whole_units"] == (0 if "3-" in case else len(units))
+
+
+@pytest.mark.parametrize("module, case", [("zero", c) for c in copy_zero.NANOGPT_BF16_CASES])
+def test_zero_mixed_precision_equals_fsdp_mixed_precision(copies, module, case):
+    """zero.py's and zero_offload.py's mixed precision on nanoGPT (bf16 compute from the fp32
+    master shards, fp32 reduce-scatters, the fp32 step; stage 1 told the accumulation, the disk
+    case's masters in its files) ends where fsdp.py's MixedPrecisionPolicy ends on the same
+    recipe (AdamW unclipped: see copy_zero.NANOGPT_BF16_CASES), to fp32's round-off, its tie kept,
+    with the same losses (and clip norms). Both computed in bf16 and both ended far from one
+    process in fp32, so that neither can pass with its mixed precision off."""
+    folder, results = copies
+    peer = copy_zero.NANOGPT_BF16_CASES[case]
+    optim = case.split("-")[-1]
+    diff = max_parameter_diff(folder, case, optim, peer=peer)
+    assert diff < TOL[optim], f"{case}: max |Δparameter| {diff:.2e} against {peer}"
+    state = torch.load(folder / f"{case}.pt", weights_only=True)
+    assert state["transformer.wte.weight"].dtype == torch.float32  # the master, not the copy
+    assert torch.equal(state["transformer.wte.weight"], state["lm_head.weight"]), "tie broken"
+    assert results[case]["tied"]
+    bf16 = {"weight": "torch.bfloat16", "input": "torch.bfloat16"}
+    assert results[case]["compute_dtypes"] == results[peer]["compute_dtypes"] == bf16
+    assert results[case]["losses"] == pytest.approx(results[peer]["losses"], abs=1e-6)
+    assert len(results[case]["norms"]) == (nanogpt_model.STEPS if optim == "sgd" else 0)
+    assert results[case]["norms"] == pytest.approx(results[peer]["norms"], rel=1e-6)
+    fp32_diff = max_parameter_diff(folder, case, optim)
+    assert fp32_diff > 100 * TOL[optim], f"{case}: {fp32_diff:.2e} from fp32, as if it were fp32"
