@@ -301,6 +301,7 @@ def test_nodes_decide_on_the_data_together(tmp_path):
     )  # once, from node 1's local rank 0
 
 
+@pytest.mark.full  # two nodes' launches, 14 s: test_nodes_decide_on_the_data_together stays quick
 def test_on_a_shared_disk_rank_zero_alone_downloads(tmp_path):
     """Both nodes start in one directory (a shared file system) without MNIST. Rank 0 alone
     downloads (slowly, file by file, see FAKE_MNIST); the other node looks only once rank 0 is
@@ -326,6 +327,7 @@ def test_on_a_shared_disk_rank_zero_alone_downloads(tmp_path):
     assert (source / "downloads.log").read_text() == "rank 0\n"
 
 
+@pytest.mark.full  # two nodes' launches, 22 s: test_nodes_decide_on_the_data_together stays quick
 def test_an_error_found_on_one_node_is_said_on_that_node(tmp_path):
     """The --load file is missing on node 1 only (HIDE on its local rank 0, global rank 2). The
     error is found before any process group exists, so node 1 must say it itself: on its own,

@@ -25,7 +25,8 @@ def faulty(kind, rank=1, step=3):
     return {"PYTHONPATH": FAULTS, "FAULT": kind, "FAULT_RANK": str(rank), "FAULT_STEP": str(step)}
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
+# spawn (9 s) in the full tier: the quick suite keeps torchrun's
+@pytest.mark.parametrize("launcher", ["torchrun", pytest.param("spawn", marks=pytest.mark.full)])
 def test_a_rank_that_raises_ends_the_run_at_once_with_its_message_once(launcher):
     """The launcher takes the other rank down as soon as one dies: the run ends in the time a clean
     run takes, far inside --timeout 300 (which the survivor would otherwise sit out in its
@@ -44,6 +45,7 @@ def test_a_rank_that_raises_ends_the_run_at_once_with_its_message_once(launcher)
     assert elapsed < 60, f"took {elapsed:.0f}s to notice a dead rank (--timeout 300)"
 
 
+@pytest.mark.full  # sits out its --timeout 8 and the teardown: 15 s
 def test_a_hung_rank_fails_the_run_by_the_timeout():
     """Rank 1 sleeps forever inside step 3; rank 0 waits in the all-reduce until --timeout 8 and
     fails with the timeout, not earlier and not of something else."""
@@ -67,6 +69,7 @@ def worker_pids(parent, script):
     return [int(line.split()[0]) for line in out.splitlines() if script in line]
 
 
+@pytest.mark.full  # a restart and two uninterrupted runs to compare: 20 s
 def test_sigkilled_worker_is_restarted_and_resumes_from_the_snapshot(tmp_path):
     """torchrun --max-restarts: SIGKILL one worker mid-epoch; the restarted group resumes from
     the last snapshot and ends with the parameters of an uninterrupted run."""
@@ -167,6 +170,7 @@ common.save_checkpoint({{"w": torch.randn(4_000_000), "boom": Boom()}}, {str(pat
     assert torch.equal(torch.load(path, weights_only=True)["w"], old["w"])  # the old file, whole
 
 
+@pytest.mark.full  # two nodes' torchrun agents: 16 s (tests/test_common.py keeps a two-node test)
 def test_two_nodes_on_one_machine_equal_one_node(tmp_path):
     """Two torchrun agents as two 'nodes' (2 processes each, c10d rendezvous) = 4 processes on
     one."""
