@@ -1293,6 +1293,7 @@ def formula(psi, world, args, dtype=torch.float32, tied=0, backwards=1, largest_
     working = torch.bfloat16 if args.mixed_precision else dtype
     copy_numel = psi // world if args.stage == 3 else psi  # the bf16 copy's: its shard at stage 3
     cpu_note = " (CPU)" if cpu else ""
+    param_layout = f"{param_b}Ψ'/W sharded" if params_sharded else f"{param_b}Ψ' replicated"
     state_note = " in files" if disk else cpu_note
     return dict(
         param_bytes=param_b * psi // world if params_sharded else param_b * psi,
@@ -1305,7 +1306,7 @@ def formula(psi, world, args, dtype=torch.float32, tied=0, backwards=1, largest_
             all_gather=working.itemsize * gathered,
         ),
         notes=dict(
-            param_bytes=(f"{param_b}Ψ'/W sharded" if params_sharded else f"{param_b}Ψ' replicated")
+            param_bytes=param_layout
             + cpu_note
             + (
                 "; the bf16 copy forward reads, the fp32 master in the files"

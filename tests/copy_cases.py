@@ -53,6 +53,7 @@ MODULES = [  # tests/copy_<name>.py
     "context_parallel",
     "expert_parallel",
     "pipeline",
+    "mixed_precision",  # nanoGPT cases only
 ]
 
 
@@ -61,10 +62,19 @@ def main():
     nanogpt = "--nanogpt" in sys.argv[2:]
     llama = "--llama" in sys.argv[2:]
     modules = [name for name in sys.argv[2:] if not name.startswith("--")] or MODULES
+    groups = "--groups" in sys.argv[2:]
+    # the modules with cases for this run (copy_mixed_precision has nanoGPT's only)
     if llama:
-        modules = [name for name in modules if hasattr(copy_module(name), "llama_cases")]
+        runner = "llama_cases"
+    elif nanogpt:
+        runner = "nanogpt_cases"
+    elif groups:
+        runner = "group_cases"
+    else:
+        runner = "cases"
+    modules = [name for name in modules if hasattr(copy_module(name), runner)]
     dist.init_process_group("gloo")
-    if "--groups" in sys.argv[2:]:
+    if groups:
         run_on_groups(folder, modules)
         return
     rank = dist.get_rank()

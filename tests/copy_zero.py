@@ -11,7 +11,6 @@ import nanogpt_model
 import torch
 import torch.distributed as dist
 from causal_lm import ACCUMULATE, OPTIMS, CausalLM, make_optimizer, param_groups, train
-from copy_fsdp import run_nanogpt_fsdp
 from torch.nn.utils import clip_grad_norm_
 
 import ddp
@@ -157,19 +156,6 @@ def group_cases(batches, group, folder):
 # above tell it none, so that stage 1 reduce-scatters every backward there), clipping before
 # every step.
 
-# Mixed precision (the sections' mixed_precision=True: bf16 compute from fp32 master shards, fp32
-# reduce-scatters, the fp32 step) on nanoGPT. No process in fp32 rounds as they do, so each case
-# is checked against its peer, fsdp.py's MixedPrecisionPolicy on the same recipe (the same math),
-# run in the launch. With AdamW the recipe does not clip (nanoGPT's grad_clip = 0.0): the two sum
-# the norm's squares in different orders, so a master may end an fp32 ulp apart, its bf16 copy
-# then one of bf16's (2^-8 relative), and AdamW carries that on (5e-4 apart after 4 steps, where
-# without the clip they end equal); with SGD it clips, as in every other case.
-NANOGPT_BF16_CASES = {  # case: its peer
-    "zero1-bf16-adamw": "fsdp-bf16-adamw",
-    "zero3-bf16-adamw": "fsdp-bf16-adamw",
-    "zero_offload-disk2-bf16-sgd": "fsdp-bf16-sgd",
-}
-
 NANOGPT_CASES = [
     "ddp-sgd",
     "ddp-adamw",
@@ -248,26 +234,6 @@ def nanogpt_cases(rank, world, folder):
             zero_args = dict(stage=stage, offload=offload, directory=directory)
             case = run_nanogpt_zero(zero_offload, optim, rank, world, **zero_args)
             yield f"zero_offload-{offload}{stage}-{optim}", optim, *case
-    # mixed precision: the peers first, then each case that must end where its peer ends
-    for optim in OPTIMS:
-        clips = optim == "sgd"
-        peer = run_nanogpt_fsdp(optim, rank, world, mixed_precision=True, clips=clips)
-        yield f"fsdp-bf16-{optim}", optim, *peer
-    directory = folder / "nanogpt-zero_offload-disk-bf16-files"
-    directory.mkdir(exist_ok=True)
-    sections = {
-        "zero1-bf16-adamw": (zero, dict(stage=1, gradient_accumulation_steps=accumulate)),
-        "zero3-bf16-adamw": (zero, dict(stage=3)),
-        "zero_offload-disk2-bf16-sgd": (
-            zero_offload,
-            dict(stage=2, offload="disk", directory=directory),
-        ),
-    }
-    for case, (script, zero_args) in sections.items():
-        optim = case.split("-")[-1]
-        zero_args.update(mixed_precision=True, clips=optim == "sgd")
-        run = run_nanogpt_zero(script, optim, rank, world, **zero_args)
-        yield case, NANOGPT_BF16_CASES[case], *run
 
 
 # The models as torchtitan's Llama 3 (tests/llama_model.py) and HuggingFace's GPT2LMHeadModel

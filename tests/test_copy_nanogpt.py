@@ -15,6 +15,7 @@ import json
 import math
 
 import copy_context_parallel
+import copy_mixed_precision
 import copy_pipeline
 import copy_tensor_parallel
 import copy_zero
@@ -33,6 +34,7 @@ MODULES = [
     "pipeline",
     "context_parallel",
     "tensor_parallel",
+    "mixed_precision",
 ]
 CASES = [
     (module, case)
@@ -211,16 +213,18 @@ def test_zero_sharded_the_units(copies, module, case):
     assert proof["whole_units"] == (0 if "3-" in case else len(units))
 
 
-@pytest.mark.parametrize("module, case", [("zero", c) for c in copy_zero.NANOGPT_BF16_CASES])
+@pytest.mark.parametrize(
+    "module, case", [("mixed_precision", c) for c in copy_mixed_precision.NANOGPT_BF16_CASES]
+)
 def test_zero_mixed_precision_equals_fsdp_mixed_precision(copies, module, case):
     """zero.py's and zero_offload.py's mixed precision on nanoGPT (bf16 compute from the fp32
     master shards, fp32 reduce-scatters, the fp32 step; stage 1 told the accumulation, the disk
     case's masters in its files) ends where fsdp.py's MixedPrecisionPolicy ends on the same
-    recipe (AdamW unclipped: see copy_zero.NANOGPT_BF16_CASES), to fp32's round-off, its tie kept,
+    recipe (AdamW unclipped: see tests/copy_mixed_precision.py), to fp32's round-off, its tie kept,
     with the same losses (and clip norms). Both computed in bf16 and both ended far from one
     process in fp32, so that neither can pass with its mixed precision off."""
     folder, results = copies
-    peer = copy_zero.NANOGPT_BF16_CASES[case]
+    peer = copy_mixed_precision.NANOGPT_BF16_CASES[case]
     optim = case.split("-")[-1]
     diff = max_parameter_diff(folder, case, optim, peer=peer)
     assert diff < TOL[optim], f"{case}: max |Δparameter| {diff:.2e} against {peer}"

@@ -198,6 +198,14 @@ MUTANTS = {
         "ZeRO --mixed-precision reduce-scatters its gradients in bf16",
         "test_zero.py::test_mixed_precision_dtypes[1]",
     ),
+    "offload-bf16-refreshed-twice": (
+        "ZeRO-Offload --mixed-precision copies the stepped master into the bf16 shard twice a step",
+        "test_zero_offload.py::test_offload_cpu_copies_run_on_a_side_stream[3-True]",
+    ),
+    "offload-disk-bf16-master": (
+        "ZeRO-Infinity --mixed-precision keeps the masters in its files at bf16's precision",
+        "test_zero_offload.py::test_offload_mixed_precision_equals_zero_mixed_precision[1-disk]",
+    ),
     "zero-world-group": (
         "ZeRO reduce-scatters over the world, not its data-parallel group",
         "test_groups.py::test_section_on_a_group_equals_one_process[group-zero1-sgd]",

@@ -853,5 +853,25 @@ if os.environ.get("MUTANT"):
             deepspeed_zero.full_state_dict = full_state_dict_by_name
 
         _after_import["deepspeed_zero"] = _parameters_by_name
+    elif _mutant == "offload-bf16-refreshed-twice":  # the bf16 shard written on the compute stream
+
+        def _refreshed_again(zero_offload):
+            # the mixed-precision part's refresh after the copy stream's: the master copied twice
+            parent = zero_offload.MixedPrecision
+            zero_offload.ZeROOffload.refresh_working_copy = parent.refresh_working_copy
+
+        _after_import["zero_offload"] = _refreshed_again
+    elif _mutant == "offload-disk-bf16-master":  # the files' masters rounded to bf16 each write
+
+        def _rounded_files(zero_offload):
+            save = zero_offload.save_atomically
+
+            def save_rounded(state, path):
+                state["master"] = state["master"].bfloat16().float()  # small updates lost
+                save(state, path)
+
+            zero_offload.save_atomically = save_rounded
+
+        _after_import["zero_offload"] = _rounded_files
     else:
         raise SystemExit(f"tests/faults: unknown MUTANT={_mutant}")
