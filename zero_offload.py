@@ -1081,16 +1081,17 @@ class ZeROOffload(Engine):
     @torch.no_grad()
     def gather_parameters(self):
         """--offload disk under mixed precision: the fp32 masters, which the mixed-precision part
-        gathers, are in the files. Read back onto the device for the gather, they take 4Ψ'/W
-        there, what the gradient shards took in training."""
+        gathers, are in the files (once hook_optimizer has written them). Read back onto the
+        device for the gather, they take 4Ψ'/W there, what the gradient shards took in training."""
         if not (self.offload == "disk" and self.mixed_precision):
             return super().gather_parameters()
-        for unit in self.on_disk():
+        in_files = [unit for unit in self.on_disk() if unit.master is None]
+        for unit in in_files:
             unit.master = torch.load(unit.path, weights_only=True)["master"].to(self.device)
         try:
             return super().gather_parameters()
         finally:
-            for unit in self.on_disk():
+            for unit in in_files:
                 unit.master = None
 
     @torch.no_grad()

@@ -525,6 +525,42 @@ def test_stage1_accumulation_offloaded_equals_plain_torch(offload, told, world_o
         torch.testing.assert_close(state[key], tensor, rtol=0, atol=1e-6, msg=key)
 
 
+@pytest.mark.filterwarnings("ignore:.*is deprecated")
+def test_disk_mixed_precision_saves_the_fp32_masters(world_of_one, tmp_path):
+    """--offload disk --mixed-precision at W=1, stage 3, on nanoGPT: full_state_dict before
+    hook_optimizer (the fp32 masters still on the device, no file written) is the model's own
+    state, and after a step (the masters in the files alone) it is the files' fp32 masters, whose
+    bf16 copy is what the device keeps."""
+    original = nanogpt_model.model().state_dict()
+    model = nanogpt_model.model()
+    model = zero_offload.parallelize(
+        model,
+        CPU,
+        3,
+        units=nanogpt_units(model),
+        offload="disk",
+        directory=tmp_path,
+        mixed_precision=True,
+    )
+    before = zero_offload.full_state_dict(model)
+    assert before.keys() == original.keys()
+    assert all(torch.equal(before[key], original[key]) for key in original)
+    optimizer = torch.optim.SGD(model.zero.param_groups, lr=0.1)
+    zero_offload.hook_optimizer(model, optimizer)
+    x, y = nanogpt_model.batches(1)[0][0]
+    model(x, y)[1].backward()
+    optimizer.step()
+    after = zero_offload.full_state_dict(model)
+    engine = model.zero
+    first = engine.units[0]  # wte's unit, its weight first in the file's master
+    master = torch.load(first.path, weights_only=True)["master"]
+    wte = after["transformer.wte.weight"].flatten()
+    assert wte.dtype == torch.float32 and torch.equal(wte, master[: wte.numel()])
+    assert not torch.equal(wte, wte.bfloat16().float())  # not a bf16 value widened
+    assert torch.equal(first.shard[: wte.numel()], master[: wte.numel()].bfloat16())
+    assert all(unit.master is None for unit in engine.on_disk())  # read back, dropped again
+
+
 @pytest.mark.parametrize(
     "stage, offload, dtype, mixed_precision",
     [
