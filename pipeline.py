@@ -519,10 +519,20 @@ def formula(psi, world, args, rank=0):
     optim_per_param = 8 if args.optim == "adamw" else 4
     m = args.microbatches
     tokens = (common.IMAGE // args.patch) ** 2
-    between = 0 < rank < world - 1  # a neighbour on each side: activations and gradients each way
-    # m messages of B/m·T·D fp32 each way (4·B·T·D bytes), twice between; none at W = 1
-    bytes_each_way = 4 * args.batch_size * tokens * args.dim * (2 if between else 1)
-    bytes_each_way = bytes_each_way if world > 1 else 0
+    # Each way, m messages of B/m·T·D fp32 (4·B·T·D bytes) of each kind crossing it: the first
+    # stage sends activations and receives gradients, the last the reverse, a stage between the
+    # ends both kinds each way (a neighbour on each side); none at W = 1.
+    between = 0 < rank < world - 1
+    kinds = 2 if between else 1
+    bytes_each_way = 4 * args.batch_size * tokens * args.dim * kinds if world > 1 else 0
+    activations = "m activations of B/m·T·D fp32"
+    gradients = "m gradients of B/m·T·D fp32"
+    if between:
+        sent = received = "m activations and m gradients of B/m·T·D fp32"
+    elif rank == 0:
+        sent, received = activations, gradients
+    else:
+        sent, received = gradients, activations
     if args.schedule == "naive":
         bubble = (world - 1) / world
         bubble_text = "(p-1)/p"
@@ -545,12 +555,8 @@ def formula(psi, world, args, rank=0):
             param_bytes="4Ψ_s: this stage's",
             grad_bytes="4Ψ_s",
             optim_bytes=f"{optim_per_param}Ψ_s",
-            send="m activations and m gradients of B/m·T·D fp32"
-            if between
-            else f"m {'gradients' if rank else 'activations'} of B/m·T·D fp32",
-            recv="m activations and m gradients of B/m·T·D fp32"
-            if between
-            else f"m {'activations' if rank else 'gradients'} of B/m·T·D fp32",
+            send=sent,
+            recv=received,
             bubble=bubble_text,
         ),
     )

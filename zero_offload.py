@@ -990,7 +990,8 @@ class ZeROOffload(Engine):
 
     def make_unit(self, model, module, name):
         """--offload cpu: the unit's master moved to the CPU, its pieces the optimizer's (and the
-        module's, as ZeRO then lists them)."""
+        module's, as ZeRO then lists them), and under mixed precision a CPU buffer for its bf16
+        rounding. --offload disk under mixed precision: the pieces cut from the bf16 shard."""
         unit = super().make_unit(model, module, name)
         pin_memory = self.device.type == "cuda"
         if self.offload == "cpu":
@@ -1283,8 +1284,9 @@ def formula(psi, world, args, dtype=torch.float32, tied=0, backwards=1, largest_
     cpu = args.offload == "cpu"
     disk = args.offload == "disk"
     params_sharded = args.stage == 3 or cpu
-    # --mixed-precision --offload disk: the parameters the Meter reads are the bf16 copy
-    param_b = 2 if args.mixed_precision and disk else b
+    # --mixed-precision --offload disk: the parameters the Meter reads are the bf16 copy itself
+    bf16_parameters = args.mixed_precision and disk
+    param_b = 2 if bf16_parameters else b
     grads_sharded = args.stage >= 2 or cpu
     reductions = backwards if args.stage >= 2 else 1  # reduce-scatters of every unit a step
     # elements all-gathered a step: stage 3 gathers in every forward and backward
@@ -1311,7 +1313,7 @@ def formula(psi, world, args, dtype=torch.float32, tied=0, backwards=1, largest_
             + cpu_note
             + (
                 "; the bf16 copy forward reads, the fp32 master in the files"
-                if param_b != b
+                if bf16_parameters
                 else ""
             )
             + (

@@ -50,6 +50,8 @@ def nanogpt_cases(rank, world, folder):
     }
     for case, (script, zero_args) in sections.items():
         optim = case.split("-")[-1]
-        zero_args.update(mixed_precision=True, clips=optim == "sgd")
-        run = run_nanogpt_zero(script, optim, rank, world, **zero_args)
+        clips = optim == "sgd"  # AdamW unclipped: see the docstring
+        run = run_nanogpt_zero(
+            script, optim, rank, world, clips=clips, mixed_precision=True, **zero_args
+        )
         yield case, NANOGPT_BF16_CASES[case], *run

@@ -202,9 +202,9 @@ def run_nanogpt_zero(script, optim, rank, world, clips=True, **zero_args):
         return script.clip_grad_norm_(model, max_norm)
 
     compute_dtypes = nanogpt_model.record_compute_dtypes(model)
-    losses, norms = nanogpt_model.train(
-        model, optimizer, nanogpt_model.batches(), rank, world, clip=clip if clips else None
-    )
+    batches = nanogpt_model.batches()
+    recipe_clip = clip if clips else None
+    losses, norms = nanogpt_model.train(model, optimizer, batches, rank, world, clip=recipe_clip)
     tied = model.lm_head.weight is model.transformer.wte.weight
     # the split: this rank holds 1/W of each unit (padded), and lm_head nothing of its own
     held = sum(param.numel() for param in model.parameters())

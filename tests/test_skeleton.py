@@ -63,8 +63,8 @@ MAX_DIFF = {
     # --mixed-precision with --offload cpu (issue 43 item 4); issue 44: + its buffers on meta
     # under --simulate, stage 1's held sums reduced before its step, its formula's offload rows;
     # issue 43 (this stop): + --mixed-precision with --offload disk, the master rounded on the CPU
-    # (+54, as against zero.py below)
-    "zero_offload.py": 1542,
+    # (+56, as against zero.py below)
+    "zero_offload.py": 1544,
     # core first: 574 + the paper's sketch of the MLP split, the part headers, the dropout refusal
     # issue 34: + the tensor-parallel `group` (Functions taking it, operators() binding it,
     # split_tokens alone)
@@ -85,8 +85,9 @@ MAX_DIFF = {
     # issue 44: + --simulate (evaluation and save under `if not args.simulate`, +19; each stage's
     # order run in the one process, every_stage_order, +27; its launch command, +1)
     # + formula() the reporting stage's (--simulate-rank): a stage between the ends sends and
-    # receives activations and gradients both (+13)
-    "pipeline.py": 660,
+    # receives activations and gradients both (+13); in review, its notes an if/elif per stage
+    # instead of a nested conditional expression (+2)
+    "pipeline.py": 662,
     "dp.py": 342,
     # core first: 660 + the ring's messages by name, causal and zig-zag out of RingAttention into
     # helpers of their own, Ulysses in its own part, the part headers
@@ -153,7 +154,9 @@ VARIANTS = {
         # issue 42: the subclasses' chunked forwards and signatures (num_chunks); the core's
         # schedule is 1f1b alone, interleaved and zb-h1 each wrap it from their part (+21)
         # issue 44: every_stage_order's chunks and zb-h1's W recorded, the launch command (+7)
-        465,  # issue 44: + formula() the reporting stage's (2V messages between the ends)
+        # issue 44: + formula() the reporting stage's (2V messages between the ends); pipeline.py's
+        # formula notes an if/elif per stage, which this formula's count replaces (+6)
+        471,
         ("def p2p(", "def full_state_dict(", "def train(", "def evaluate(", "def setup("),
     ),
     "pipeline_pipedream.py": (
@@ -163,7 +166,9 @@ VARIANTS = {
         # issue 42: the refusal a wrapper of parallelize
         # issue 44: --simulate as pipeline.py's, but each stage over two batches with its own
         # optimizer, stepped every micro-batch (+12)
-        364,  # + pipeline.py's formula() taking the reporting stage, which this one does not
+        # + pipeline.py's formula() taking the reporting stage, which this one does not (+6 when
+        # its notes became an if/elif per stage)
+        370,
         ("def p2p(", "def infer(", "def full_state_dict(", "def evaluate(", "def setup("),
     ),
     "zero_offload.py": (
@@ -179,8 +184,9 @@ VARIANTS = {
         # --mixed-precision with --offload disk (the fp32 master written to the files and dropped
         # from the device, the optimizer's pieces cut from the bf16 shard, the save reading the
         # masters back, its formula's bf16 parameters, the refusal gone: +40), the stepped
-        # master rounded to bf16 on the CPU and copied to the device once a step, not twice (+15)
-        474,
+        # master rounded to bf16 on the CPU and copied to the device once a step, not twice (+15;
+        # +2 in review: make_unit's docstring says what mixed precision adds, a named condition)
+        476,
         ("class Unit", "def full_state_dict(", "def train(", "def evaluate(", "def setup("),
     ),
     "tensor_parallel_zero_r.py": (

@@ -417,7 +417,8 @@ def mixed_launched(request, tmp_path_factory):
     with SGD on CFG, in ONE launch; each run saves to out.pt in its directory, --offload disk
     keeps its unit files there."""
     chosen = selected(request, ["test_offload_mixed_precision_equals_zero_mixed_precision"])
-    cases = [case for case in MIXED_GRID if case in {(p["stage"], p["offload"]) for _, p in chosen}]
+    wanted = {(params["stage"], params["offload"]) for _, params in chosen}
+    cases = [case for case in MIXED_GRID if case in wanted]
     stages = sorted({stage for stage, _ in cases})
     runs = [("zero", stage, "none") for stage in stages]
     runs += [("zero_offload", stage, offload) for stage, offload in cases]
